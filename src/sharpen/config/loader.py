@@ -1,0 +1,123 @@
+"""Load a recipe: TOML file + dotted command-line overrides -> validated `SharpenConfig`.
+
+Errors are raised as `ConfigError` with one line per problem, each naming the dotted key, so the CLI can print
+them without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from sharpen.config.schema import SharpenConfig
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot become a valid config; the message is meant for the user."""
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"trainer.learning_rate=1e-5"`` -> (["trainer", "learning_rate"], 1e-5). Values are read as TOML, else str."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. trainer.learning_rate=1e-5")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _known_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
+    """Field names of the section at ``loc`` (best effort, for 'did you mean' hints)."""
+    current: Any = model
+    for part in loc[:-1]:
+        fields = getattr(current, "model_fields", None)
+        if fields is None or part not in fields:
+            return []
+        annotation = fields[part].annotation
+        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        if current is None:
+            return []
+    return list(getattr(current, "model_fields", {}))
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        loc = tuple(part for part in item["loc"] if not (isinstance(part, str) and part in _UNION_TAGS))
+        key = ".".join(str(part) for part in loc) or "<config>"
+        if item["type"] == "extra_forbidden":
+            hint = difflib.get_close_matches(str(loc[-1]), _known_keys(SharpenConfig, loc), n=1)
+            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            lines.append(f"{key}: unknown key{suggestion}")
+        elif item["type"] == "value_error":
+            lines.append(f"{key}: {item['msg'].removeprefix('Value error, ')}" if loc else item["msg"][13:])
+        else:
+            lines.append(f"{key}: {item['msg']} (got {json.dumps(item.get('input'), default=str)})")
+    return "\n".join(lines)
+
+
+_UNION_TAGS = {"reasoning_gym", "jsonl", "vllm", "hf", "scripted"}
+
+
+def fill_default_types(data: dict[str, Any], model: type[BaseModel] = SharpenConfig) -> dict[str, Any]:
+    """A section chosen by a ``type`` discriminator that leaves ``type`` out means its default implementation
+    (``data.task=chain_sum`` tunes the default reasoning-gym source); pydantic would reject it as 'unable to
+    extract tag'."""
+    for name, field in model.model_fields.items():
+        if not isinstance(data.get(name), dict):
+            continue
+        section: dict[str, Any] = data[name]
+        if field.discriminator == "type":
+            section.setdefault("type", field.get_default(call_default_factory=True).type)
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            fill_default_types(section, field.annotation)
+    return data
+
+
+def build_config(data: dict[str, Any]) -> SharpenConfig:
+    data = fill_default_types(data)
+    try:
+        return SharpenConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> SharpenConfig:
+    """Read a TOML recipe (or start from the defaults when ``path`` is None) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        recipe = Path(path)
+        if not recipe.is_file():
+            raise ConfigError(f"recipe {str(recipe)!r} does not exist")
+        try:
+            data = tomllib.loads(recipe.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"recipe {str(recipe)!r} is not valid TOML: {error}") from None
+    return build_config(apply_overrides(data, overrides or []))
+
+
+def dump_config(config: SharpenConfig) -> str:
+    """The resolved config as TOML (what a run directory keeps)."""
+    import tomli_w
+
+    return tomli_w.dumps(config.model_dump(mode="json", exclude_none=True))

@@ -1,0 +1,194 @@
+"""Typed configuration: the one source of truth for every knob in a run.
+
+Pydantic models only: no torch, vllm or ray imports, so that the CLI can validate a recipe in milliseconds.
+Every model forbids unknown keys, and a field's docstring is its help text. Implementations (data sources,
+engines) are chosen by a ``type`` discriminator.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = "run"
+    """Name of the run; its directory is ``output_dir/name``."""
+    output_dir: str = "runs"
+    """Parent folder of run directories."""
+    seed: int = 0
+    """Seed for data order, sampling and model initialisation of anything random."""
+    num_steps: int = Field(default=20, ge=1)
+    """Number of trainer steps (one batch of rollouts each)."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a resumable checkpoint every N steps (0: only at the end)."""
+    export_model: bool = True
+    """Write the final policy as a HF folder (``run_dir/model``) that transformers and vLLM load."""
+
+
+class ModelConfig(Section):
+    path: str = "smollm2-135m-instruct"
+    """A model name known to ``sharpen models`` (pull it first: ``sharpen models pull NAME``) or a local HF
+    causal-LM folder."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trainer's master weights and of the engine."""
+
+
+class ReasoningGymDataConfig(Section):
+    type: Literal["reasoning_gym"] = "reasoning_gym"
+    task: str = "basic_arithmetic"
+    """Name of a reasoning-gym dataset."""
+    task_config: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the reasoning-gym dataset (e.g. ``{min_terms = 2, max_terms = 2}``)."""
+    size: int = Field(default=1000, ge=1)
+    """Number of procedurally generated examples."""
+    system_prompt: str | None = None
+    """System prompt prepended to every example (None: the default answer-format instruction)."""
+
+
+class JsonlDataConfig(Section):
+    type: Literal["jsonl"] = "jsonl"
+    path: str
+    """A JSONL file, one example per line."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt: a string (one user message) or a list of {role, content} messages."""
+    answer_field: str = "answer"
+    """Field holding the reference answer."""
+    system_prompt: str | None = None
+    """System prompt prepended to every example (None: the default answer-format instruction)."""
+
+
+DataConfig = Annotated[ReasoningGymDataConfig | JsonlDataConfig, Field(discriminator="type")]
+
+
+class RewardConfig(Section):
+    answer_format: Literal["answer_tag", "last_line", "last_number"] = "answer_tag"
+    """Where the final answer is read from: ``<answer>...</answer>`` (the last such tag), the last non-empty line,
+    or the last number in the text."""
+    format_weight: float = Field(default=0.0, ge=0.0)
+    """Weight of the format component (the answer was found where it was asked for); 0 logs it only."""
+    correct_weight: float = Field(default=1.0, ge=0.0)
+    """Weight of the correctness component."""
+
+
+class VllmEngineConfig(Section):
+    type: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = Field(default=0.2, gt=0.0, le=1.0)
+    """Fraction of device memory vLLM may take (on the CPU: of its KV-cache budget)."""
+    max_model_len: int = Field(default=1024, ge=16)
+    """Longest prompt + completion the engine accepts."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (start-up is faster; required on the CPU build)."""
+
+
+class HfEngineConfig(Section):
+    type: Literal["hf"] = "hf"
+
+
+class ScriptedEngineConfig(Section):
+    type: Literal["scripted"] = "scripted"
+    completions: list[str] = Field(default_factory=lambda: ["<answer>0</answer>"])
+    """Texts returned in turn (for tests of everything but the engine)."""
+
+
+EngineConfig = Annotated[VllmEngineConfig | HfEngineConfig | ScriptedEngineConfig, Field(discriminator="type")]
+
+
+class RolloutConfig(Section):
+    engine: EngineConfig = Field(default_factory=VllmEngineConfig)
+    """The inference engine that generates rollouts."""
+    prompts_per_step: int = Field(default=8, ge=1)
+    """Examples per trainer step."""
+    num_samples_per_prompt: int = Field(default=4, ge=1)
+    """Rollouts per example (the GRPO group size)."""
+    max_new_tokens: int = Field(default=64, ge=1)
+    """Token limit of a completion."""
+    temperature: float = Field(default=1.0, gt=0.0)
+    """Sampling temperature; the trainer scales its logits by the same value so ratios stay on-policy."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling threshold (1: off). Below 1 the behaviour policy is truncated; the mismatch shows in metrics."""
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo"] = "grpo"
+    """Advantage estimator (more arrive with the algorithms issue)."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group's standard deviation (GRPO); False gives Dr.GRPO's centring only."""
+    clip_eps_low: float = Field(default=0.2, ge=0.0)
+    """PPO clip: the ratio is clipped below at 1 - clip_eps_low."""
+    clip_eps_high: float = Field(default=0.2, ge=0.0)
+    """PPO clip: the ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher when larger than low)."""
+    loss_aggregation: Literal["token_mean"] = "token_mean"
+    """How per-token losses become one number: the mean over all completion tokens of the whole step's batch."""
+
+
+class TrainerConfig(Section):
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    learning_rate: float = Field(default=1e-6, gt=0.0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = Field(default=1.0, gt=0.0)
+    """Clip the global gradient norm to this value."""
+    micro_batch_size: int = Field(default=8, ge=1)
+    """Rollouts per forward/backward pass; gradients accumulate over the step's micro-batches."""
+    bf16_autocast: bool = False
+    """Run forward/backward under bfloat16 autocast (master weights keep model.dtype)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
+    device: str = "auto"
+    """Torch device of the single-device backend ("auto": cuda if available, else cpu)."""
+    num_threads: int = Field(default=0, ge=0)
+    """torch intra-op threads on the CPU (0: leave torch's default)."""
+
+
+class WeightSyncConfig(Section):
+    verify: bool = True
+    """After every sync, compare the engine's logprobs on a fixed probe with the trainer's; fail on a mismatch."""
+    tolerance: float = Field(default=1e-3, gt=0.0)
+    """Largest allowed mean absolute difference (nats per token) between engine and trainer probe logprobs. Both in
+    float32 agree to ~1e-5 (SmolLM2, vLLM CPU); raise it when the trainer runs under bf16 autocast."""
+    probe_text: str = "The quick brown fox jumps over the lazy dog. 12 + 7 = 19."
+    """Text whose token logprobs the engine and trainer both compute."""
+
+
+class MonitoringConfig(Section):
+    progress: bool = True
+    """Show a live progress bar with the reward."""
+    tensorboard: bool = True
+    """Write TensorBoard event files into ``run_dir/tensorboard``."""
+    num_recorded_rollouts: int = Field(default=4, ge=0)
+    """Rollouts per step written to ``run_dir/rollouts.jsonl``."""
+
+
+class SharpenConfig(Section):
+    """A whole run."""
+
+    run: RunConfig = Field(default_factory=RunConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=ReasoningGymDataConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
+
+    @model_validator(mode="after")
+    def _check_batch_hierarchy(self) -> SharpenConfig:
+        num_rollouts = self.rollout.prompts_per_step * self.rollout.num_samples_per_prompt
+        if num_rollouts % self.trainer.micro_batch_size != 0:
+            raise ValueError(
+                f"trainer.micro_batch_size = {self.trainer.micro_batch_size} does not divide the rollouts per step "
+                f"(rollout.prompts_per_step {self.rollout.prompts_per_step} x rollout.num_samples_per_prompt "
+                f"{self.rollout.num_samples_per_prompt} = {num_rollouts})"
+            )
+        return self
+
+    @property
+    def num_rollouts_per_step(self) -> int:
+        return self.rollout.prompts_per_step * self.rollout.num_samples_per_prompt

@@ -1,0 +1,210 @@
+"""Data sources: turn a data config into a list of `Example`s (reasoning-gym tasks or a JSONL file).
+
+This module owns reading and validating task data and building each example's prompt (with the system prompt).
+It does not order or batch examples (`sampler.py`), tokenize them (`chat.py`) or score answers (`sharpen.rewards`);
+it only puts into `Example.metadata` what a reward function needs to score from the example alone.
+Every problem with the user's data is a `DataError` with one line naming where the problem is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sharpen.config.schema import JsonlDataConfig, ReasoningGymDataConfig
+from sharpen.types import Example, Message
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Think briefly, then give the final answer inside <answer></answer> tags, for example <answer>42</answer>."
+)
+"""System prompt used when the data config leaves ``system_prompt`` unset: the ``answer_tag`` answer format."""
+
+_ROLES = ("system", "user", "assistant", "tool")
+
+
+class DataError(ValueError):
+    """A problem with the user's data or data config; the message is one line that says where and what."""
+
+
+def load_examples(config: ReasoningGymDataConfig | JsonlDataConfig, *, seed: int) -> list[Example]:
+    """All examples of a data source, in source order (the sampler shuffles). The same seed gives the same list."""
+    if isinstance(config, ReasoningGymDataConfig):
+        return _load_reasoning_gym(config, seed=seed)
+    return _load_jsonl(config)
+
+
+def _with_system_prompt(system_prompt: str | None, messages: list[Message]) -> tuple[Message, ...]:
+    """Prepend the system prompt (None: the default; "": none), unless the messages bring their own."""
+    text = DEFAULT_SYSTEM_PROMPT if system_prompt is None else system_prompt
+    if not text or (messages and messages[0].role == "system"):
+        return tuple(messages)
+    return (Message(role="system", content=text), *messages)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# --- reasoning-gym -------------------------------------------------------------------------------------------
+
+
+def _load_reasoning_gym(config: ReasoningGymDataConfig, *, seed: int) -> list[Example]:
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS  # the registry; reasoning_gym exports no function that lists it
+
+    task = config.task
+    if task not in DATASETS:
+        close = difflib.get_close_matches(task, DATASETS, n=3, cutoff=0.6)
+        hint = (
+            f"did you mean {', '.join(close)}?"
+            if close
+            else f"{len(DATASETS)} known, e.g. {', '.join(sorted(DATASETS)[:6])}"
+        )
+        raise DataError(f"data.task: unknown reasoning-gym task {task!r} ({hint})")
+    accepted = [f.name for f in dataclasses.fields(DATASETS[task][1]) if f.name not in ("seed", "size")]
+    for key in config.task_config:
+        if key in ("seed", "size"):
+            raise DataError(f"data.task_config: {key!r} is set by {'run.seed' if key == 'seed' else 'data.size'}")
+        if key not in accepted:
+            raise DataError(
+                f"data.task_config: reasoning-gym task {task!r} has no option {key!r} (options: {', '.join(accepted)})"
+            )
+
+    dataset_kwargs = {**config.task_config, "seed": seed, "size": config.size}
+    try:
+        dataset = reasoning_gym.create_dataset(task, **dataset_kwargs)
+        entries = [dataset[index] for index in range(config.size)]
+    except Exception as exc:  # reasoning-gym validates with asserts and fails inside generation: report it as config
+        raise DataError(
+            f"data.task_config: reasoning-gym task {task!r} failed with {config.task_config}: {_one_line(exc)}"
+        ) from exc
+    safe_entries = [to_json_safe(entry) for entry in entries]
+    _check_scorable_from_json(dataset, entries, safe_entries, task=task)
+
+    examples = []
+    for index, (entry, safe_entry) in enumerate(zip(entries, safe_entries, strict=True)):
+        metadata = {
+            "source": "reasoning_gym",
+            "task": task,
+            "dataset_kwargs": to_json_safe(dataset_kwargs),
+            "entry": safe_entry,
+        }
+        question = Message(role="user", content=str(entry["question"]))
+        examples.append(
+            Example(
+                task_key=f"{task}/{index}",
+                prompt=_with_system_prompt(config.system_prompt, [question]),
+                # Some tasks (e.g. graph_color) have no single oracle answer; their scorer checks the metadata.
+                answer=None if entry["answer"] is None else str(entry["answer"]),
+                metadata=metadata,
+            )
+        )
+    return examples
+
+
+def _check_scorable_from_json(dataset: Any, entries: list[dict], safe_entries: list[dict], *, task: str) -> None:
+    """Rewards score from the JSON copy of an entry (it crosses processes and run files); refuse tasks whose
+    scorer needs the original Python objects (e.g. arc_agi compares tuples of tuples, which JSON makes lists)."""
+    for entry, safe_entry in zip(entries, safe_entries, strict=True):
+        if isinstance(entry["answer"], str):
+            if dataset.score_answer(entry["answer"], safe_entry) != dataset.score_answer(entry["answer"], entry):
+                raise DataError(
+                    f"data.task: reasoning-gym task {task!r} cannot be scored from a JSON copy of its entries"
+                )
+            return
+
+
+def to_json_safe(value: Any) -> Any:
+    """A copy of ``value`` made of dict/list/str/int/float/bool/None that survives a JSON round trip unchanged:
+    tuples become lists, sets sorted lists, dict keys strings, numpy scalars Python numbers, anything else str."""
+    if value is None or isinstance(value, str | bool | int | float):
+        return value
+    if isinstance(value, dict):
+        return {str(key): to_json_safe(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json_safe(item) for item in value]
+    if isinstance(value, set | frozenset):
+        return [to_json_safe(item) for item in sorted(value, key=repr)]
+    if isinstance(value, np.generic | np.ndarray):
+        return to_json_safe(value.tolist())
+    return str(value)
+
+
+# --- JSONL ---------------------------------------------------------------------------------------------------
+
+
+def _load_jsonl(config: JsonlDataConfig) -> list[Example]:
+    path = Path(config.path)
+    if not path.exists():
+        raise DataError(f"data.path: file not found: {path}")
+    if not path.is_file():
+        raise DataError(f"data.path: not a file: {path}")
+
+    examples = []
+    for line_index, raw_line in enumerate(path.read_bytes().splitlines()):
+        where = f"{path}:{line_index + 1}"
+        try:
+            line = raw_line.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{where}: not UTF-8 text ({_one_line(exc)})") from exc
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        if not isinstance(record, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+        examples.append(_example_from_record(record, config, task_key=f"{path.stem}/{line_index}", where=where))
+    if not examples:
+        raise DataError(f"{path}: empty file (no examples)")
+    return examples
+
+
+def _example_from_record(record: dict[str, Any], config: JsonlDataConfig, *, task_key: str, where: str) -> Example:
+    for field, config_key in ((config.prompt_field, "prompt_field"), (config.answer_field, "answer_field")):
+        if field not in record:
+            raise DataError(
+                f"{where}: missing field {field!r} (data.{config_key}); the object has: {', '.join(record) or 'none'}"
+            )
+    messages = _parse_prompt(record[config.prompt_field], where=f"{where}: field {config.prompt_field!r}")
+    answer = record[config.answer_field]
+    if not isinstance(answer, str | int | float):
+        raise DataError(f"{where}: field {config.answer_field!r} must be a string or a number, got {answer!r:.40}")
+    metadata = {key: value for key, value in record.items() if key not in (config.prompt_field, config.answer_field)}
+    metadata["source"] = "jsonl"
+    return Example(
+        task_key=task_key,
+        prompt=_with_system_prompt(config.system_prompt, messages),
+        answer=str(answer),
+        metadata=metadata,
+    )
+
+
+def _parse_prompt(prompt: Any, *, where: str) -> list[Message]:
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise DataError(f"{where}: empty prompt")
+        return [Message(role="user", content=prompt)]
+    if not isinstance(prompt, list) or not prompt:
+        raise DataError(f"{where}: must be a string or a non-empty list of {{role, content}} messages")
+    messages = []
+    for number, message in enumerate(prompt):
+        if (
+            not isinstance(message, dict)
+            or set(message) != {"role", "content"}
+            or message["role"] not in _ROLES
+            or not isinstance(message["content"], str)
+        ):
+            raise DataError(
+                f"{where}: message {number} must be {{role, content}} with role one of {', '.join(_ROLES)} "
+                f"and string content, got {json.dumps(message)[:60]}"
+            )
+        messages.append(Message(role=message["role"], content=message["content"]))
+    return messages

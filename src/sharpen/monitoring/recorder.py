@@ -1,0 +1,75 @@
+"""The rollout recorder: a few whole rollouts per step, written as JSON lines, to read what the policy actually did.
+
+Owns the on-disk record of a rollout (prompt, completion text and tokens, logprobs, policy versions, reward,
+advantage). Does not choose what is trained on or compute anything; it reads `Rollout`s after they are scored.
+Which rollouts are kept is deterministic: the first ``num_per_step`` of the step's list, in order, so a group's
+samples appear side by side (with their advantages) and a rerun with the same seed records the same rollouts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sharpen.monitoring.sinks import truncate_jsonl_after
+from sharpen.types import Rollout
+
+ROLLOUTS_FILE_NAME = "rollouts.jsonl"
+
+
+def rollout_record(step: int, rollout: Rollout) -> dict[str, Any]:
+    """The JSON-serialisable record of one rollout of ``step``."""
+    reward = rollout.reward
+    return {
+        "step": step,
+        "task_key": rollout.example.task_key,
+        "task_hash": rollout.example.task_hash,
+        "sample_index": rollout.sample_index,
+        "prompt": [{"role": m.role, "content": m.content} for m in rollout.example.prompt],
+        "prompt_ids": list(rollout.prompt_ids),
+        "completion_text": rollout.completion_text,
+        "completion_ids": list(rollout.completion_ids),
+        "completion_logprobs": list(rollout.completion_logprobs),
+        "versions": list(rollout.versions),
+        "reward": None
+        if reward is None
+        else {
+            "score": reward.score,
+            "status": reward.status.value,
+            "components": dict(reward.components),
+            "verifier": reward.verifier,
+        },
+        "advantage": rollout.advantage,
+        "is_truncated": rollout.is_truncated,
+    }
+
+
+class RolloutRecorder:
+    """Appends up to ``num_per_step`` rollouts of each step to a JSONL file, flushed per call.
+
+    ``num_per_step = 0`` records nothing and creates no file. Like `JsonlSink`, an existing file is continued, and
+    ``resume_from_step`` drops what an interrupted run recorded after that step.
+    """
+
+    def __init__(self, path: Path, *, num_per_step: int, resume_from_step: int | None = None) -> None:
+        if num_per_step < 0:
+            raise ValueError(f"num_per_step must be >= 0, got {num_per_step}")
+        self.path = Path(path)
+        self.num_per_step = num_per_step
+        self._file = None
+        if num_per_step > 0:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            truncate_jsonl_after(self.path, resume_from_step)
+            self._file = self.path.open("a", encoding="utf-8")
+
+    def record(self, step: int, rollouts: list[Rollout]) -> None:
+        if self._file is None:
+            return
+        for rollout in rollouts[: self.num_per_step]:
+            self._file.write(json.dumps(rollout_record(step, rollout)) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()

@@ -1,0 +1,57 @@
+"""Resumable run state: the trainer's files plus the loop's own state (next step, data position, RNG states).
+
+A checkpoint folder is written under a temporary name and renamed when complete, so a crash mid-save never
+leaves a checkpoint that looks valid but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from sharpen.data import ExampleSampler
+    from sharpen.trainer import Trainer
+
+_PREFIX = "step_"
+
+
+def checkpoint_dir(run_dir: Path, next_step: int) -> Path:
+    return run_dir / "checkpoints" / f"{_PREFIX}{next_step:06d}"
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def save_checkpoint(run_dir: Path, *, next_step: int, trainer: Trainer, sampler: ExampleSampler) -> Path:
+    target = checkpoint_dir(run_dir, next_step)
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    trainer.save_checkpoint(staging)
+    state: dict[str, Any] = {"next_step": next_step, "sampler": sampler.state_dict()}
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, staging / "rng.pt")
+    (staging / "state.json").write_text(json.dumps(state, indent=2))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target
+
+
+def load_checkpoint(folder: Path, *, trainer: Trainer, sampler: ExampleSampler) -> int:
+    """Restore everything; returns the step to run next."""
+    state = json.loads((folder / "state.json").read_text())
+    trainer.load_checkpoint(folder)
+    sampler.load_state_dict(state["sampler"])
+    rng = torch.load(folder / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    return int(state["next_step"])

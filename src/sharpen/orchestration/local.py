@@ -1,0 +1,129 @@
+"""The embedded runtime: build every component in this process (the engine's own workers may be child
+processes), wire them into `Components`, and run the loop; handles the run directory, resume and export.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from sharpen.config import SharpenConfig, dump_config
+from sharpen.config.loader import ConfigError
+from sharpen.config.models import resolve_model_path
+from sharpen.data import ExampleSampler, load_examples
+from sharpen.monitoring import RolloutRecorder, build_sinks
+from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
+from sharpen.orchestration.loop import Components, run_loop
+from sharpen.orchestration.phases import WeightSync
+from sharpen.rewards import RewardFn, Rubric
+from sharpen.rollout.engines import InferenceEngine, build_engine
+from sharpen.trainer import SingleDeviceBackend, Trainer
+from sharpen.types import Example
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_run_dir(config: SharpenConfig, *, resume: bool) -> tuple[Path, Path | None]:
+    """The run directory, and the checkpoint to resume from (None for a fresh run)."""
+    run_dir = Path(config.run.output_dir) / config.run.name
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    if resume and checkpoint is None:
+        raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
+    if not resume and (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run directory {run_dir} already holds a run; pass --resume or choose another run.name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir, checkpoint
+
+
+def build_components(
+    config: SharpenConfig,
+    run_dir: Path,
+    *,
+    examples: list[Example],
+    resume_from_step: int | None,
+    reward_fn: RewardFn | None = None,
+    engine: InferenceEngine | None = None,
+) -> Components:
+    from transformers import AutoTokenizer
+
+    model_path = resolve_model_path(config.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    backend = SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
+    trainer = Trainer(
+        config.trainer, backend=backend, pad_token_id=pad_token_id, temperature=config.rollout.temperature
+    )
+    engine = engine or build_engine(
+        config.rollout.engine,
+        model_path=model_path,
+        dtype=config.model.dtype,
+        seed=config.run.seed,
+        device=str(backend.device),
+        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    return Components(
+        config=config,
+        run_dir=run_dir,
+        tokenizer=tokenizer,
+        engine=engine,
+        trainer=trainer,
+        sampler=ExampleSampler(examples, seed=config.run.seed),
+        rubric=reward_fn or Rubric(config.reward),
+        sink=build_sinks(config.monitoring, run_dir, num_steps=config.run.num_steps, resume_from_step=resume_from_step),
+        recorder=RolloutRecorder(
+            run_dir / "rollouts.jsonl",
+            num_per_step=config.monitoring.num_recorded_rollouts,
+            resume_from_step=resume_from_step,
+        ),
+        weight_sync=WeightSync(
+            probe_ids=tokenizer.encode(config.weight_sync.probe_text),
+            tolerance=config.weight_sync.tolerance,
+            verify=config.weight_sync.verify,
+        ),
+    )
+
+
+def run_local(
+    config: SharpenConfig,
+    *,
+    resume: bool = False,
+    reward_fn: RewardFn | None = None,
+    engine: InferenceEngine | None = None,
+) -> Path:
+    """Run (or resume) a recipe in this process; returns the run directory.
+
+    ``reward_fn`` replaces the configured rubric (any callable ``(example, completion) -> RewardResult``);
+    ``engine`` reuses an engine the caller owns (it is not closed here), e.g. one engine for a test session.
+    """
+    resolve_model_path(config.model.path)  # user errors first: before any folder or slow component exists
+    examples = load_examples(config.data, seed=config.run.seed)
+    run_dir, checkpoint = prepare_run_dir(config, resume=resume)
+    (run_dir / "config.toml").write_text(dump_config(config))
+    next_step = 0
+    if checkpoint is not None:
+        next_step = int(checkpoint.name.removeprefix("step_"))
+    c = build_components(
+        config,
+        run_dir,
+        examples=examples,
+        resume_from_step=next_step - 1 if checkpoint else None,
+        reward_fn=reward_fn,
+        engine=engine,
+    )
+    try:
+        if checkpoint is not None:
+            next_step = load_checkpoint(checkpoint, trainer=c.trainer, sampler=c.sampler)
+            logger.info("resuming %s at step %d", run_dir, next_step)
+        # The engine starts from the base model (or a caller's engine from anything): give it the trainer's
+        # weights and check them before the first rollout.
+        c.weight_sync(c.trainer, c.engine, version=next_step)
+        run_loop(c, start_step=next_step)
+        if config.run.export_model:
+            c.trainer.export(run_dir / "model")
+    finally:
+        c.sink.close()
+        c.recorder.close()
+        if engine is None:
+            c.engine.close()
+    return run_dir

@@ -1,0 +1,84 @@
+"""The RL loop, synchronous mode, top to bottom: sample -> generate -> score -> advantages -> train -> sync.
+
+Everything it touches arrives built and wired in `Components` (see `local.py`); the loop knows no process,
+device or engine type. Asynchronous mode (overlapped generation) will reuse these phases with a buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sharpen.config.schema import SharpenConfig
+from sharpen.data import ExampleSampler
+from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, peak_memory_metrics
+from sharpen.orchestration.checkpoint import save_checkpoint
+from sharpen.orchestration.phases import WeightSync, assign_advantages, reward_metrics, score_groups
+from sharpen.rewards import RewardFn
+from sharpen.rollout.engines import InferenceEngine
+from sharpen.rollout.episodes import generate_groups
+from sharpen.trainer import Trainer
+from sharpen.types import SamplingParams, TrainBatch
+
+
+@dataclass(kw_only=True)
+class Components:
+    config: SharpenConfig
+    run_dir: Path
+    tokenizer: Any
+    engine: InferenceEngine
+    trainer: Trainer
+    sampler: ExampleSampler
+    rubric: RewardFn
+    sink: MetricSink
+    recorder: RolloutRecorder
+    weight_sync: WeightSync
+
+
+def run_loop(c: Components, *, start_step: int = 0) -> None:
+    config = c.config
+    sampling = SamplingParams(
+        max_new_tokens=config.rollout.max_new_tokens,
+        temperature=config.rollout.temperature,
+        top_p=config.rollout.top_p,
+    )
+    timer = PhaseTimer()
+    for step in range(start_step, config.run.num_steps):
+        with timer.phase("generate"):
+            examples = c.sampler.next_batch(config.rollout.prompts_per_step)
+            groups = generate_groups(
+                c.engine,
+                examples,
+                tokenizer=c.tokenizer,
+                sampling=sampling,
+                num_samples=config.rollout.num_samples_per_prompt,
+                seed=f"{config.run.seed}/{step}",
+            )
+        with timer.phase("score"):
+            score_groups(c.rubric, groups)
+            assign_advantages(groups, config.trainer.algorithm)
+        rollouts = [r for g in groups for r in g.rollouts]
+        with timer.phase("train"):
+            train_metrics = c.trainer.step(TrainBatch(rollouts=rollouts, step=step))
+        with timer.phase("sync"):
+            sync_metrics = c.weight_sync(c.trainer, c.engine, version=step + 1)
+
+        times = timer.pop_metrics()
+        num_tokens = sum(r.num_tokens for r in rollouts)
+        step_seconds = sum(times.values())
+        metrics = {
+            **reward_metrics(groups),
+            **train_metrics,
+            **sync_metrics,
+            **times,
+            "time/step": step_seconds,
+            "throughput/tokens_per_second": num_tokens / step_seconds if step_seconds > 0 else 0.0,
+            "policy/version": float(c.engine.policy_version),
+            **peak_memory_metrics(),
+        }
+        c.sink.log(metrics, step=step)
+        c.recorder.record(step, rollouts)
+        is_last = step + 1 == config.run.num_steps
+        if (config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0) or is_last:
+            save_checkpoint(c.run_dir, next_step=step + 1, trainer=c.trainer, sampler=c.sampler)

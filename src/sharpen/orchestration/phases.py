@@ -1,0 +1,108 @@
+"""The loop's phases as small functions: score, assign advantages, sync weights, summarise rewards.
+
+Each takes components as arguments and returns data or metrics; the order in which they run is `loop.py`'s.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+
+from sharpen.config.schema import AlgorithmConfig
+from sharpen.rewards import RewardFn
+from sharpen.rollout.weight_sync import ProbeCheck, verify_probe
+from sharpen.trainer.algorithms import compute_grpo_advantages
+from sharpen.types import Rollout, RolloutGroup
+
+if TYPE_CHECKING:
+    from sharpen.rollout.engines import InferenceEngine
+    from sharpen.trainer import Trainer
+
+
+def score_groups(rubric: RewardFn, groups: list[RolloutGroup]) -> None:
+    for group in groups:
+        for rollout in group.rollouts:
+            rollout.reward = rubric(group.example, rollout.completion_text)
+
+
+def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
+    """GRPO advantages per group; rollouts whose reward abstained keep ``advantage = None`` (not trained on)."""
+    if not groups:
+        return
+    size = max(len(g.rollouts) for g in groups)
+    scores = torch.full((len(groups), size), float("nan"), dtype=torch.float64)
+    for row, group in enumerate(groups):
+        for col, score in enumerate(group.scores):
+            if score is not None:
+                scores[row, col] = score
+    advantages = compute_grpo_advantages(scores, normalize_std=config.normalize_std)
+    for row, group in enumerate(groups):
+        for col, rollout in enumerate(group.rollouts):
+            value = float(advantages[row, col])
+            rollout.advantage = None if math.isnan(value) else value
+
+
+def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
+    rollouts: list[Rollout] = [r for g in groups for r in g.rollouts]
+    scores = [r.reward.score for r in rollouts if r.reward is not None and r.reward.score is not None]
+    lengths = [len(r.completion_ids) for r in rollouts]
+    statuses = Counter(r.reward.status.value for r in rollouts if r.reward is not None)
+    metrics = {
+        "reward/mean": statistics.fmean(scores) if scores else float("nan"),
+        "reward/std": statistics.pstdev(scores) if len(scores) > 1 else 0.0,
+        "reward/num_abstained": float(len(rollouts) - len(scores)),
+        "rollout/completion_length_mean": statistics.fmean(lengths) if lengths else 0.0,
+        "rollout/completion_length_max": float(max(lengths, default=0)),
+        "rollout/truncated_fraction": sum(r.is_truncated for r in rollouts) / max(len(rollouts), 1),
+        "rollout/num_tokens": float(sum(lengths)),
+        "rollout/groups_all_equal_fraction": sum(_is_flat(g) for g in groups) / max(len(groups), 1),
+    }
+    for name in sorted({n for r in rollouts if r.reward is not None for n in r.reward.components}):
+        values = [r.reward.components[name] for r in rollouts if r.reward is not None and name in r.reward.components]
+        metrics[f"reward/{name}"] = statistics.fmean(values)
+    for status, count in statuses.items():
+        metrics[f"reward/status_{status}"] = count / len(rollouts)
+    return metrics
+
+
+def _is_flat(group: RolloutGroup) -> bool:
+    scores = [s for s in group.scores if s is not None]
+    return len(set(scores)) <= 1
+
+
+class WeightSync:
+    """Moves the trainer's weights into the engine after every step and proves they arrived (probe check)."""
+
+    def __init__(self, *, probe_ids: list[int], tolerance: float, verify: bool) -> None:
+        self.probe_ids = probe_ids
+        self.tolerance = tolerance
+        self.verify = verify
+        self.previous_engine: list[float] | None = None
+        self.previous_trainer: list[float] | None = None
+
+    def __call__(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> dict[str, float]:
+        started = time.perf_counter()
+        metrics = engine.load_weights(trainer.named_weights(), version=version)
+        metrics["sync/seconds"] = time.perf_counter() - started
+        if self.verify:
+            metrics.update(self.check(trainer, engine, version=version).metrics())
+        return metrics
+
+    def check(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> ProbeCheck:
+        engine_logprobs = engine.score(self.probe_ids)
+        trainer_logprobs = trainer.compute_logprobs(self.probe_ids)
+        check = verify_probe(
+            engine=engine_logprobs,
+            trainer=trainer_logprobs,
+            previous_engine=self.previous_engine,
+            previous_trainer=self.previous_trainer,
+            tolerance=self.tolerance,
+            version=version,
+        )
+        self.previous_engine, self.previous_trainer = engine_logprobs, trainer_logprobs
+        return check

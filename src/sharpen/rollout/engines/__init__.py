@@ -1,0 +1,42 @@
+"""Inference engines behind one protocol: vLLM (real), transformers (fallback, tests), scripted (unit tests).
+Heavy engines are imported lazily by `build_engine`, so importing this package costs nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sharpen.config.schema import EngineConfig, HfEngineConfig, ScriptedEngineConfig, VllmEngineConfig
+from sharpen.rollout.engines.base import EngineError, InferenceEngine
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["EngineError", "InferenceEngine", "build_engine"]
+
+
+def build_engine(
+    config: EngineConfig,
+    *,
+    model_path: Path,
+    dtype: str,
+    seed: int,
+    device: str = "cpu",
+    encode: Callable[[str], list[int]] | None = None,
+    eos_token_id: int | None = None,
+) -> InferenceEngine:
+    if isinstance(config, VllmEngineConfig):
+        from sharpen.rollout.engines.vllm import VllmEngine
+
+        return VllmEngine(config, model_path=model_path, dtype=dtype, seed=seed)
+    if isinstance(config, HfEngineConfig):
+        from sharpen.rollout.engines.hf import HfEngine
+
+        return HfEngine(model_path, dtype=dtype, device=device)
+    if isinstance(config, ScriptedEngineConfig):
+        from sharpen.rollout.engines.scripted import ScriptedEngine
+
+        if encode is None:
+            raise ValueError("the scripted engine needs an encode function")
+        return ScriptedEngine(config.completions, encode=encode, eos_token_id=eos_token_id)
+    raise ValueError(f"unknown engine config {config!r}")

@@ -1,0 +1,114 @@
+"""A transformers engine: plain `generate` in this process. The fallback where vLLM cannot run, and the fast
+engine of unit and integration tests with tiny models.
+
+It holds its own copy of the model, so weight sync into it is a real copy, checked like any other engine's.
+Sampling is seeded once per `generate` call from the first request's seed (batched HF sampling has no
+per-request seeds), which keeps runs reproducible for a fixed batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from sharpen.types import Completion, PolicyVersion, SamplingParams
+
+
+class HfEngine:
+    def __init__(self, model_path: Path, *, dtype: str = "float32", device: str = "cpu", batch_size: int = 32) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.to(self.device).eval()
+        self.batch_size = batch_size
+        self.pad_token_id = self.tokenizer.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = self.tokenizer.eos_token_id
+        self.policy_version: PolicyVersion = 0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        out: list[Completion] = []
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            out.extend(self._generate_batch(chunk, params[start : start + self.batch_size]))
+        return out
+
+    def _generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        param = params[0]
+        if len({_key(p) for p in params}) > 1:
+            raise ValueError("the HF engine needs the same sampling settings (apart from seed) for a whole batch")
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
+        if param.seed is not None:
+            torch.manual_seed(param.seed)
+        eos = [self.tokenizer.eos_token_id, *param.stop_token_ids]
+        result = self.model.generate(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            do_sample=True,
+            temperature=param.temperature,
+            top_p=param.top_p,
+            top_k=0,
+            max_new_tokens=param.max_new_tokens,
+            eos_token_id=eos,
+            pad_token_id=self.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        new_tokens = result.sequences[:, width:]  # [batch, steps]
+        # scores are the processed logits (after temperature / top-p): their log-softmax is the behaviour policy
+        scores = torch.stack(result.scores, dim=1).float()  # [batch, steps, vocab]
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        completions = []
+        for row in range(len(prompts)):
+            ids = new_tokens[row].tolist()
+            num = len(ids)
+            for position, token in enumerate(ids):
+                if token in eos:
+                    num = position + 1
+                    break
+            ids = ids[:num]
+            finished = bool(ids) and ids[-1] in eos
+            completions.append(
+                Completion(
+                    token_ids=ids,
+                    logprobs=logprobs[row, :num].tolist(),
+                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    finish_reason="stop" if finished else "length",
+                )
+            )
+        return completions
+
+    @torch.no_grad()
+    def score(self, token_ids: list[int]) -> list[float]:
+        ids = torch.tensor([token_ids], device=self.device)
+        logits = self.model(input_ids=ids).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
+        state = self.model.state_dict()
+        num_tensors = 0
+        for name, tensor in weights:
+            if name not in state:
+                raise KeyError(f"HF engine: unknown weight {name!r}")
+            state[name].copy_(tensor)
+            num_tensors += 1
+        self.policy_version = version
+        return {"sync/num_tensors": float(num_tensors)}
+
+    def close(self) -> None:
+        pass
+
+
+def _key(params: SamplingParams) -> tuple[int, float, float, tuple[int, ...]]:
+    return (params.max_new_tokens, params.temperature, params.top_p, params.stop_token_ids)

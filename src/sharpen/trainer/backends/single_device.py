@@ -1,0 +1,127 @@
+"""One process, one device: a HF causal LM, AdamW, optional bf16 autocast and gradient checkpointing.
+
+Owns the parameters, the optimizer and their persistence. Knows nothing of rollouts or losses: it turns token
+ids into per-token logprobs and applies accumulated gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sharpen.config.schema import TrainerConfig
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class SingleDeviceBackend:
+    def __init__(self, config: TrainerConfig, *, model_path: Path, dtype: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_path = Path(model_path)
+        self.device = resolve_device(config.device)
+        self.model: nn.Module = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype)).to(
+            self.device
+        )
+        self.model.config.use_cache = False
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=config.learning_rate,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        if not self.config.bf16_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+    ) -> torch.Tensor:
+        """Logprob of each next token, computed only where ``target_mask`` is set (0 elsewhere).
+
+        ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
+        ``input_ids[:, t + 1]`` is a token to score. Returns [batch, seq - 1] in float32. The LM head runs only
+        on the selected positions (most of a rollout is prompt), which saves its 49k-wide matmul elsewhere.
+        ``use_autocast=False`` computes in the weights' own dtype even when the config asks for bf16 autocast.
+        """
+        with self.autocast() if use_autocast else contextlib.nullcontext():
+            hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
+            logits = self.model.get_output_embeddings()(selected).float() / temperature
+        targets = input_ids[:, 1:][target_mask]
+        picked = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+        out = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
+        out[target_mask] = picked
+        return out
+
+    def clip_and_step(self) -> float:
+        """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    @torch.no_grad()
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors in HF checkpoint naming (what an engine loads), detached, on their device.
+
+        A tied output embedding is left out: it is the input embedding, and loaders rebuild the tie."""
+        is_tied = getattr(self.model.config, "tie_word_embeddings", False)
+        for name, tensor in self.model.state_dict().items():
+            if is_tied and name == "lm_head.weight":
+                continue
+            yield name, tensor.detach()
+
+    def save(self, folder: Path) -> None:
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.contiguous() for name, tensor in self.named_weights()}
+        save_file(state, str(folder / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(str(folder / "model.safetensors"), device=str(self.device))
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        allowed_missing = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+        if set(missing) - allowed_missing or unexpected:
+            raise ValueError(f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}")
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device))
+
+    def export(self, folder: Path) -> None:
+        """A HF folder (config, safetensors, tokenizer) that transformers and vLLM load."""
+        folder.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(folder, safe_serialization=True)
+        for name in _TOKENIZER_FILES:
+            if (self.model_path / name).is_file():
+                shutil.copy2(self.model_path / name, folder / name)
+        generation_config = self.model_path / "generation_config.json"
+        if generation_config.is_file():
+            shutil.copy2(generation_config, folder / "generation_config.json")

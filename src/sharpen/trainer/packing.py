@@ -1,0 +1,62 @@
+"""Packing rollouts into padded micro-batches of tensors (the trainer's only view of rollouts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sharpen.types import Rollout
+
+
+@dataclass(kw_only=True, slots=True)
+class MicroBatch:
+    """Right-padded tensors for one forward/backward pass. Position t of the ``[batch, seq - 1]`` tensors refers to
+    predicting ``input_ids[:, t + 1]``."""
+
+    input_ids: torch.Tensor  # [batch, seq]
+    attention_mask: torch.Tensor  # [batch, seq]
+    loss_mask: torch.Tensor  # [batch, seq - 1] bool: completion tokens
+    engine_logprobs: torch.Tensor  # [batch, seq - 1] behaviour logprobs (0 outside the mask)
+    advantages: torch.Tensor  # [batch, 1]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+def pack_micro_batch(rollouts: list[Rollout], *, pad_token_id: int, device: torch.device) -> MicroBatch:
+    if not rollouts:
+        raise ValueError("cannot pack an empty micro-batch")
+    seq_len = max(r.num_tokens for r in rollouts)
+    batch = len(rollouts)
+    input_ids = torch.full((batch, seq_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, seq_len), dtype=torch.long)
+    loss_mask = torch.zeros((batch, seq_len - 1), dtype=torch.bool)
+    engine_logprobs = torch.zeros((batch, seq_len - 1), dtype=torch.float32)
+    advantages = torch.zeros((batch, 1), dtype=torch.float32)
+    for row, rollout in enumerate(rollouts):
+        if rollout.advantage is None:
+            raise ValueError(f"rollout {rollout.example.task_key} has no advantage; leave it out of the batch")
+        tokens = rollout.prompt_ids + rollout.completion_ids
+        input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        attention_mask[row, : len(tokens)] = 1
+        start = len(rollout.prompt_ids) - 1  # target index of the first completion token
+        end = start + len(rollout.completion_ids)
+        loss_mask[row, start:end] = True
+        engine_logprobs[row, start:end] = torch.tensor(rollout.completion_logprobs, dtype=torch.float32)
+        advantages[row, 0] = rollout.advantage
+    return MicroBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        loss_mask=loss_mask.to(device),
+        engine_logprobs=engine_logprobs.to(device),
+        advantages=advantages.to(device),
+    )
+
+
+def split_micro_batches(rollouts: list[Rollout], micro_batch_size: int) -> list[list[Rollout]]:
+    """Chunks of ``micro_batch_size`` after sorting by length (less padding). The order never changes the step's
+    gradient, because losses are summed and divided by the whole batch's token count."""
+    ordered = sorted(rollouts, key=lambda r: r.num_tokens)
+    return [ordered[i : i + micro_batch_size] for i in range(0, len(ordered), micro_batch_size)]

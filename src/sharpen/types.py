@@ -1,0 +1,148 @@
+"""The shared vocabulary of sharpen: plain data that crosses layer boundaries.
+
+Everything here is a keyword-only, slotted dataclass of Python scalars and lists, so that any layer (and any
+process: Ray actors, engine workers) can build, pickle and inspect it without importing torch. Tensors live only
+inside the trainer (`MicroBatch` is built there). This module imports nothing from sharpen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+PolicyVersion = int
+"""Number of trainer optimizer steps applied to the weights that produced a token (0 = the initial weights)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Message:
+    """One chat message."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Example:
+    """One task instance: the prompt the policy sees and what a reward function needs to score an answer."""
+
+    task_key: str
+    """Stable identifier of the task instance, e.g. ``"basic_arithmetic/17"``; unique within a dataset."""
+    prompt: tuple[Message, ...]
+    answer: str | None = None
+    """Reference answer, if the task has one (verifiers may use metadata instead)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """Task-specific data for the reward function (e.g. a reasoning-gym entry)."""
+
+    @property
+    def task_hash(self) -> str:
+        """Content hash of the prompt and answer: two examples with the same hash pose the same task."""
+        import hashlib
+        import json
+
+        payload = json.dumps(
+            {"prompt": [[m.role, m.content] for m in self.prompt], "answer": self.answer},
+            sort_keys=True,
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+class RewardStatus(StrEnum):
+    OK = "ok"
+    WRONG = "wrong"
+    FORMAT_ERROR = "format_error"
+    TIMEOUT = "timeout"
+    INFRA_ERROR = "infra_error"
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardResult:
+    """The verdict on one rollout. ``score is None`` means the reward abstained (left out of the advantages)."""
+
+    score: float | None
+    status: RewardStatus
+    components: dict[str, float] = field(default_factory=dict)
+    """Named parts of the score (e.g. ``correct``, ``format``), also logged as metrics."""
+    verifier: str = ""
+
+
+@dataclass(kw_only=True, slots=True)
+class Rollout:
+    """One trajectory: the prompt tokens, what the engine generated, and what the trainer needs from it."""
+
+    example: Example
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    completion_logprobs: list[float]
+    """Behaviour (engine) logprob of each completion token, at temperature 1 after any sampling transforms."""
+    versions: list[PolicyVersion]
+    """Policy version that produced each completion token (all equal in synchronous mode)."""
+    completion_text: str = ""
+    is_truncated: bool = False
+    """True when generation stopped at the token limit rather than at an end-of-sequence token."""
+    sample_index: int = 0
+    """Index of this rollout within its group (0..num_samples-1)."""
+    reward: RewardResult | None = None
+    advantage: float | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.completion_ids) != len(self.completion_logprobs) or len(self.completion_ids) != len(self.versions):
+            raise ValueError(
+                f"rollout {self.example.task_key}: {len(self.completion_ids)} completion tokens but "
+                f"{len(self.completion_logprobs)} logprobs and {len(self.versions)} versions"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.completion_ids)
+
+    @property
+    def oldest_version(self) -> PolicyVersion:
+        return min(self.versions) if self.versions else 0
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutGroup:
+    """All rollouts of one example: the unit over which group-relative advantages are computed."""
+
+    example: Example
+    rollouts: list[Rollout]
+
+    @property
+    def scores(self) -> list[float | None]:
+        return [r.reward.score if r.reward is not None else None for r in self.rollouts]
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainBatch:
+    """The rollouts of one trainer step, with advantages set. Rollouts without an advantage are not trained on."""
+
+    rollouts: list[Rollout]
+    step: int
+    """The trainer step this batch is for (the policy version it will produce is ``step + 1``)."""
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return sum(len(r.completion_ids) for r in self.rollouts)
+
+
+@dataclass(kw_only=True, slots=True)
+class Completion:
+    """What an inference engine returns for one prompt."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str = ""
+    finish_reason: Literal["stop", "length"] = "stop"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class SamplingParams:
+    """Engine-independent sampling settings."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()

@@ -1,0 +1,169 @@
+"""The `sharpen` entry point: user errors are one stderr line and exit code 2, the CLI surface is frozen, and
+start-up imports no heavy library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import get_args
+
+import pytest
+from pydantic import BaseModel
+
+from sharpen.cli.main import EXIT_USER_ERROR, build_parser, main
+from sharpen.config import SharpenConfig, load_config
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got: {err!r}"
+    assert "Traceback" not in err
+    assert lines[0].startswith("sharpen: ")
+    return lines[0]
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch) -> Path:
+    """Run in a scratch folder: `train` creates its run directory relative to the working directory."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def nothing_heavy(monkeypatch):
+    """Fail the test if `train` gets as far as the tokenizer, the trainer's model or the engine."""
+    import transformers
+
+    import sharpen.orchestration.local as local
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a user error must be reported before the heavy components are built")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forbidden)
+    monkeypatch.setattr(local, "SingleDeviceBackend", forbidden)
+    monkeypatch.setattr(local, "build_engine", forbidden)
+
+
+def test_train_with_an_unknown_key(in_tmp, capsys):
+    assert main(["train", "trainer.learning_rat=1e-5"]) == EXIT_USER_ERROR
+    assert _one_error_line(capsys) == "sharpen: trainer.learning_rat: unknown key (did you mean 'learning_rate'?)"
+    assert not (in_tmp / "runs").exists(), "a config error leaves no run directory behind"
+
+
+def test_train_with_a_missing_recipe(in_tmp, capsys):
+    assert main(["train", "missing.toml", "run.num_steps=1"]) == EXIT_USER_ERROR
+    assert _one_error_line(capsys) == "sharpen: recipe 'missing.toml' does not exist"
+
+
+def test_train_with_a_missing_model_fails_before_loading_anything(in_tmp, capsys, nothing_heavy, monkeypatch):
+    import sharpen.orchestration.local as local
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the model path is resolved before the data is loaded")
+
+    monkeypatch.setattr(local, "load_examples", forbidden)
+    assert main(["train", "model.path=/nonexistent/model"]) == EXIT_USER_ERROR
+    line = _one_error_line(capsys)
+    assert line.startswith("sharpen: model.path: '/nonexistent/model' does not exist")
+
+
+def test_train_with_a_bad_data_row_fails_before_loading_the_model(in_tmp, capsys, nothing_heavy):
+    model = in_tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # enough for path resolution; nothing may read the weights
+    data = in_tmp / "tasks.jsonl"
+    data.write_text(json.dumps({"prompt": "1 + 1?", "answer": "2"}) + "\n" + json.dumps({"prompt": "2 + 2?"}) + "\n")
+    code = main(["train", f"model.path={model}", "data.type=jsonl", f"data.path={data}"])
+    assert code == EXIT_USER_ERROR
+    line = _one_error_line(capsys)
+    assert line == f"sharpen: {data}:2: missing field 'answer' (data.answer_field); the object has: prompt"
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every dotted leaf key, including those of each implementation of a typed (``type``-chosen) section."""
+    keys = set()
+    for name, field in model.model_fields.items():
+        members = get_args(field.annotation) if field.discriminator else (field.annotation,)
+        sections = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        if sections:
+            for section in sections:
+                keys |= _all_keys(section, f"{prefix}{name}.")
+        else:
+            keys.add(f"{prefix}{name}")
+    return keys
+
+
+def test_config_keys_lists_every_key(capsys):
+    keys = _all_keys(SharpenConfig)
+    assert {"trainer.algorithm.clip_eps_high", "data.path", "data.task", "rollout.engine.completions"} <= keys
+    assert main(["config", "--keys"]) == 0
+    out = capsys.readouterr().out
+    missing = sorted(key for key in keys if key not in out)
+    assert not missing, f"config --keys leaves out: {missing}"
+
+
+def test_config_prints_the_resolved_config_as_loadable_toml(tmp_path, capsys):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[run]\nnum_steps = 3\n")
+    assert main(["config", str(recipe), "run.name=printed"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert printed["run"]["name"] == "printed" and printed["run"]["num_steps"] == 3
+    assert SharpenConfig.model_validate(printed) == load_config(recipe, ["run.name=printed"])
+    # without a recipe the first KEY=VALUE is an override, not a recipe path
+    assert main(["config", "run.name=a", "run.seed=5"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)
+    assert (printed["run"]["name"], printed["run"]["seed"]) == ("a", 5)
+
+
+def _surface(parser: argparse.ArgumentParser, prefix: tuple[str, ...] = ()) -> set[str]:
+    entries = set()
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                entries.add(" ".join((*prefix, name)))
+                entries |= _surface(sub, (*prefix, name))
+        else:
+            entries.add(" ".join((*prefix, *(action.option_strings or [action.dest]))))
+    return entries
+
+
+def test_cli_surface_is_frozen():
+    """Growing the CLI is a decision: new subcommands and flags go through this list (settings belong in config)."""
+    assert _surface(build_parser()) == {
+        "train",
+        "train recipe",
+        "train overrides",
+        "train --resume",
+        "config",
+        "config recipe",
+        "config overrides",
+        "config --keys",
+        "models",
+        "models list",
+        "models pull",
+        "models pull name",
+        "models pull --force",
+    }
+
+
+def test_cli_start_up_imports_no_heavy_library():
+    code = (
+        "import contextlib, io, sys\n"
+        "from sharpen.cli.main import build_parser, main\n"
+        "build_parser().format_help()\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    rc = main(['config', 'run.num_steps=3'])\n"
+        "with contextlib.redirect_stderr(io.StringIO()):\n"
+        "    bad = main(['config', 'trainer.learning_rat=1'])\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'transformers', 'vllm', 'ray'})\n"
+        "print(rc, bad, heavy)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert result.stdout.strip() == f"0 {EXIT_USER_ERROR} []", result.stdout + result.stderr

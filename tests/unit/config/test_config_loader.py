@@ -1,0 +1,151 @@
+"""load_config: one clear line per problem naming the dotted key; overrides; dump_config round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sharpen.config import ConfigError, SharpenConfig, dump_config, load_config
+from sharpen.config.loader import parse_override
+from sharpen.config.schema import JsonlDataConfig, ScriptedEngineConfig
+
+
+def _error(path: str | Path | None, overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message, f"expected one line, got: {message!r}"
+    assert "Traceback" not in message
+    return message
+
+
+def test_defaults_load_without_a_recipe():
+    assert load_config(None) == SharpenConfig()
+
+
+def test_unknown_key_names_the_dotted_key_and_suggests_the_field():
+    message = _error(None, ["trainer.learning_rat=1e-5"])
+    assert message == "trainer.learning_rat: unknown key (did you mean 'learning_rate'?)"
+    message = _error(None, ["trainer.algorithm.clip_eps_hi=0.3"])
+    assert message == "trainer.algorithm.clip_eps_hi: unknown key (did you mean 'clip_eps_high'?)"
+
+
+def test_unknown_section_in_a_recipe(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[traner]\nlearning_rate = 1e-5\n")
+    assert _error(recipe, []) == "traner: unknown key (did you mean 'trainer'?)"
+    assert _error(None, ["telemetry.on=true"]) == "telemetry: unknown key"
+
+
+def test_micro_batch_size_must_divide_the_rollouts_per_step():
+    message = _error(
+        None, ["trainer.micro_batch_size=4", "rollout.prompts_per_step=5", "rollout.num_samples_per_prompt=3"]
+    )
+    assert message.startswith("trainer.micro_batch_size = 4 does not divide")
+    assert "rollout.prompts_per_step 5" in message and "rollout.num_samples_per_prompt 3" in message
+    assert "= 15" in message
+    ok = load_config(
+        None, ["trainer.micro_batch_size=5", "rollout.prompts_per_step=5", "rollout.num_samples_per_prompt=3"]
+    )
+    assert ok.num_rollouts_per_step == 15
+
+
+def test_wrong_type_and_out_of_range_name_the_key_and_the_value():
+    message = _error(None, ["trainer.learning_rate=fast"])
+    assert message.startswith("trainer.learning_rate: ") and '"fast"' in message
+    message = _error(None, ["run.num_steps=0"])
+    assert message.startswith("run.num_steps: ") and "greater than or equal to 1" in message and "got 0" in message
+    message = _error(None, ["model.dtype=float16"])
+    assert message.startswith("model.dtype: ") and "float16" in message
+
+
+def test_missing_recipe_and_invalid_toml(tmp_path):
+    missing = tmp_path / "nope.toml"
+    assert _error(missing, []) == f"recipe {str(missing)!r} does not exist"
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[run]\nname = \n")
+    message = _error(broken, [])
+    assert message.startswith(f"recipe {str(broken)!r} is not valid TOML: ")
+    assert "line 2" in message
+
+
+def test_malformed_override_and_override_through_a_value():
+    assert "expected KEY=VALUE" in _error(None, ["trainer"])
+    assert "'name' is a value, not a section" in _error(None, ["run.name=x", "run.name.deeper=1"])
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("trainer.learning_rate=1e-5", (["trainer", "learning_rate"], 1e-5)),
+        ("run.num_steps=3", (["run", "num_steps"], 3)),
+        ("monitoring.progress=false", (["monitoring", "progress"], False)),
+        ("trainer.betas=[0.8, 0.9]", (["trainer", "betas"], [0.8, 0.9])),
+        ("run.name=my-run", (["run", "name"], "my-run")),  # not TOML: kept as the string
+        ('run.name="42"', (["run", "name"], "42")),  # quoted TOML string
+        ("weight_sync.probe_text=a = b", (["weight_sync", "probe_text"], "a = b")),  # split at the first '='
+        ("run.name=", (["run", "name"], "")),
+    ],
+)
+def test_override_values_are_toml_else_strings(text, expected):
+    assert parse_override(text) == expected
+
+
+def test_dotted_overrides_reach_nested_values_and_beat_the_recipe(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('[run]\nname = "from-recipe"\nnum_steps = 7\n[trainer.algorithm]\nclip_eps_high = 0.25\n')
+    config = load_config(
+        recipe,
+        [
+            "run.name=from-cli",
+            "trainer.algorithm.clip_eps_low=0.1",
+            "trainer.algorithm.normalize_std=false",
+            "trainer.betas=[0.8, 0.95]",
+            "rollout.engine.type=scripted",
+            'rollout.engine.completions=["a", "b"]',
+            "data.type=jsonl",
+            "data.path=tasks.jsonl",
+        ],
+    )
+    assert config.run.name == "from-cli"
+    assert config.run.num_steps == 7
+    assert config.trainer.algorithm.clip_eps_high == 0.25
+    assert config.trainer.algorithm.clip_eps_low == 0.1
+    assert config.trainer.algorithm.normalize_std is False
+    assert config.trainer.betas == (0.8, 0.95)
+    assert config.rollout.engine == ScriptedEngineConfig(completions=["a", "b"])
+    assert config.data == JsonlDataConfig(path="tasks.jsonl")
+
+
+def test_dump_config_round_trips(tmp_path):
+    config = load_config(
+        None,
+        [
+            "run.name=round-trip",
+            "trainer.learning_rate=3e-6",
+            "trainer.betas=[0.8, 0.95]",
+            "rollout.engine.type=scripted",
+            'rollout.engine.completions=["<answer>1</answer>", "x"]',
+            "data.task_config={min_terms = 2, max_terms = 3}",
+            'data.system_prompt=""',
+        ],
+    )
+    dumped = tmp_path / "config.toml"
+    dumped.write_text(dump_config(config))
+    assert load_config(dumped) == config
+    jsonl = load_config(None, ["data.type=jsonl", "data.path=x.jsonl"])  # system_prompt None is left out
+    dumped.write_text(dump_config(jsonl))
+    assert load_config(dumped) == jsonl
+    assert "system_prompt" not in dumped.read_text()
+
+
+def test_a_typed_section_without_type_means_its_default_implementation(tmp_path):
+    config = load_config(None, ["data.task=chain_sum", "rollout.engine.gpu_memory_utilization=0.5"])
+    assert config.data.type == "reasoning_gym" and config.data.task == "chain_sum"
+    assert config.rollout.engine.type == "vllm" and config.rollout.engine.gpu_memory_utilization == 0.5
+    recipe = tmp_path / "r.toml"
+    recipe.write_text("[data]\nsize = 10\n")
+    assert load_config(recipe).data.size == 10
+    message = _error(None, ["data.type=csv"])
+    assert message.startswith("data: ") and "'reasoning_gym', 'jsonl'" in message

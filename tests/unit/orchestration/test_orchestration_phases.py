@@ -1,0 +1,108 @@
+"""assign_advantages and reward_metrics on hand-built groups."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sharpen.config.schema import AlgorithmConfig
+from sharpen.orchestration.phases import assign_advantages, reward_metrics
+from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, RolloutGroup
+
+EPS = 1e-6  # compute_grpo_advantages' default
+
+
+def _example(index: int) -> Example:
+    return Example(task_key=f"t/{index}", prompt=(Message(role="user", content=f"q{index}"),), answer="1")
+
+
+def _rollout(
+    example: Example,
+    score: float | None,
+    status: RewardStatus = RewardStatus.OK,
+    length: int = 2,
+    truncated: bool = False,
+    components: dict[str, float] | None = None,
+) -> Rollout:
+    return Rollout(
+        example=example,
+        prompt_ids=[1, 2],
+        completion_ids=[5] * length,
+        completion_logprobs=[-1.0] * length,
+        versions=[0] * length,
+        is_truncated=truncated,
+        reward=RewardResult(score=score, status=status, components=components or {}),
+    )
+
+
+def _group(index: int, *rollouts_args) -> RolloutGroup:
+    example = _example(index)
+    return RolloutGroup(example=example, rollouts=[_rollout(example, *args) for args in rollouts_args])
+
+
+def test_assign_advantages_normalises_per_group_and_leaves_abstained_rollouts_out():
+    groups = [
+        _group(0, (1.0,), (None,), (0.0,)),  # valid [1, 0]: mean 0.5, std 0.5
+        _group(1, (2.0,), (2.0,)),  # flat: no signal
+        _group(2, (None,), (None,)),  # everything abstained
+    ]
+    assign_advantages(groups, AlgorithmConfig())
+    first = [r.advantage for r in groups[0].rollouts]
+    assert first[1] is None
+    assert first[0] == pytest.approx(0.5 / (0.5 + EPS), abs=1e-12)
+    assert first[2] == pytest.approx(-0.5 / (0.5 + EPS), abs=1e-12)
+    assert [r.advantage for r in groups[1].rollouts] == [0.0, 0.0]
+    assert [r.advantage for r in groups[2].rollouts] == [None, None]
+
+
+def test_assign_advantages_without_std_normalisation_and_with_unequal_group_sizes():
+    groups = [_group(0, (3.0,), (1.0,), (2.0,)), _group(1, (1.0,), (0.0,))]
+    assign_advantages(groups, AlgorithmConfig(normalize_std=False))
+    assert [r.advantage for r in groups[0].rollouts] == [1.0, -1.0, 0.0]
+    assert [r.advantage for r in groups[1].rollouts] == [0.5, -0.5]
+    assign_advantages([], AlgorithmConfig())  # nothing to do, no error
+
+
+def test_reward_metrics_on_a_hand_built_batch():
+    groups = [
+        _group(
+            0,
+            (1.0, RewardStatus.OK, 2, False, {"correct": 1.0, "format": 1.0}),
+            (0.0, RewardStatus.WRONG, 4, False, {"correct": 0.0, "format": 1.0}),
+            (None, RewardStatus.INFRA_ERROR, 6, True, {}),
+        ),
+        _group(
+            1,
+            (0.5, RewardStatus.OK, 1, False, {"correct": 0.0, "format": 1.0}),
+            (0.5, RewardStatus.OK, 3, False, {"correct": 0.0, "format": 1.0}),
+        ),
+    ]
+    metrics = reward_metrics(groups)
+    expected = {
+        "reward/mean": 0.5,  # over the 4 scores that did not abstain
+        "reward/std": math.sqrt((0.25 + 0.25 + 0 + 0) / 4),  # population std
+        "reward/num_abstained": 1.0,
+        "rollout/completion_length_mean": (2 + 4 + 6 + 1 + 3) / 5,
+        "rollout/completion_length_max": 6.0,
+        "rollout/truncated_fraction": 1 / 5,
+        "rollout/num_tokens": 16.0,
+        "rollout/groups_all_equal_fraction": 1 / 2,  # group 1 scores [0.5, 0.5]
+        "reward/correct": 1 / 4,
+        "reward/format": 1.0,
+        "reward/status_ok": 3 / 5,
+        "reward/status_wrong": 1 / 5,
+        "reward/status_infra_error": 1 / 5,
+    }
+    assert set(metrics) == set(expected)
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, abs=1e-12), key
+
+
+def test_reward_metrics_when_every_reward_abstained():
+    metrics = reward_metrics([_group(0, (None, RewardStatus.TIMEOUT), (None, RewardStatus.TIMEOUT))])
+    assert math.isnan(metrics["reward/mean"])
+    assert metrics["reward/std"] == 0.0
+    assert metrics["reward/num_abstained"] == 2.0
+    assert metrics["reward/status_timeout"] == 1.0
+    assert metrics["rollout/groups_all_equal_fraction"] == 1.0

@@ -1,0 +1,242 @@
+"""Trainer on a tiny random Llama: micro-batch invariance of the step's gradient, step metrics, on-policy
+mismatch of zero, logprobs against a plain HF forward, and an exact checkpoint round trip."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from sharpen.config.schema import TrainerConfig
+from sharpen.trainer import SingleDeviceBackend, Trainer
+from sharpen.types import Example, Message, Rollout, TrainBatch
+
+VOCAB = 128
+PAD = 0
+_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: a 32-wide model gains nothing from more, and on a busy 2-core machine a second thread
+    spin-waiting for a core turns each 10 us matmul into 15 ms."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=PAD,
+    )
+    model = LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(folder)
+    return folder
+
+
+def _config(**overrides) -> TrainerConfig:
+    values = {"device": "cpu", "learning_rate": 1e-3, "micro_batch_size": 6}
+    return TrainerConfig(**{**values, **overrides})
+
+
+def _trainer(model_dir: Path, **overrides) -> Trainer:
+    config = _config(**overrides)
+    return Trainer(config, backend=SingleDeviceBackend(config, model_path=model_dir, dtype="float32"), pad_token_id=PAD)
+
+
+def _rollouts(seed: int, num: int = 6) -> list[Rollout]:
+    """Rollouts of different lengths (so micro-batches pad differently), random engine logprobs and advantages."""
+    rng = random.Random(seed)
+    out = []
+    for index in range(num):
+        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
+        completion = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))]
+        out.append(
+            Rollout(
+                example=_EXAMPLE,
+                prompt_ids=prompt,
+                completion_ids=completion,
+                # near the tiny model's ~log(1/128) so some ratios clip and some do not
+                completion_logprobs=[math.log(1 / VOCAB) + rng.uniform(-0.4, 0.4) for _ in completion],
+                versions=[0] * len(completion),
+                sample_index=index,
+                advantage=rng.uniform(-1.5, 1.5),
+            )
+        )
+    return out
+
+
+def _captured_gradient(trainer: Trainer, batch: TrainBatch, monkeypatch) -> dict[str, torch.Tensor]:
+    """The accumulated gradient at the moment the optimizer would step (the step itself is skipped)."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def capture() -> float:
+        for name, param in trainer.backend.model.named_parameters():
+            assert param.grad is not None, name
+            captured[name] = param.grad.detach().clone()
+        trainer.backend.optimizer.zero_grad(set_to_none=True)
+        return 0.0
+
+    monkeypatch.setattr(trainer.backend, "clip_and_step", capture)
+    trainer.step(batch)
+    return captured
+
+
+def test_gradient_does_not_depend_on_the_micro_batch_size(model_dir, monkeypatch):
+    batch = TrainBatch(rollouts=_rollouts(seed=1), step=0)
+    backend = _trainer(model_dir).backend
+    gradients = {}
+    for size in (6, 2, 1):
+        trainer = Trainer(_config(micro_batch_size=size), backend=backend, pad_token_id=PAD)
+        gradients[size] = _captured_gradient(trainer, batch, monkeypatch)
+    whole = gradients[6]
+    assert max(g.abs().max().item() for g in whole.values()) > 1e-3  # a real gradient, not all zeros
+    for size in (2, 1):
+        for name, grad in gradients[size].items():
+            diff = (grad - whole[name]).abs().max().item()
+            assert diff < 1e-5, f"micro_batch_size={size}: {name} differs by {diff}"
+
+
+def test_abstained_and_empty_rollouts_do_not_change_the_gradient(model_dir, monkeypatch):
+    rollouts = _rollouts(seed=2, num=4)
+    extra = [
+        Rollout(example=_EXAMPLE, prompt_ids=[5, 6], completion_ids=[7], completion_logprobs=[-1.0], versions=[0]),
+        Rollout(
+            example=_EXAMPLE, prompt_ids=[5, 6], completion_ids=[], completion_logprobs=[], versions=[], advantage=1.0
+        ),
+    ]
+    trainer = _trainer(model_dir, micro_batch_size=2)
+    plain = _captured_gradient(trainer, TrainBatch(rollouts=rollouts, step=0), monkeypatch)
+    mixed = _captured_gradient(trainer, TrainBatch(rollouts=[extra[0], *rollouts, extra[1]], step=0), monkeypatch)
+    for name, grad in plain.items():
+        assert (grad - mixed[name]).abs().max().item() < 1e-6, name
+
+
+def test_step_changes_weights_and_returns_finite_metrics(model_dir):
+    trainer = _trainer(model_dir, micro_batch_size=2)
+    before = {name: p.detach().clone() for name, p in trainer.backend.model.named_parameters()}
+    rollouts = _rollouts(seed=3)
+    metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
+
+    assert set(metrics) == {
+        "train/loss",
+        "train/grad_norm",
+        "train/clip_fraction",
+        "train/ratio_mean",
+        "train/num_loss_tokens",
+        "train/num_sequences",
+        "mismatch/kl_k1",
+        "mismatch/kl_k3",
+        "mismatch/abs_logprob_diff_mean",
+        "mismatch/abs_logprob_diff_max",
+    }
+    assert all(math.isfinite(value) for value in metrics.values()), metrics
+    assert metrics["train/num_loss_tokens"] == sum(len(r.completion_ids) for r in rollouts)
+    assert metrics["train/num_sequences"] == len(rollouts)
+    assert metrics["train/grad_norm"] > 0
+    assert 0.0 <= metrics["train/clip_fraction"] <= 1.0
+    assert metrics["mismatch/kl_k3"] >= 0.0
+    assert metrics["mismatch/abs_logprob_diff_max"] >= metrics["mismatch/abs_logprob_diff_mean"] > 0.0
+    after = dict(trainer.backend.model.named_parameters())
+    assert all(not torch.equal(before[name], after[name]) for name in before), "every parameter should move"
+    assert all(p.grad is None for p in trainer.backend.model.parameters()), "gradients are cleared after the step"
+
+
+def test_batch_without_trainable_rollouts_is_skipped(model_dir):
+    trainer = _trainer(model_dir)
+    before = {name: p.detach().clone() for name, p in trainer.backend.model.named_parameters()}
+    rollouts = _rollouts(seed=4, num=2)
+    for rollout in rollouts:
+        rollout.advantage = None
+    assert trainer.step(TrainBatch(rollouts=rollouts, step=0)) == {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
+    assert all(torch.equal(before[n], p) for n, p in trainer.backend.model.named_parameters())
+
+
+def test_on_policy_engine_logprobs_give_zero_mismatch_and_unit_ratio(model_dir):
+    trainer = _trainer(model_dir, micro_batch_size=3)
+    rollouts = _rollouts(seed=5)
+    for rollout in rollouts:
+        own = trainer.compute_logprobs(rollout.prompt_ids + rollout.completion_ids)
+        rollout.completion_logprobs = own[len(rollout.prompt_ids) - 1 :]
+    metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
+    assert abs(metrics["mismatch/kl_k1"]) < 1e-6
+    assert abs(metrics["mismatch/kl_k3"]) < 1e-6
+    assert metrics["mismatch/abs_logprob_diff_max"] < 1e-5
+    assert metrics["train/ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["train/clip_fraction"] == 0.0
+    # with ratio 1 the loss is minus the token-weighted mean advantage
+    num_tokens = sum(len(r.completion_ids) for r in rollouts)
+    expected = -sum(r.advantage * len(r.completion_ids) for r in rollouts if r.advantage is not None) / num_tokens
+    assert metrics["train/loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_compute_logprobs_matches_a_plain_hf_forward(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    trainer = _trainer(model_dir)
+    token_ids = [3, 17, 99, 4, 56, 120, 7]
+    reference_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = reference_model(torch.tensor([token_ids])).logits[0, :-1]  # [seq - 1, vocab]
+    expected = logits.log_softmax(-1).gather(-1, torch.tensor(token_ids[1:])[:, None]).squeeze(-1)
+    got = torch.tensor(trainer.compute_logprobs(token_ids))
+    assert got.shape == (len(token_ids) - 1,)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_temperature_scales_the_logits(model_dir):
+    config = _config()
+    backend = SingleDeviceBackend(config, model_path=model_dir, dtype="float32")
+    ids = torch.tensor([[3, 17, 99, 4]])
+    mask = torch.ones_like(ids)
+    targets = torch.ones((1, 3), dtype=torch.bool)
+    with torch.no_grad():
+        hot = backend.token_logprobs(ids, mask, targets, temperature=2.0)
+        logits = backend.model(ids).logits[0, :-1] / 2.0
+    expected = logits.log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(hot[0], expected, rtol=0, atol=1e-5)
+
+
+def test_checkpoint_round_trip_restores_weights_and_optimizer_exactly(model_dir, tmp_path):
+    first, second = TrainBatch(rollouts=_rollouts(seed=6), step=0), TrainBatch(rollouts=_rollouts(seed=7), step=1)
+    original = _trainer(model_dir, micro_batch_size=3)
+    original.step(first)
+    original.save_checkpoint(tmp_path / "ckpt")
+
+    restored = _trainer(model_dir, micro_batch_size=3)
+    restored.load_checkpoint(tmp_path / "ckpt")
+    for (name, a), (_, b) in zip(
+        original.backend.model.named_parameters(), restored.backend.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    model = restored.backend.model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "tie survives the load"
+    state_a, state_b = original.backend.optimizer.state_dict(), restored.backend.optimizer.state_dict()
+    assert state_a["param_groups"] == state_b["param_groups"]
+    for key, slot in state_a["state"].items():
+        for field, value in slot.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(state_b["state"][key][field])), (key, field)
+
+    metrics_a, metrics_b = original.step(second), restored.step(second)
+    assert metrics_a == metrics_b
+    for (name, a), (_, b) in zip(
+        original.backend.model.named_parameters(), restored.backend.model.named_parameters(), strict=True
+    ):
+        assert torch.equal(a, b), name
