@@ -32,7 +32,7 @@ class Example:
     prompt: tuple[Message, ...]
     answer: str | None = None
     """Reference answer, if the task has one (verifiers may use metadata instead)."""
-    metadata: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict[str, Any])
     """Task-specific data for the reward function (e.g. a reasoning-gym entry)."""
 
     @property
@@ -62,7 +62,7 @@ class RewardResult:
 
     score: float | None
     status: RewardStatus
-    components: dict[str, float] = field(default_factory=dict)
+    components: dict[str, float] = field(default_factory=dict[str, float])
     """Named parts of the score (e.g. ``correct``, ``format``), also logged as metrics."""
     verifier: str = ""
 

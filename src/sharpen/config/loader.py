@@ -10,7 +10,7 @@ import difflib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pydantic import BaseModel, ValidationError
 
@@ -38,10 +38,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         path, value = parse_override(text)
         node = data
         for part in path[:-1]:
-            child = node.setdefault(part, {})
+            child: Any = node.setdefault(part, {})
             if not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
-            node = child
+            node = cast(dict[str, Any], child)
         node[path[-1]] = value
     return data
 
@@ -61,7 +61,7 @@ def _known_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]
 
 
 def format_validation_error(error: ValidationError) -> str:
-    lines = []
+    lines: list[str] = []
     for item in error.errors():
         loc = tuple(part for part in item["loc"] if not (isinstance(part, str) and part in _UNION_TAGS))
         key = ".".join(str(part) for part in loc) or "<config>"

@@ -23,7 +23,8 @@ class HfEngine:
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model.to(self.device).eval()
+        # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
+        self.model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.batch_size = batch_size
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
@@ -51,7 +52,8 @@ class HfEngine:
         if param.seed is not None:
             torch.manual_seed(param.seed)
         eos = [self.tokenizer.eos_token_id, *param.stop_token_ids]
-        result = self.model.generate(
+        # the auto class's return type does not satisfy `generate`'s self protocol in transformers' stubs
+        result = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             do_sample=True,

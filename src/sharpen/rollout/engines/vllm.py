@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sharpen.config.schema import VllmEngineConfig
 from sharpen.rollout.engines.base import EngineError
@@ -21,6 +21,8 @@ from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
+    from vllm.config.model import ModelDType
+    from vllm.logprobs import LogprobsOnePosition
 
 _RECEIVER = "sharpen.rollout.weight_sync.vllm_receiver.VllmWeightReceiver"
 
@@ -44,7 +46,7 @@ class VllmEngine:
         started = time.perf_counter()
         self.llm = LLM(
             model=str(model_path),
-            dtype=dtype,
+            dtype=cast("ModelDType", dtype),  # validated by the config schema
             seed=seed,
             max_model_len=config.max_model_len,
             enforce_eager=config.enforce_eager,
@@ -78,7 +80,9 @@ class VllmEngine:
             ids = list(sample.token_ids)
             if sample.logprobs is None or len(sample.logprobs) != len(ids):
                 raise EngineError(f"vLLM returned {len(sample.logprobs or [])} logprobs for {len(ids)} tokens")
-            logprobs = [step[token].logprob for step, token in zip(sample.logprobs, ids, strict=True)]
+            # every sampled position has its logprobs (FlatLogprobs is typed as a sequence of optional positions)
+            steps = cast("Sequence[LogprobsOnePosition]", sample.logprobs)
+            logprobs = [step[token].logprob for step, token in zip(steps, ids, strict=True)]
             completions.append(
                 Completion(
                     token_ids=ids,
@@ -98,7 +102,9 @@ class VllmEngine:
         prompt_logprobs = output.prompt_logprobs
         if prompt_logprobs is None:
             raise EngineError("vLLM returned no prompt logprobs for the probe")
-        return [step[token].logprob for step, token in zip(prompt_logprobs[1:], token_ids[1:], strict=True)]
+        # only the first prompt position has no logprobs
+        steps = cast("Sequence[LogprobsOnePosition]", prompt_logprobs[1:])
+        return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         started = time.perf_counter()

@@ -10,11 +10,15 @@ import contextlib
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from sharpen.config.schema import TrainerConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
@@ -34,9 +38,9 @@ class SingleDeviceBackend:
         self.config = config
         self.model_path = Path(model_path)
         self.device = resolve_device(config.device)
-        self.model: nn.Module = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype)).to(
-            self.device
-        )
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
+        self.model: PreTrainedModel = model.to(self.device)  # pyright: ignore[reportArgumentType]
         self.model.config.use_cache = False
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -48,7 +52,7 @@ class SingleDeviceBackend:
             weight_decay=config.weight_decay,
         )
 
-    def autocast(self) -> contextlib.AbstractContextManager[None]:
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
         if not self.config.bf16_autocast:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
@@ -72,7 +76,8 @@ class SingleDeviceBackend:
         with self.autocast() if use_autocast else contextlib.nullcontext():
             hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
-            logits = self.model.get_output_embeddings()(selected).float() / temperature
+            lm_head = cast(nn.Module, self.model.get_output_embeddings())  # a causal LM always has one
+            logits = lm_head(selected).float() / temperature
         targets = input_ids[:, 1:][target_mask]
         picked = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
         out = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
