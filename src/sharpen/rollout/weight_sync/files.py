@@ -6,9 +6,9 @@ file carries a checksum of every tensor's bytes so the receiver can prove it rea
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,12 +25,17 @@ class WeightsFile:
 
 
 def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """blake2b over names and raw bytes, in the given order."""
-    digest = hashlib.blake2b(digest_size=16)
+    """CRC-32 chained over names and raw bytes, in the given order.
+
+    It guards against truncated, corrupted or mixed-up transfers, not against an adversary, so a CRC (about
+    2.5 GB/s here, read in place without a copy) beats a cryptographic hash (blake2b with a copy: ~0.35 GB/s,
+    which cost ~1.5 s per side for a 0.5 GB sync).
+    """
+    crc = 0
     for name, tensor in named:
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
 
 
 def shared_memory_dir() -> Path:
