@@ -1,0 +1,179 @@
+"""Advantage estimators beyond GRPO: RLOO, REINFORCE++, ReMax, Dr.GRPO, and GAE for PPO with a critic.
+
+Pure torch functions over tensors, like ``advantages.py``. The outcome estimators take scores
+[num_groups, group_size] with NaN where the reward abstained, exactly as ``compute_grpo_advantages`` does:
+abstained entries come back NaN and are left out of every mean and std. Edge cases (a group of one, all-equal
+scores, everything abstained, empty tensors) give 0 or NaN-for-abstained, never a NaN from a division.
+
+Deliberately not here: per-token KL shaping of rewards (the caller folds a KL penalty into ``rewards`` before
+``compute_gae`` if it wants one), loss aggregation (``losses.py``; Dr.GRPO's constant length normaliser lives
+there), and the critic itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
+
+
+def compute_rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
+    """REINFORCE Leave-One-Out advantages (Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!";
+    Ahmadian et al. 2024, "Back to Basics").
+
+    ``scores``: [num_groups, group_size], NaN where abstained. Over the k valid scores of a group,
+    A_i = r_i - 1/(k-1) sum_{j != i} r_j = k/(k-1) (r_i - mean_j r_j), so each sample's baseline is independent
+    of its own reward and the advantages of a group sum to zero. A group with one valid score, or all-equal
+    scores, gets exactly 0; abstained entries stay NaN.
+    """
+    centred = _center_in_groups(scores)  # [groups, n]: r_i - group mean, NaN where abstained
+    num_valid = (~torch.isnan(scores)).sum(dim=1, keepdim=True).to(centred.dtype)  # [groups, 1]
+    # k/(k-1) for k >= 2; a group with k <= 1 is already 0 (or all NaN), so any finite factor would do there.
+    safe_num_valid = num_valid.clamp(min=2)
+    return centred * (safe_num_valid / (safe_num_valid - 1))
+
+
+def compute_reinforce_pp_advantages(scores: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs").
+
+    ``scores``: [num_groups, group_size], NaN where abstained. No per-group baseline: the raw score is
+    normalised over the whole batch, A_i = (r_i - mean_batch r) / (std_batch r + eps), with the mean and the
+    population std taken over every valid score of the batch. This is the outcome-reward form (one score per
+    sample, gamma = 1); the paper's per-token KL penalty belongs in the reward, not here. A batch whose valid
+    scores are all equal (std 0) gets exactly 0; abstained entries stay NaN.
+    """
+    return _normalize_over_batch(scores, eps=eps)
+
+
+def compute_reinforce_pp_baseline_advantages(scores: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++-baseline advantages (Hu 2025): the group mean is subtracted first, then the result is
+    normalised over the whole batch.
+
+    ``scores``: [num_groups, group_size], NaN where abstained. c_i = r_i - mean_group r, then
+    A_i = (c_i - mean_batch c) / (std_batch c + eps) over the valid entries of the batch. Unlike GRPO, the std is
+    the batch's, not the group's, so a group with a small spread is not blown up to unit scale. Groups without
+    signal contribute zeros (and still count in the batch std); a batch without any signal is exactly 0.
+    """
+    return _normalize_over_batch(_center_in_groups(scores), eps=eps)
+
+
+def compute_remax_advantages(scores: torch.Tensor, greedy_scores: torch.Tensor) -> torch.Tensor:
+    """ReMax advantages (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method
+    for Aligning Large Language Models").
+
+    ``scores``: [num_groups, group_size], NaN where abstained; ``greedy_scores``: [num_groups], the score of the
+    greedy (argmax) decode of each group's prompt. A_i = r_i - r_greedy: the greedy response is the baseline.
+    A NaN greedy score (its reward abstained) leaves the whole group without a baseline, so it abstains (NaN).
+    """
+    if greedy_scores.shape != scores.shape[:1]:
+        raise ValueError(
+            f"greedy_scores must have shape [num_groups] = {list(scores.shape[:1])}, got {list(greedy_scores.shape)}"
+        )
+    return scores - greedy_scores.unsqueeze(1)  # [groups, n]: NaN propagates from either side
+
+
+def compute_drgrpo_advantages(scores: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO advantages (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical Perspective").
+
+    ``scores``: [num_groups, group_size], NaN where abstained. A_i = r_i - mean_group r: GRPO without the
+    division by the group std, which the paper shows up-weights too-easy and too-hard questions. Dr.GRPO's other
+    half, dividing the summed token loss by a constant (e.g. the max generation length) instead of each
+    sequence's length, is loss aggregation: it lives in the ``normalizer`` passed to the policy loss, not here.
+    """
+    return _center_in_groups(scores)
+
+
+def compute_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation for PPO with a critic (Schulman et al. 2016, "High-Dimensional Continuous
+    Control Using Generalized Advantage Estimation"). Returns ``(advantages, returns)``, both [batch, seq].
+
+    ``rewards``, ``values``, ``mask``: [batch, seq]; ``mask`` is true (or 1) on the response tokens the policy
+    generated. Over the valid tokens only, t' being the next valid token after t:
+        delta_t = r_t + gamma * V_t' - V_t,    A_t = delta_t + gamma * lam * A_t',
+    with V and A after the last valid token taken as 0 (the episode ends there). Masked positions are skipped,
+    not treated as steps: right padding ends the episode, and an interior masked stretch (e.g. tool output in a
+    multi-turn rollout) is passed over, its rewards and values ignored. With a contiguous mask this is the usual
+    delta_t = r_t + gamma * V_{t+1} * m_{t+1} - V_t. returns = advantages + values on valid tokens; masked
+    positions get 0 for both. Advantages are not whitened here (see ``whiten``). No gradient flows through.
+    """
+    if rewards.dim() != 2 or rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(
+            "rewards, values and mask must all be [batch, seq]; got "
+            f"{list(rewards.shape)}, {list(values.shape)}, {list(mask.shape)}"
+        )
+    # Advantages and returns are regression/policy targets: no gradient into the critic through them.
+    rewards = rewards.detach()
+    values = values.detach()
+    valid = mask.bool()  # [batch, seq]
+    zeros = torch.zeros_like(values)  # [batch, seq]
+    advantages = torch.zeros_like(values)  # [batch, seq]
+    next_value = values.new_zeros(values.shape[0])  # [batch]: V at t', 0 past the last valid token
+    next_advantage = values.new_zeros(values.shape[0])  # [batch]: A at t', likewise
+    for t in reversed(range(values.shape[1])):
+        is_valid = valid[:, t]  # [batch]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # [batch]
+        advantage = delta + gamma * lam * next_advantage  # [batch]
+        # ``torch.where`` rather than multiplying by the mask: a NaN in padding must not leak into valid tokens.
+        advantages[:, t] = torch.where(is_valid, advantage, zeros[:, t])
+        next_value = torch.where(is_valid, values[:, t], next_value)
+        next_advantage = torch.where(is_valid, advantage, next_advantage)
+    returns = torch.where(valid, advantages + values, zeros)  # [batch, seq]
+    return advantages, returns
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, *, shift_mean: bool = True) -> torch.Tensor:
+    """Masked whitening: (x - mean) / (std + 1e-8), mean and population std over the entries where ``mask`` is
+    true, 0 where it is false.
+
+    ``values``, ``mask``: same shape (typically [batch, seq]). With ``shift_mean=False`` the mean is added back
+    after scaling, (x - mean) / (std + eps) + mean, so only the spread is normalised (the TRL/verl convention,
+    used to whiten rewards without moving their level). A mask with no true entries gives all zeros; all-equal
+    masked entries give exactly 0 (or the mean, with ``shift_mean=False``).
+    """
+    if values.shape != mask.shape:
+        raise ValueError(f"values and mask must have the same shape; got {list(values.shape)}, {list(mask.shape)}")
+    valid = mask.bool()
+    nan = torch.full_like(values, float("nan"))
+    whitened = _normalize_over_batch(torch.where(valid, values, nan), eps=1e-8)
+    if not shift_mean:
+        whitened = whitened + _masked_mean(values, valid)
+    return torch.where(valid, whitened, torch.zeros_like(values))
+
+
+def _center_in_groups(scores: torch.Tensor) -> torch.Tensor:
+    """r_i - mean_group r over valid scores, NaN where abstained, exactly 0 for groups without signal."""
+    if scores.numel() == 0:  # ``compute_grpo_advantages`` reduces with amax, which rejects an empty group dim
+        return scores.clone()
+    return compute_grpo_advantages(scores, normalize_std=False)
+
+
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Scalar mean of ``x`` over the true entries of ``valid``; 0 when there are none."""
+    filled = torch.where(valid, x, torch.zeros_like(x))
+    return filled.sum() / valid.sum().clamp(min=1)
+
+
+def _normalize_over_batch(x: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) with the mean and population std over every non-NaN entry of ``x``; NaN stays NaN.
+
+    A batch whose valid entries are all equal is exactly 0: ``x - mean`` would keep the mean's rounding error,
+    which the division would then turn into a small nonzero advantage (same reasoning as GRPO's flat groups).
+    """
+    valid = ~torch.isnan(x)
+    if not bool(valid.any()):  # also covers empty tensors, where amax/amin below would raise
+        return x.clone()
+    num_valid = valid.sum()
+    mean = _masked_mean(x, valid)
+    highest = torch.where(valid, x, torch.full_like(x, -torch.inf)).amax()
+    lowest = torch.where(valid, x, torch.full_like(x, torch.inf)).amin()
+    has_spread = valid & (highest > lowest)
+    centred = torch.where(has_spread, x - mean, torch.zeros_like(x))
+    std = (centred.pow(2).sum() / num_valid).sqrt()
+    return torch.where(valid, centred / (std + eps), torch.full_like(x, float("nan")))
