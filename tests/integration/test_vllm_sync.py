@@ -87,7 +87,7 @@ def test_generation_logprobs_match_the_trainer_and_sync_takes_effect(engine, tra
     before = engine.score(sync.probe_ids)
     assign_advantages([RolloutGroup(example=example, rollouts=rollouts)], trainer.config.algorithm)
     metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
-    assert metrics["mismatch/kl_k3"] < 1e-4
+    assert metrics["offpolicy/kl_k3"] < 1e-4
     sync_metrics = sync(trainer, engine, version=1)
     after = engine.score(sync.probe_ids)
     assert _mean_abs(before, after) > 10 * TOLERANCE  # the engine's logprobs changed...

@@ -7,7 +7,9 @@ in well under a second. User errors (bad recipe, missing model, bad data) print 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from sharpen.config import ConfigError, dump_config, load_config
@@ -83,8 +85,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a scheduler, `kill`, a CI timeout) unwinds like Ctrl-C, so `finally` blocks shut the engine's
+    child processes down; by default Python dies at once and leaves vLLM's engine processes orphaned."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return _run(args)
     except (ConfigError, ModelNotFoundError) as error:

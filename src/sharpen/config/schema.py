@@ -74,6 +74,11 @@ class RewardConfig(Section):
     """Weight of the format component (the answer was found where it was asked for); 0 logs it only."""
     correct_weight: float = Field(default=1.0, ge=0.0)
     """Weight of the correctness component."""
+    overlong_buffer_tokens: int = Field(default=0, ge=0)
+    """DAPO soft overlong punishment: the last N tokens before rollout.max_new_tokens lower the reward linearly, to
+    -overlong_penalty at the limit (0: off)."""
+    overlong_penalty: float = Field(default=1.0, ge=0.0)
+    """The largest overlong punishment."""
 
 
 class VllmEngineConfig(Section):
@@ -110,21 +115,73 @@ class RolloutConfig(Section):
     """Token limit of a completion."""
     temperature: float = Field(default=1.0, gt=0.0)
     """Sampling temperature; the trainer scales its logits by the same value so ratios stay on-policy."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: train only on groups whose rewards are not all equal, generating more batches until
+    prompts_per_step such groups are collected (surplus groups wait for the next step)."""
+    max_sampling_batches: int = Field(default=3, ge=1)
+    """Cap on generation batches per step under dynamic sampling; at the cap the step trains on what it has."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling threshold (1: off). Below 1 the behaviour policy is truncated; the mismatch shows in metrics."""
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo"] = "grpo"
-    """Advantage estimator (more arrive with the algorithms issue)."""
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group's standard deviation (GRPO); False gives Dr.GRPO's centring only."""
+    """The RL objective. docs/algorithms.md gives each formula and its paper."""
+
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    """Advantage estimator: GRPO (group mean/std), Dr.GRPO (group mean only), RLOO (leave-one-out), REINFORCE++
+    (batch-normalised score) or REINFORCE++-baseline (group mean, then batch-normalised)."""
+    policy_loss: Literal["ppo_clip", "gspo", "cispo", "pg"] = "ppo_clip"
+    """Policy loss: PPO clip (token ratio), GSPO (sequence ratio), CISPO (clipped stop-gradient IS weight on the
+    log-likelihood) or plain on-policy policy gradient."""
     clip_eps_low: float = Field(default=0.2, ge=0.0)
-    """PPO clip: the ratio is clipped below at 1 - clip_eps_low."""
+    """The ratio is clipped below at 1 - clip_eps_low (PPO, GSPO, CISPO)."""
     clip_eps_high: float = Field(default=0.2, ge=0.0)
-    """PPO clip: the ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher when larger than low)."""
-    loss_aggregation: Literal["token_mean"] = "token_mean"
-    """How per-token losses become one number: the mean over all completion tokens of the whole step's batch."""
+    """The ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher when larger than low)."""
+    dual_clip_c: float | None = Field(default=None, gt=1.0)
+    """Dual-clip PPO: for negative advantages the loss is bounded by c * |A| (None: off)."""
+    loss_aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
+        "token_mean"
+    )
+    """How per-token losses become one number, normalised over the whole mini-batch so the micro-batch split never
+    changes the gradient. seq_mean_token_sum_norm divides each sequence's sum by a constant (Dr.GRPO)."""
+    aggregation_constant: int | None = Field(default=None, ge=1)
+    """The constant of seq_mean_token_sum_norm (None: rollout.max_new_tokens)."""
+    mask_truncated: bool = False
+    """Leave completions cut off at rollout.max_new_tokens out of the loss (DAPO overlong filtering); they still
+    count in their group's advantage baseline."""
+    num_epochs: int = Field(default=1, ge=1)
+    """Passes over each batch of rollouts (PPO epochs)."""
+    num_mini_batches: int = Field(default=1, ge=1)
+    """Optimizer steps per epoch: the batch is split into this many mini-batches."""
+    entropy_coef: float = Field(default=0.0, ge=0.0)
+    """Weight of the entropy bonus (0: entropy is still logged, no extra cost beyond the logits already computed)."""
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    """Weight of the KL(policy || reference) loss term; 0 loads no reference model and runs no reference forward."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
+    """Per-token KL estimator used as the loss. k2's gradient is the true reverse-KL gradient on on-policy samples;
+    k3 (GRPO's choice) is an unbiased value but a biased gradient; k1's expected gradient is zero."""
+    kl_target: float | None = Field(default=None, gt=0.0)
+    """Adaptive KL coefficient (Ziegler et al.): steer the measured KL towards this target (None: fixed kl_coef)."""
+    kl_horizon: int = Field(default=10000, ge=1)
+    """Horizon (in samples) of the adaptive KL controller."""
+    off_policy_correction: Literal["none", "token_tis", "sequence_tis", "token_mask", "sequence_mask"] = "token_tis"
+    """Correction of the loss against the engine's (behaviour) logprobs: truncated importance sampling per token or
+    per sequence, or masking tokens/sequences whose ratio leaves [off_policy_low, off_policy_high]. On by default:
+    the engine's numerics never exactly match the trainer's."""
+    off_policy_cap: float = Field(default=2.0, gt=0.0)
+    """Truncation of the importance weight for the *_tis corrections."""
+    off_policy_low: float = Field(default=0.5, ge=0.0)
+    """Lower edge of the kept ratio band for the *_mask corrections."""
+    off_policy_high: float = Field(default=2.0, gt=0.0)
+    """Upper edge of the kept ratio band for the *_mask corrections."""
+
+    @model_validator(mode="after")
+    def _check_band(self) -> AlgorithmConfig:
+        if self.off_policy_low > self.off_policy_high:
+            raise ValueError(
+                f"off_policy_low = {self.off_policy_low} is above off_policy_high = {self.off_policy_high}"
+            )
+        return self
 
 
 class TrainerConfig(Section):
@@ -186,6 +243,17 @@ class SharpenConfig(Section):
                 f"trainer.micro_batch_size = {self.trainer.micro_batch_size} does not divide the rollouts per step "
                 f"(rollout.prompts_per_step {self.rollout.prompts_per_step} x rollout.num_samples_per_prompt "
                 f"{self.rollout.num_samples_per_prompt} = {num_rollouts})"
+            )
+        if self.reward.overlong_buffer_tokens > self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_tokens = {self.reward.overlong_buffer_tokens} is larger than "
+                f"rollout.max_new_tokens = {self.rollout.max_new_tokens}"
+            )
+        num_mini = self.trainer.algorithm.num_mini_batches
+        if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
+            raise ValueError(
+                f"trainer.algorithm.num_mini_batches = {num_mini} x trainer.micro_batch_size = "
+                f"{self.trainer.micro_batch_size} does not divide the {num_rollouts} rollouts per step"
             )
         return self
 

@@ -20,7 +20,7 @@ DEFAULT_PROGRESS_KEYS: tuple[str, ...] = (
     "reward/mean",
     "reward/correct",
     "rollout/completion_length_mean",
-    "mismatch/kl_k3",
+    "offpolicy/kl_k3",
 )
 """Metrics shown next to the bar when a step reports them, in this order."""
 

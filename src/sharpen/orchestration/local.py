@@ -17,7 +17,7 @@ from sharpen.orchestration.loop import Components, run_loop
 from sharpen.orchestration.phases import WeightSync
 from sharpen.rewards import RewardFn, Rubric
 from sharpen.rollout.engines import InferenceEngine, build_engine
-from sharpen.trainer import SingleDeviceBackend, Trainer
+from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer
 from sharpen.types import Example
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,21 @@ def build_components(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     backend = SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
+    reference = None
+    if config.trainer.algorithm.kl_coef > 0:
+        reference = ReferencePolicy(
+            model_path=model_path,
+            dtype=config.model.dtype,
+            device=backend.device,
+            bf16_autocast=config.trainer.bf16_autocast,
+        )
     trainer = Trainer(
-        config.trainer, backend=backend, pad_token_id=pad_token_id, temperature=config.rollout.temperature
+        config.trainer,
+        backend=backend,
+        pad_token_id=pad_token_id,
+        temperature=config.rollout.temperature,
+        max_new_tokens=config.rollout.max_new_tokens,
+        reference=reference,
     )
     engine = engine or build_engine(
         config.rollout.engine,

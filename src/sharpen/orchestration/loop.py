@@ -14,12 +14,13 @@ from sharpen.config.schema import SharpenConfig
 from sharpen.data import ExampleSampler
 from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, peak_memory_metrics
 from sharpen.orchestration.checkpoint import save_checkpoint
+from sharpen.orchestration.filters import DynamicSamplingBuffer, overlong_filter
 from sharpen.orchestration.phases import WeightSync, assign_advantages, reward_metrics, score_groups
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import generate_groups
 from sharpen.trainer import Trainer
-from sharpen.types import SamplingParams, TrainBatch
+from sharpen.types import RolloutGroup, SamplingParams, TrainBatch
 
 
 @dataclass(kw_only=True)
@@ -45,22 +46,13 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
     )
     timer = PhaseTimer()
     for step in range(start_step, config.run.num_steps):
-        with timer.phase("generate"):
-            examples = c.sampler.next_batch(config.rollout.prompts_per_step)
-            groups = generate_groups(
-                c.engine,
-                examples,
-                tokenizer=c.tokenizer,
-                sampling=sampling,
-                num_samples=config.rollout.num_samples_per_prompt,
-                seed=f"{config.run.seed}/{step}",
-            )
+        groups, sampling_metrics = collect_groups(c, step=step, sampling=sampling, timer=timer)
         with timer.phase("score"):
-            score_groups(c.rubric, groups)
             assign_advantages(groups, config.trainer.algorithm)
         rollouts = [r for g in groups for r in g.rollouts]
+        trained = overlong_filter(rollouts) if config.trainer.algorithm.mask_truncated else rollouts
         with timer.phase("train"):
-            train_metrics = c.trainer.step(TrainBatch(rollouts=rollouts, step=step))
+            train_metrics = c.trainer.step(TrainBatch(rollouts=trained, step=step))
         with timer.phase("sync"):
             sync_metrics = c.weight_sync(c.trainer, c.engine, version=step + 1)
 
@@ -69,6 +61,7 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
         step_seconds = sum(times.values())
         metrics = {
             **reward_metrics(groups),
+            **sampling_metrics,
             **train_metrics,
             **sync_metrics,
             **times,
@@ -82,3 +75,35 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
         is_last = step + 1 == config.run.num_steps
         if (config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0) or is_last:
             save_checkpoint(c.run_dir, next_step=step + 1, trainer=c.trainer, sampler=c.sampler)
+
+
+def collect_groups(
+    c: Components, *, step: int, sampling: SamplingParams, timer: PhaseTimer
+) -> tuple[list[RolloutGroup], dict[str, float]]:
+    """Generate and score one step's groups. With dynamic sampling (DAPO), keep drawing batches until
+    ``prompts_per_step`` informative groups are collected or the cap is reached; the surplus of the last batch is
+    dropped (as in DAPO's reference code), so no state crosses steps and resume stays exact."""
+    config = c.config
+    buffer = None
+    if config.rollout.dynamic_sampling:
+        buffer = DynamicSamplingBuffer(config.rollout.prompts_per_step, config.rollout.max_sampling_batches)
+    for draw in range(config.rollout.max_sampling_batches):
+        with timer.phase("generate"):
+            groups = generate_groups(
+                c.engine,
+                c.sampler.next_batch(config.rollout.prompts_per_step),
+                tokenizer=c.tokenizer,
+                sampling=sampling,
+                num_samples=config.rollout.num_samples_per_prompt,
+                seed=f"{config.run.seed}/{step}" if draw == 0 else f"{config.run.seed}/{step}/{draw}",
+            )
+        with timer.phase("score"):
+            score_groups(c.rubric, groups, config=config.reward, max_new_tokens=config.rollout.max_new_tokens)
+        if buffer is None:
+            return groups, {}
+        buffer.add(groups)
+        if buffer.is_full or buffer.exhausted:
+            break
+    assert buffer is not None
+    metrics = buffer.metrics()
+    return buffer.take(), metrics

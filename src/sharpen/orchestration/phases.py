@@ -9,14 +9,22 @@ import math
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from sharpen.config.schema import AlgorithmConfig
+from sharpen.config.schema import AlgorithmConfig, RewardConfig
+from sharpen.orchestration.filters import is_informative, shape_overlong_reward
 from sharpen.rewards import RewardFn
 from sharpen.rollout.weight_sync import ProbeCheck, verify_probe
 from sharpen.trainer.algorithms import compute_grpo_advantages
+from sharpen.trainer.algorithms.estimators import (
+    compute_drgrpo_advantages,
+    compute_reinforce_pp_advantages,
+    compute_reinforce_pp_baseline_advantages,
+    compute_rloo_advantages,
+)
 from sharpen.types import Rollout, RolloutGroup
 
 if TYPE_CHECKING:
@@ -24,14 +32,40 @@ if TYPE_CHECKING:
     from sharpen.trainer import Trainer
 
 
-def score_groups(rubric: RewardFn, groups: list[RolloutGroup]) -> None:
+def score_groups(
+    rubric: RewardFn, groups: list[RolloutGroup], *, config: RewardConfig | None = None, max_new_tokens: int = 0
+) -> None:
+    """Reward every rollout; with ``config.overlong_buffer_tokens`` also apply DAPO's soft overlong punishment
+    (logged as the ``overlong_penalty`` component)."""
+    shaping = config is not None and config.overlong_buffer_tokens > 0
     for group in groups:
         for rollout in group.rollouts:
-            rollout.reward = rubric(group.example, rollout.completion_text)
+            reward = rubric(group.example, rollout.completion_text)
+            if shaping and config is not None and reward.score is not None:
+                shaped = shape_overlong_reward(
+                    reward.score,
+                    len(rollout.completion_ids),
+                    max_tokens=max_new_tokens,
+                    buffer_tokens=config.overlong_buffer_tokens,
+                    penalty=config.overlong_penalty,
+                )
+                reward.components["overlong_penalty"] = reward.score - shaped
+                reward.score = shaped
+            rollout.reward = reward
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "grpo": compute_grpo_advantages,
+    "drgrpo": compute_drgrpo_advantages,
+    "rloo": compute_rloo_advantages,
+    "reinforce_pp": compute_reinforce_pp_advantages,
+    "reinforce_pp_baseline": compute_reinforce_pp_baseline_advantages,
+}
 
 
 def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
-    """GRPO advantages per group; rollouts whose reward abstained keep ``advantage = None`` (not trained on)."""
+    """Sequence-level advantages from the configured estimator; rollouts whose reward abstained keep
+    ``advantage = None`` (not trained on)."""
     if not groups:
         return
     size = max(len(g.rollouts) for g in groups)
@@ -40,7 +74,7 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> No
         for col, score in enumerate(group.scores):
             if score is not None:
                 scores[row, col] = score
-    advantages = compute_grpo_advantages(scores, normalize_std=config.normalize_std)
+    advantages = ADVANTAGE_ESTIMATORS[config.advantage](scores)
     for row, group in enumerate(groups):
         for col, rollout in enumerate(group.rollouts):
             value = float(advantages[row, col])
@@ -60,7 +94,7 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         "rollout/completion_length_max": float(max(lengths, default=0)),
         "rollout/truncated_fraction": sum(r.is_truncated for r in rollouts) / max(len(rollouts), 1),
         "rollout/num_tokens": float(sum(lengths)),
-        "rollout/groups_all_equal_fraction": sum(_is_flat(g) for g in groups) / max(len(groups), 1),
+        "rollout/groups_all_equal_fraction": sum(not is_informative(g) for g in groups) / max(len(groups), 1),
     }
     for name in sorted({n for r in rollouts if r.reward is not None for n in r.reward.components}):
         values = [r.reward.components[name] for r in rollouts if r.reward is not None and name in r.reward.components]
@@ -68,11 +102,6 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
     for status, count in statuses.items():
         metrics[f"reward/status_{status}"] = count / len(rollouts)
     return metrics
-
-
-def _is_flat(group: RolloutGroup) -> bool:
-    scores = [s for s in group.scores if s is not None]
-    return len(set(scores)) <= 1
 
 
 class WeightSync:

@@ -19,13 +19,20 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [batch, seq - 1] bool: completion tokens
     engine_logprobs: torch.Tensor  # [batch, seq - 1] behaviour logprobs (0 outside the mask)
     advantages: torch.Tensor  # [batch, 1]
+    old_logprobs: torch.Tensor | None = None  # [batch, seq - 1] the policy's before this step (multi-update steps)
 
     @property
     def num_loss_tokens(self) -> int:
         return int(self.loss_mask.sum())
 
 
-def pack_micro_batch(rollouts: list[Rollout], *, pad_token_id: int, device: torch.device) -> MicroBatch:
+def pack_micro_batch(
+    rollouts: list[Rollout],
+    *,
+    pad_token_id: int,
+    device: torch.device,
+    old_logprobs: list[list[float]] | None = None,
+) -> MicroBatch:
     if not rollouts:
         raise ValueError("cannot pack an empty micro-batch")
     seq_len = max(r.num_tokens for r in rollouts)
@@ -35,6 +42,7 @@ def pack_micro_batch(rollouts: list[Rollout], *, pad_token_id: int, device: torc
     loss_mask = torch.zeros((batch, seq_len - 1), dtype=torch.bool)
     engine_logprobs = torch.zeros((batch, seq_len - 1), dtype=torch.float32)
     advantages = torch.zeros((batch, 1), dtype=torch.float32)
+    old = torch.zeros((batch, seq_len - 1), dtype=torch.float32) if old_logprobs is not None else None
     for row, rollout in enumerate(rollouts):
         if rollout.advantage is None:
             raise ValueError(f"rollout {rollout.example.task_key} has no advantage; leave it out of the batch")
@@ -46,12 +54,15 @@ def pack_micro_batch(rollouts: list[Rollout], *, pad_token_id: int, device: torc
         loss_mask[row, start:end] = True
         engine_logprobs[row, start:end] = torch.tensor(rollout.completion_logprobs, dtype=torch.float32)
         advantages[row, 0] = rollout.advantage
+        if old is not None and old_logprobs is not None:
+            old[row, start:end] = torch.tensor(old_logprobs[row], dtype=torch.float32)
     return MicroBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         loss_mask=loss_mask.to(device),
         engine_logprobs=engine_logprobs.to(device),
         advantages=advantages.to(device),
+        old_logprobs=old.to(device) if old is not None else None,
     )
 
 

@@ -1,80 +1,238 @@
-"""`Trainer.step(batch) -> metrics`: one optimizer step of the PPO-clip objective on a batch of rollouts.
+"""`Trainer.step(batch) -> metrics`: optimizer steps of the configured policy objective on a batch of rollouts.
 
-The trainer recomputes logprobs of the rollouts' completion tokens, takes the importance ratio against the
-engine's (behaviour) logprobs, and accumulates gradients over micro-batches with a token-mean normalised over
-the whole step, so the micro-batch split never changes the update. It never imports rollout code: weights leave
+Per step: the batch is split into ``num_mini_batches`` mini-batches (one optimizer step each) and passed over
+``num_epochs`` times. Each mini-batch's loss is aggregated with a denominator computed from the whole mini-batch,
+so the micro-batch split never changes the update. The policy ratio is taken against the "old" logprobs (the
+trainer's own, at the start of the step); the off-policy correction reweights or masks tokens by the ratio of the
+old logprobs to the engine's (behaviour) logprobs. With one epoch and one mini-batch the old logprobs are the
+current ones, detached, and no extra forward pass runs. The trainer never imports rollout code: weights leave
 through `named_weights()`, and orchestration decides where they go.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from sharpen.config.schema import TrainerConfig
-from sharpen.trainer.algorithms import compute_mismatch_metrics, compute_ppo_clip_loss
-from sharpen.trainer.backends import SingleDeviceBackend
-from sharpen.trainer.packing import pack_micro_batch, split_micro_batches
-from sharpen.types import TrainBatch
+from sharpen.config.schema import AlgorithmConfig, TrainerConfig
+from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
+from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_per_token
+from sharpen.trainer.algorithms.offpolicy import compute_correction
+from sharpen.trainer.algorithms.policy_losses import (
+    PolicyLossMetrics,
+    cispo_per_token,
+    gspo_per_token,
+    pg_per_token,
+    ppo_clip_per_token,
+)
+from sharpen.trainer.backends import ReferencePolicy, SingleDeviceBackend
+from sharpen.trainer.packing import MicroBatch, pack_micro_batch, split_micro_batches
+from sharpen.types import Rollout, TrainBatch
+
+
+def compute_policy_loss(
+    config: AlgorithmConfig,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """Per-token policy loss [batch, seq] of the configured kind."""
+    if config.policy_loss == "ppo_clip":
+        return ppo_clip_per_token(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            clip_eps_low=config.clip_eps_low,
+            clip_eps_high=config.clip_eps_high,
+            dual_clip_c=config.dual_clip_c,
+        )
+    if config.policy_loss == "gspo":
+        return gspo_per_token(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            clip_eps_low=config.clip_eps_low,
+            clip_eps_high=config.clip_eps_high,
+        )
+    if config.policy_loss == "cispo":
+        return cispo_per_token(
+            logprobs,
+            old_logprobs,
+            advantages,
+            mask,
+            clip_eps_low=config.clip_eps_low,
+            clip_eps_high=config.clip_eps_high,
+        )
+    return pg_per_token(logprobs, advantages, mask)
+
+
+def build_kl_controller(config: AlgorithmConfig) -> KLController:
+    if config.kl_target is not None and config.kl_coef > 0:
+        return AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
+    return FixedKLController(config.kl_coef)
 
 
 class Trainer:
     def __init__(
-        self, config: TrainerConfig, *, backend: SingleDeviceBackend, pad_token_id: int, temperature: float = 1.0
+        self,
+        config: TrainerConfig,
+        *,
+        backend: SingleDeviceBackend,
+        pad_token_id: int,
+        temperature: float = 1.0,
+        max_new_tokens: int | None = None,
+        reference: ReferencePolicy | None = None,
     ) -> None:
+        algorithm = config.algorithm
+        if algorithm.kl_coef > 0 and reference is None:
+            raise ValueError("trainer.algorithm.kl_coef > 0 needs a reference policy")
+        if (
+            algorithm.loss_aggregation == "seq_mean_token_sum_norm"
+            and (algorithm.aggregation_constant or max_new_tokens) is None
+        ):
+            raise ValueError("seq_mean_token_sum_norm needs trainer.algorithm.aggregation_constant or max_new_tokens")
         self.config = config
         self.backend = backend
+        self.reference = reference
         self.pad_token_id = pad_token_id
         self.temperature = temperature
+        self.constant_length = float(algorithm.aggregation_constant or max_new_tokens or 1)
+        self.kl_controller = build_kl_controller(algorithm)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        rollouts = [r for r in batch.rollouts if r.advantage is not None and r.completion_ids]
-        num_tokens = sum(len(r.completion_ids) for r in rollouts)
         algorithm = self.config.algorithm
-        totals = {"loss": 0.0, "clipped": 0.0, "ratio": 0.0, "k1": 0.0, "k3": 0.0, "abs_diff": 0.0}
-        abs_diff_max = 0.0
+        rollouts = [r for r in batch.rollouts if r.advantage is not None and r.completion_ids]
+        if not rollouts:
+            return {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
+        needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1
+        old_logprobs = self._old_logprobs(rollouts) if needs_old else None
+        size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
+        mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
+        sums: dict[str, float] = defaultdict(float)
+        grad_norms = []
+        for _ in range(algorithm.num_epochs):
+            for mini_batch in mini_batches:
+                self._accumulate(mini_batch, old_logprobs, sums)
+                grad_norms.append(self.backend.clip_and_step())
+        kl_coef = self.kl_controller.coef
+        num_tokens = sums.pop("num_tokens")
+        loss = sums.pop("loss_total") / len(grad_norms)  # the mean over optimizer steps of each mini-batch's loss
+        metrics = {f"train/{name}": value / num_tokens for name, value in sums.items() if not name.startswith("off")}
+        metrics["train/loss"] = loss
+        metrics.update({name: value / num_tokens for name, value in sums.items() if name.startswith("off")})
+        if algorithm.kl_coef > 0:
+            self.kl_controller.update(metrics["train/kl"], len(rollouts))
+        grad_norm = sum(grad_norms) / len(grad_norms)
+        metrics.update(
+            {
+                "train/grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
+                "train/num_loss_tokens": num_tokens / algorithm.num_epochs,
+                "train/num_sequences": float(len(rollouts)),
+                "train/num_optimizer_steps": float(len(grad_norms)),
+                "train/kl_coef": kl_coef,
+            }
+        )
+        return metrics
+
+    def _accumulate(
+        self, rollouts: list[Rollout], old_logprobs: dict[int, list[float]] | None, sums: dict[str, float]
+    ) -> None:
+        """Forward/backward every micro-batch of one mini-batch, accumulating gradients and metric sums."""
+        algorithm = self.config.algorithm
+        lengths = torch.tensor([len(r.completion_ids) for r in rollouts])
+        normalizer = aggregation_normalizer(
+            algorithm.loss_aggregation, torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+        )
+        for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
+            micro = pack_micro_batch(
+                chunk,
+                pad_token_id=self.pad_token_id,
+                device=self.backend.device,
+                old_logprobs=[old_logprobs[id(r)] for r in chunk] if old_logprobs is not None else None,
+            )
+            scores = self.backend.score_tokens(
+                micro.input_ids,
+                micro.attention_mask,
+                micro.loss_mask,
+                temperature=self.temperature,
+                with_entropy=True,
+                entropy_requires_grad=algorithm.entropy_coef > 0,
+            )
+            old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
+            loss = self._micro_batch_loss(micro, scores.logprobs, old, scores.entropy, normalizer, sums)
+            loss.backward()
+
+    def _micro_batch_loss(
+        self,
+        micro: MicroBatch,
+        logprobs: torch.Tensor,
+        old: torch.Tensor,
+        entropy: torch.Tensor | None,
+        normalizer: float,
+        sums: dict[str, float],
+    ) -> torch.Tensor:
+        algorithm = self.config.algorithm
+        mask = micro.loss_mask
+        correction = compute_correction(
+            algorithm.off_policy_correction,
+            old,
+            micro.engine_logprobs,
+            mask,
+            cap=algorithm.off_policy_cap,
+            low=algorithm.off_policy_low,
+            high=algorithm.off_policy_high,
+        )
+        per_token, loss_metrics = compute_policy_loss(algorithm, logprobs, old, micro.advantages, correction.mask)
+        mode = algorithm.loss_aggregation
+
+        def aggregate(values: torch.Tensor) -> torch.Tensor:
+            return aggregate_loss(
+                values, correction.mask, mode, normalizer=normalizer, constant_length=self.constant_length
+            )
+
+        loss = aggregate(per_token * correction.weights)
+        num_tokens = float(mask.sum())
+        if entropy is not None:
+            sums["entropy"] += float(entropy.detach()[mask].sum())
+            if algorithm.entropy_coef > 0:
+                loss = loss - algorithm.entropy_coef * aggregate(entropy)
+        if self.reference is not None:
+            ref = self.reference.token_logprobs(
+                micro.input_ids, micro.attention_mask, mask, temperature=self.temperature
+            )
+            kl = kl_per_token(logprobs, ref, algorithm.kl_estimator)
+            sums["kl"] += float(kl.detach()[mask].sum())
+            loss = loss + self.kl_controller.coef * aggregate(kl)
+        sums["num_tokens"] += num_tokens
+        sums["loss_total"] += float(loss.detach())
+        sums["clip_fraction"] += float(loss_metrics.num_clipped_low + loss_metrics.num_clipped_high)
+        sums["dual_clip_fraction"] += float(loss_metrics.num_dual_clipped)
+        sums["ratio_mean"] += float(loss_metrics.ratio_sum)
+        for name, value in correction.metrics.items():
+            if name != "offpolicy/num_tokens":
+                sums[name] += value * num_tokens  # token-weighted mean over micro-batches
+        return loss
+
+    @torch.no_grad()
+    def _old_logprobs(self, rollouts: list[Rollout]) -> dict[int, list[float]]:
+        """The policy's logprobs of every completion token before this step's first update, keyed by rollout id."""
+        old: dict[int, list[float]] = {}
         for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
             micro = pack_micro_batch(chunk, pad_token_id=self.pad_token_id, device=self.backend.device)
             logprobs = self.backend.token_logprobs(
                 micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
             )
-            out = compute_ppo_clip_loss(
-                logprobs,
-                micro.engine_logprobs,
-                micro.advantages,
-                micro.loss_mask,
-                clip_eps_low=algorithm.clip_eps_low,
-                clip_eps_high=algorithm.clip_eps_high,
-                normalizer=num_tokens,
-            )
-            out.loss.backward()
-            mismatch = compute_mismatch_metrics(logprobs, micro.engine_logprobs, micro.loss_mask)
-            totals["loss"] += float(out.loss.detach())
-            totals["clipped"] += float(out.num_clipped)
-            totals["ratio"] += float(out.ratio_sum)
-            totals["k1"] += float(mismatch["k1_sum"])
-            totals["k3"] += float(mismatch["k3_sum"])
-            totals["abs_diff"] += float(mismatch["abs_diff_sum"])
-            abs_diff_max = max(abs_diff_max, float(mismatch["abs_diff_max"]))
-        if num_tokens == 0:
-            self.backend.optimizer.zero_grad(set_to_none=True)
-            return {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
-        grad_norm = self.backend.clip_and_step()
-        return {
-            "train/loss": totals["loss"],
-            "train/grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
-            "train/clip_fraction": totals["clipped"] / num_tokens,
-            "train/ratio_mean": totals["ratio"] / num_tokens,
-            "train/num_loss_tokens": float(num_tokens),
-            "train/num_sequences": float(len(rollouts)),
-            "mismatch/kl_k1": totals["k1"] / num_tokens,
-            "mismatch/kl_k3": totals["k3"] / num_tokens,
-            "mismatch/abs_logprob_diff_mean": totals["abs_diff"] / num_tokens,
-            "mismatch/abs_logprob_diff_max": abs_diff_max,
-        }
+            for row, rollout in enumerate(chunk):
+                old[id(rollout)] = logprobs[row][micro.loss_mask[row]].tolist()
+        return old
 
     @torch.no_grad()
     def compute_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -91,9 +249,16 @@ class Trainer:
 
     def save_checkpoint(self, folder: Path) -> None:
         self.backend.save(folder)
+        (folder / "trainer.json").write_text(json.dumps({"kl_coef": self.kl_controller.coef}))
 
     def load_checkpoint(self, folder: Path) -> None:
         self.backend.load(folder)
+        state = json.loads((folder / "trainer.json").read_text())
+        if isinstance(self.kl_controller, AdaptiveKLController):
+            algorithm = self.config.algorithm
+            self.kl_controller = AdaptiveKLController(
+                state["kl_coef"], algorithm.kl_target or 1.0, algorithm.kl_horizon
+            )
 
     def export(self, folder: Path) -> None:
         self.backend.export(folder)

@@ -100,7 +100,7 @@ def test_dotted_overrides_reach_nested_values_and_beat_the_recipe(tmp_path):
         [
             "run.name=from-cli",
             "trainer.algorithm.clip_eps_low=0.1",
-            "trainer.algorithm.normalize_std=false",
+            "trainer.algorithm.entropy_coef=0.01",
             "trainer.betas=[0.8, 0.95]",
             "rollout.engine.type=scripted",
             'rollout.engine.completions=["a", "b"]',
@@ -112,7 +112,7 @@ def test_dotted_overrides_reach_nested_values_and_beat_the_recipe(tmp_path):
     assert config.run.num_steps == 7
     assert config.trainer.algorithm.clip_eps_high == 0.25
     assert config.trainer.algorithm.clip_eps_low == 0.1
-    assert config.trainer.algorithm.normalize_std is False
+    assert config.trainer.algorithm.entropy_coef == 0.01
     assert config.trainer.betas == (0.8, 0.95)
     assert config.rollout.engine == ScriptedEngineConfig(completions=["a", "b"])
     assert config.data == JsonlDataConfig(path="tasks.jsonl")

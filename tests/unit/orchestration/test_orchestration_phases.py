@@ -58,7 +58,7 @@ def test_assign_advantages_normalises_per_group_and_leaves_abstained_rollouts_ou
 
 def test_assign_advantages_without_std_normalisation_and_with_unequal_group_sizes():
     groups = [_group(0, (3.0,), (1.0,), (2.0,)), _group(1, (1.0,), (0.0,))]
-    assign_advantages(groups, AlgorithmConfig(normalize_std=False))
+    assign_advantages(groups, AlgorithmConfig(advantage="drgrpo"))
     assert [r.advantage for r in groups[0].rollouts] == [1.0, -1.0, 0.0]
     assert [r.advantage for r in groups[1].rollouts] == [0.5, -0.5]
     assign_advantages([], AlgorithmConfig())  # nothing to do, no error

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sharpen.trainer.algorithms import compute_grpo_advantages, compute_mismatch_metrics, compute_ppo_clip_loss
+from sharpen.trainer.algorithms import compute_grpo_advantages
+from sharpen.trainer.algorithms.aggregation import aggregate_loss
+from sharpen.trainer.algorithms.policy_losses import ppo_clip_per_token
 
 NAN = float("nan")
 EPS = 1e-6
@@ -107,6 +110,18 @@ def test_grpo_property_valid_advantages_are_finite_and_sum_to_zero_per_group(gro
 
 
 # --- PPO-clip loss -----------------------------------------------------------------------------------------------
+
+
+def compute_ppo_clip_loss(logprobs, old_logprobs, advantages, mask, *, clip_eps_low, clip_eps_high, normalizer):
+    """PPO-clip per token, aggregated as the trainer does for token_mean: the sum over the mask / normalizer."""
+    per_token, metrics = ppo_clip_per_token(
+        logprobs, old_logprobs, advantages, mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
+    )
+    return SimpleNamespace(
+        loss=aggregate_loss(per_token, mask, "token_mean", normalizer=normalizer),
+        num_clipped=metrics.num_clipped_low + metrics.num_clipped_high,
+        ratio_sum=metrics.ratio_sum,
+    )
 
 
 def _leaf(values: list[float]) -> torch.Tensor:
@@ -214,37 +229,3 @@ def test_ppo_clip_ratio_uses_old_logprobs_without_gradient():
     assert out.ratio_sum.item() == pytest.approx(1.0 + math.exp(0.5), abs=1e-12)
     out.loss.backward()
     assert old.grad is None
-
-
-# --- mismatch metrics --------------------------------------------------------------------------------------------
-
-
-def test_mismatch_k1_k3_and_abs_diff_by_hand():
-    trainer = torch.tensor([[-1.0, -2.0, -0.5, -9.0]])
-    engine = torch.tensor([[-1.5, -2.0, -0.3, 0.0]])
-    mask = torch.tensor([[True, True, True, False]])  # the last token is padding: ignored even though far off
-    metrics = compute_mismatch_metrics(trainer, engine, mask)
-    log_r = [0.5, 0.0, -0.2]  # log p_trainer - log p_engine
-    assert metrics["k1_sum"].item() == pytest.approx(-sum(log_r), abs=1e-6)
-    assert metrics["k3_sum"].item() == pytest.approx(sum(math.expm1(x) - x for x in log_r), abs=1e-6)
-    assert metrics["abs_diff_sum"].item() == pytest.approx(0.7, abs=1e-6)
-    assert metrics["abs_diff_max"].item() == pytest.approx(0.5, abs=1e-6)
-
-
-def test_mismatch_is_zero_when_logprobs_agree_and_for_an_empty_mask():
-    logprobs = torch.tensor([[-1.0, -3.0]])
-    same = compute_mismatch_metrics(logprobs, logprobs.clone(), torch.ones(1, 2, dtype=torch.bool))
-    assert all(value.item() == 0.0 for value in same.values())
-    empty = compute_mismatch_metrics(logprobs, logprobs - 1, torch.zeros(1, 2, dtype=torch.bool))
-    assert all(value.item() == 0.0 for value in empty.values())
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.floats(-20, 0), st.floats(-20, 0)), min_size=1, max_size=16))
-def test_mismatch_k3_is_non_negative_per_token(pairs):
-    trainer = torch.tensor([[p[0] for p in pairs]])
-    engine = torch.tensor([[p[1] for p in pairs]])
-    for index in range(len(pairs)):
-        mask = torch.zeros(1, len(pairs), dtype=torch.bool)
-        mask[0, index] = True
-        assert compute_mismatch_metrics(trainer, engine, mask)["k3_sum"].item() >= 0.0

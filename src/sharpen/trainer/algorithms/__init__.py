@@ -1,11 +1,43 @@
-"""Pure torch functions of the PPO/GRPO family: advantages, policy losses, mismatch metrics.
+"""Pure torch functions of the PPO/GRPO family: advantages, policy losses, aggregation, KL, off-policy corrections.
 
 No modules, no state, no knowledge of models or batches beyond tensors: each function is tested on
 hand-computed cases. The trainer and the loop call them; they call nothing of sharpen's.
 """
 
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
-from sharpen.trainer.algorithms.losses import PolicyLossOutput, compute_ppo_clip_loss
-from sharpen.trainer.algorithms.mismatch import compute_mismatch_metrics
+from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
+from sharpen.trainer.algorithms.estimators import (
+    compute_drgrpo_advantages,
+    compute_gae,
+    compute_reinforce_pp_advantages,
+    compute_reinforce_pp_baseline_advantages,
+    compute_remax_advantages,
+    compute_rloo_advantages,
+    whiten,
+)
+from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_per_token
+from sharpen.trainer.algorithms.offpolicy import OffPolicyCorrection, compute_correction
+from sharpen.trainer.algorithms.policy_losses import cispo_per_token, gspo_per_token, pg_per_token, ppo_clip_per_token
 
-__all__ = ["PolicyLossOutput", "compute_grpo_advantages", "compute_mismatch_metrics", "compute_ppo_clip_loss"]
+__all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "OffPolicyCorrection",
+    "aggregate_loss",
+    "aggregation_normalizer",
+    "cispo_per_token",
+    "compute_correction",
+    "compute_drgrpo_advantages",
+    "compute_gae",
+    "compute_grpo_advantages",
+    "compute_reinforce_pp_advantages",
+    "compute_reinforce_pp_baseline_advantages",
+    "compute_remax_advantages",
+    "compute_rloo_advantages",
+    "entropy_from_logits",
+    "gspo_per_token",
+    "kl_per_token",
+    "pg_per_token",
+    "ppo_clip_per_token",
+    "whiten",
+]

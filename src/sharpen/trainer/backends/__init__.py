@@ -3,6 +3,6 @@
 Only `single_device` exists today; FSDP2 arrives with the scale-out issue behind the same methods.
 """
 
-from sharpen.trainer.backends.single_device import SingleDeviceBackend
+from sharpen.trainer.backends.single_device import ReferencePolicy, SingleDeviceBackend, TokenScores
 
-__all__ = ["SingleDeviceBackend"]
+__all__ = ["ReferencePolicy", "SingleDeviceBackend", "TokenScores"]

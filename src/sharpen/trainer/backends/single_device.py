@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -16,11 +17,49 @@ import torch
 from torch import nn
 
 from sharpen.config.schema import TrainerConfig
+from sharpen.trainer.algorithms.kl import entropy_from_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@dataclass(kw_only=True, slots=True)
+class TokenScores:
+    logprobs: torch.Tensor  # [batch, seq - 1] float32, 0 outside the target mask
+    entropy: torch.Tensor | None  # [batch, seq - 1] float32 (when asked for), 0 outside the target mask
+
+
+def score_tokens(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+) -> TokenScores:
+    """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
+    The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
+
+    ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
+    ``input_ids[:, t + 1]`` is a token to score. The LM head runs only on the selected positions (most of a
+    rollout is prompt), which saves its 49k-wide matmul elsewhere.
+    """
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
+    lm_head = cast(nn.Module, model.get_output_embeddings())  # a causal LM always has one
+    logits = lm_head(selected).float() / temperature  # [num_targets, vocab]
+    targets = input_ids[:, 1:][target_mask]
+    logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
+    logprobs[target_mask] = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
+        entropy[target_mask] = entropy_from_logits(logits if entropy_requires_grad else logits.detach())
+    return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -66,23 +105,34 @@ class SingleDeviceBackend:
         temperature: float,
         use_autocast: bool = True,
     ) -> torch.Tensor:
-        """Logprob of each next token, computed only where ``target_mask`` is set (0 elsewhere).
+        """Logprob of each next token where ``target_mask`` is set (see `score_tokens`); [batch, seq - 1]."""
+        return self.score_tokens(
+            input_ids, attention_mask, target_mask, temperature=temperature, use_autocast=use_autocast
+        ).logprobs
 
-        ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
-        ``input_ids[:, t + 1]`` is a token to score. Returns [batch, seq - 1] in float32. The LM head runs only
-        on the selected positions (most of a rollout is prompt), which saves its 49k-wide matmul elsewhere.
-        ``use_autocast=False`` computes in the weights' own dtype even when the config asks for bf16 autocast.
-        """
-        with self.autocast() if use_autocast else contextlib.nullcontext():
-            hidden = self.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
-            lm_head = cast(nn.Module, self.model.get_output_embeddings())  # a causal LM always has one
-            logits = lm_head(selected).float() / temperature
-        targets = input_ids[:, 1:][target_mask]
-        picked = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-        out = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-        out[target_mask] = picked
-        return out
+    def score_tokens(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+        with_entropy: bool = False,
+        entropy_requires_grad: bool = False,
+    ) -> TokenScores:
+        """``use_autocast=False`` computes in the weights' own dtype even when the config asks for bf16 autocast."""
+        context = self.autocast() if use_autocast else contextlib.nullcontext()
+        with context:
+            return score_tokens(
+                self.model,
+                input_ids,
+                attention_mask,
+                target_mask,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_requires_grad=entropy_requires_grad,
+            )
 
     def clip_and_step(self) -> float:
         """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm."""
@@ -130,3 +180,28 @@ class SingleDeviceBackend:
         generation_config = self.model_path / "generation_config.json"
         if generation_config.is_file():
             shutil.copy2(generation_config, folder / "generation_config.json")
+
+
+class ReferencePolicy:
+    """A frozen copy of the initial policy for the KL term; built only when the KL coefficient is positive."""
+
+    def __init__(self, *, model_path: Path, dtype: str, device: torch.device, bf16_autocast: bool) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model: PreTrainedModel = model.to(device)  # pyright: ignore[reportArgumentType]
+        self.model.eval().requires_grad_(False)
+        self.bf16_autocast = bf16_autocast
+        self.device = device
+
+    @torch.no_grad()
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
+    ) -> torch.Tensor:
+        context = (
+            torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+            if self.bf16_autocast
+            else contextlib.nullcontext()
+        )
+        with context:
+            return score_tokens(self.model, input_ids, attention_mask, target_mask, temperature=temperature).logprobs
