@@ -34,7 +34,7 @@ def tensor_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     crc = 0
     for name, tensor in named:
         crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy(), crc)
+        crc = zlib.crc32(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data, crc)
     return f"{crc:08x}"
 
 
