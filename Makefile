@@ -36,7 +36,9 @@ lint: install
 test: install
 	$(BIN)/sharpen models pull smollm2-135m-instruct
 	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/lint-imports
+	$(BIN)/pyright
 	$(BIN)/python -m pytest -q
 
 clean-venv:
