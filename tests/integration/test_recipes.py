@@ -24,7 +24,7 @@ def vowel_reward(example: Example, completion: str) -> RewardResult:
 
 
 def test_every_algorithm_has_a_recipe() -> None:
-    assert {p.stem for p in RECIPES} >= {"grpo", "drgrpo", "dapo", "rloo", "reinforce_pp", "gspo"}
+    assert {p.stem for p in RECIPES} >= {"grpo", "drgrpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo"}
 
 
 @pytest.mark.slow
@@ -60,3 +60,7 @@ def test_recipe_runs_with_the_tiny_model(recipe: Path, tiny_model_path: Path, tm
     assert rows[-1]["sync/probe_trainer_delta"] > 0.0  # the policy moved and the engine followed
     if config.trainer.algorithm.kl_coef > 0:
         assert rows[-1]["train/kl"] > 0.0  # the reference is a separate, frozen copy
+    if config.trainer.algorithm.advantage == "gae":
+        assert all(math.isfinite(row["critic/value_loss"]) for row in rows)
+        assert rows[0]["critic/value_mean"] == 0.0  # the fresh head predicts exactly 0
+        assert rows[1]["critic/value_mean"] != rows[0]["critic/value_mean"]  # the critic trained in step 0

@@ -127,9 +127,10 @@ class RolloutConfig(Section):
 class AlgorithmConfig(Section):
     """The RL objective. docs/algorithms.md gives each formula and its paper."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
     """Advantage estimator: GRPO (group mean/std), Dr.GRPO (group mean only), RLOO (leave-one-out), REINFORCE++
-    (batch-normalised score) or REINFORCE++-baseline (group mean, then batch-normalised)."""
+    (batch-normalised score), REINFORCE++-baseline (group mean, then batch-normalised) or GAE (per-token, from a
+    learned value model: PPO with a critic, configured in trainer.critic)."""
     policy_loss: Literal["ppo_clip", "gspo", "cispo", "pg"] = "ppo_clip"
     """Policy loss: PPO clip (token ratio), GSPO (sequence ratio), CISPO (clipped stop-gradient IS weight on the
     log-likelihood) or plain on-policy policy gradient."""
@@ -184,8 +185,27 @@ class AlgorithmConfig(Section):
         return self
 
 
+class CriticConfig(Section):
+    """The value model of PPO with a critic, used only when trainer.algorithm.advantage = "gae": a copy of the
+    policy's model (model.path) with a fresh scalar head, trained in the same step as the policy."""
+
+    learning_rate: float = Field(default=1e-5, gt=0.0)
+    """AdamW learning rate of the critic (betas, weight decay and max_grad_norm are the policy's)."""
+    value_clip: float = Field(default=0.2, ge=0.0)
+    """PPO value clipping: the loss takes the worse of the new value and the old value moved by at most this much
+    towards it (0: off, plain squared error)."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Discount per token in GAE."""
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
+    """GAE lambda: 1 gives Monte-Carlo returns minus the value, 0 the one-step TD error."""
+    whiten_advantages: bool = True
+    """Whiten the GAE advantages (zero mean, unit std) over all completion tokens of the step."""
+
+
 class TrainerConfig(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """The value model (PPO with a critic); ignored unless algorithm.advantage = "gae"."""
     learning_rate: float = Field(default=1e-6, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0.0)

@@ -17,7 +17,7 @@ from sharpen.orchestration.loop import Components, run_loop
 from sharpen.orchestration.phases import WeightSync
 from sharpen.rewards import RewardFn, Rubric
 from sharpen.rollout.engines import InferenceEngine, build_engine
-from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer
+from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
 from sharpen.types import Example
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,18 @@ def build_components(
             device=backend.device,
             bf16_autocast=config.trainer.bf16_autocast,
         )
+    critic = None
+    if config.trainer.algorithm.advantage == "gae":
+        critic = ValueModel(
+            config.trainer.critic,
+            model_path=model_path,
+            dtype=config.model.dtype,
+            device=backend.device,
+            bf16_autocast=config.trainer.bf16_autocast,
+            gradient_checkpointing=config.trainer.gradient_checkpointing,
+            betas=config.trainer.betas,
+            weight_decay=config.trainer.weight_decay,
+        )
     trainer = Trainer(
         config.trainer,
         backend=backend,
@@ -65,6 +77,7 @@ def build_components(
         temperature=config.rollout.temperature,
         max_new_tokens=config.rollout.max_new_tokens,
         reference=reference,
+        critic=critic,
     )
     engine = engine or build_engine(
         config.rollout.engine,

@@ -65,7 +65,16 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
     """Sequence-level advantages from the configured estimator; rollouts whose reward abstained keep
-    ``advantage = None`` (not trained on)."""
+    ``advantage = None`` (not trained on).
+
+    With ``advantage = "gae"`` (PPO with a critic) no group estimator runs: the advantages are per token and need
+    the critic's values, so the trainer computes them from each rollout's score. Here every scored rollout gets the
+    placeholder ``advantage = 0.0``, which only marks it as trainable; abstained ones get None as usual."""
+    if config.advantage == "gae":
+        for group in groups:
+            for rollout, score in zip(group.rollouts, group.scores, strict=True):
+                rollout.advantage = None if score is None else 0.0
+        return
     if not groups:
         return
     size = max(len(g.rollouts) for g in groups)

@@ -18,8 +18,10 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [batch, seq]
     loss_mask: torch.Tensor  # [batch, seq - 1] bool: completion tokens
     engine_logprobs: torch.Tensor  # [batch, seq - 1] behaviour logprobs (0 outside the mask)
-    advantages: torch.Tensor  # [batch, 1]
+    advantages: torch.Tensor  # [batch, 1] one per sequence, or [batch, seq - 1] per token (GAE; 0 outside the mask)
     old_logprobs: torch.Tensor | None = None  # [batch, seq - 1] the policy's before this step (multi-update steps)
+    old_values: torch.Tensor | None = None  # [batch, seq - 1] the critic's before this step (PPO with a critic)
+    returns: torch.Tensor | None = None  # [batch, seq - 1] the critic's regression targets (PPO with a critic)
 
     @property
     def num_loss_tokens(self) -> int:
@@ -32,7 +34,14 @@ def pack_micro_batch(
     pad_token_id: int,
     device: torch.device,
     old_logprobs: list[list[float]] | None = None,
+    token_advantages: list[list[float]] | None = None,
+    old_values: list[list[float]] | None = None,
+    returns: list[list[float]] | None = None,
 ) -> MicroBatch:
+    """Right-pad ``rollouts`` into one `MicroBatch`. The optional per-token inputs hold one list per rollout, one
+    value per completion token, and are placed at the completion's target positions (0 elsewhere).
+    ``token_advantages`` replaces the rollouts' sequence advantages (``advantages`` is then [batch, seq - 1]);
+    ``rollout.advantage`` must still be set, as the mark of a trainable rollout."""
     if not rollouts:
         raise ValueError("cannot pack an empty micro-batch")
     seq_len = max(r.num_tokens for r in rollouts)
@@ -42,7 +51,16 @@ def pack_micro_batch(
     loss_mask = torch.zeros((batch, seq_len - 1), dtype=torch.bool)
     engine_logprobs = torch.zeros((batch, seq_len - 1), dtype=torch.float32)
     advantages = torch.zeros((batch, 1), dtype=torch.float32)
-    old = torch.zeros((batch, seq_len - 1), dtype=torch.float32) if old_logprobs is not None else None
+    per_token = {
+        name: (lists, torch.zeros((batch, seq_len - 1), dtype=torch.float32))
+        for name, lists in (
+            ("old_logprobs", old_logprobs),
+            ("advantages", token_advantages),
+            ("old_values", old_values),
+            ("returns", returns),
+        )
+        if lists is not None
+    }
     for row, rollout in enumerate(rollouts):
         if rollout.advantage is None:
             raise ValueError(f"rollout {rollout.example.task_key} has no advantage; leave it out of the batch")
@@ -54,15 +72,23 @@ def pack_micro_batch(
         loss_mask[row, start:end] = True
         engine_logprobs[row, start:end] = torch.tensor(rollout.completion_logprobs, dtype=torch.float32)
         advantages[row, 0] = rollout.advantage
-        if old is not None and old_logprobs is not None:
-            old[row, start:end] = torch.tensor(old_logprobs[row], dtype=torch.float32)
+        for lists, tensor in per_token.values():
+            tensor[row, start:end] = torch.tensor(lists[row], dtype=torch.float32)
+    if "advantages" in per_token:
+        advantages = per_token["advantages"][1]
+
+    def optional(name: str) -> torch.Tensor | None:
+        return per_token[name][1].to(device) if name in per_token else None
+
     return MicroBatch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         loss_mask=loss_mask.to(device),
         engine_logprobs=engine_logprobs.to(device),
         advantages=advantages.to(device),
-        old_logprobs=old.to(device) if old is not None else None,
+        old_logprobs=optional("old_logprobs"),
+        old_values=optional("old_values"),
+        returns=optional("returns"),
     )
 
 

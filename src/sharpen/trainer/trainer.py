@@ -5,8 +5,10 @@ Per step: the batch is split into ``num_mini_batches`` mini-batches (one optimiz
 so the micro-batch split never changes the update. The policy ratio is taken against the "old" logprobs (the
 trainer's own, at the start of the step); the off-policy correction reweights or masks tokens by the ratio of the
 old logprobs to the engine's (behaviour) logprobs. With one epoch and one mini-batch the old logprobs are the
-current ones, detached, and no extra forward pass runs. The trainer never imports rollout code: weights leave
-through `named_weights()`, and orchestration decides where they go.
+current ones, detached, and no extra forward pass runs. With a critic (``advantage = "gae"``) the per-token
+advantages come from `CriticStep`, and the critic trains on the same mini-batches with its own optimizer. The
+trainer never imports rollout code: weights leave through `named_weights()`, and orchestration decides where they
+go.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from sharpen.trainer.algorithms.policy_losses import (
     pg_per_token,
     ppo_clip_per_token,
 )
-from sharpen.trainer.backends import ReferencePolicy, SingleDeviceBackend
+from sharpen.trainer.backends import ReferencePolicy, SingleDeviceBackend, ValueModel
+from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.packing import MicroBatch, pack_micro_batch, split_micro_batches
 from sharpen.types import Rollout, TrainBatch
 
@@ -90,10 +93,13 @@ class Trainer:
         temperature: float = 1.0,
         max_new_tokens: int | None = None,
         reference: ReferencePolicy | None = None,
+        critic: ValueModel | None = None,
     ) -> None:
         algorithm = config.algorithm
         if algorithm.kl_coef > 0 and reference is None:
             raise ValueError("trainer.algorithm.kl_coef > 0 needs a reference policy")
+        if (algorithm.advantage == "gae") != (critic is not None):
+            raise ValueError('a critic (ValueModel) is needed exactly when trainer.algorithm.advantage = "gae"')
         if (
             algorithm.loss_aggregation == "seq_mean_token_sum_norm"
             and (algorithm.aggregation_constant or max_new_tokens) is None
@@ -102,6 +108,7 @@ class Trainer:
         self.config = config
         self.backend = backend
         self.reference = reference
+        self.critic = critic
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.constant_length = float(algorithm.aggregation_constant or max_new_tokens or 1)
@@ -114,14 +121,25 @@ class Trainer:
             return {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
         needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1
         old_logprobs = self._old_logprobs(rollouts) if needs_old else None
+        critic_step = None
+        if self.critic is not None:
+            critic_step = CriticStep(
+                self.critic,
+                self.config.critic,
+                rollouts,
+                micro_batch_size=self.config.micro_batch_size,
+                pad_token_id=self.pad_token_id,
+            )
         size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
         mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
         for _ in range(algorithm.num_epochs):
             for mini_batch in mini_batches:
-                self._accumulate(mini_batch, old_logprobs, sums)
+                self._accumulate(mini_batch, old_logprobs, critic_step, sums)
                 grad_norms.append(self.backend.clip_and_step())
+                if critic_step is not None:
+                    critic_step.clip_and_step(self.config.max_grad_norm)
         kl_coef = self.kl_controller.coef
         num_tokens = sums.pop("num_tokens")
         loss = sums.pop("loss_total") / len(grad_norms)  # the mean over optimizer steps of each mini-batch's loss
@@ -140,10 +158,16 @@ class Trainer:
                 "train/kl_coef": kl_coef,
             }
         )
+        if critic_step is not None:
+            metrics.update(critic_step.metrics())
         return metrics
 
     def _accumulate(
-        self, rollouts: list[Rollout], old_logprobs: dict[int, list[float]] | None, sums: dict[str, float]
+        self,
+        rollouts: list[Rollout],
+        old_logprobs: dict[int, list[float]] | None,
+        critic_step: CriticStep | None,
+        sums: dict[str, float],
     ) -> None:
         """Forward/backward every micro-batch of one mini-batch, accumulating gradients and metric sums."""
         algorithm = self.config.algorithm
@@ -157,6 +181,7 @@ class Trainer:
                 pad_token_id=self.pad_token_id,
                 device=self.backend.device,
                 old_logprobs=[old_logprobs[id(r)] for r in chunk] if old_logprobs is not None else None,
+                **(critic_step.pack_inputs(chunk) if critic_step is not None else {}),
             )
             scores = self.backend.score_tokens(
                 micro.input_ids,
@@ -169,6 +194,11 @@ class Trainer:
             old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
             loss = self._micro_batch_loss(micro, scores.logprobs, old, scores.entropy, normalizer, sums)
             loss.backward()
+            if critic_step is not None:
+                value_loss = critic_step.micro_batch_loss(
+                    micro, mode=algorithm.loss_aggregation, normalizer=normalizer, constant_length=self.constant_length
+                )
+                value_loss.backward()
 
     def _micro_batch_loss(
         self,
@@ -249,10 +279,14 @@ class Trainer:
 
     def save_checkpoint(self, folder: Path) -> None:
         self.backend.save(folder)
+        if self.critic is not None:
+            self.critic.save(folder / "critic")
         (folder / "trainer.json").write_text(json.dumps({"kl_coef": self.kl_controller.coef}))
 
     def load_checkpoint(self, folder: Path) -> None:
         self.backend.load(folder)
+        if self.critic is not None:
+            self.critic.load(folder / "critic")
         state = json.loads((folder / "trainer.json").read_text())
         if isinstance(self.kl_controller, AdaptiveKLController):
             algorithm = self.config.algorithm

@@ -64,6 +64,14 @@ def test_assign_advantages_without_std_normalisation_and_with_unequal_group_size
     assign_advantages([], AlgorithmConfig())  # nothing to do, no error
 
 
+def test_assign_advantages_under_gae_marks_scored_rollouts_trainable():
+    """GAE's advantages are per token and come from the critic in the trainer; here only a 0.0 placeholder."""
+    groups = [_group(0, (1.0,), (None,), (0.0,)), _group(1, (2.0,), (2.0,))]
+    assign_advantages(groups, AlgorithmConfig(advantage="gae"))
+    assert [r.advantage for r in groups[0].rollouts] == [0.0, None, 0.0]
+    assert [r.advantage for r in groups[1].rollouts] == [0.0, 0.0]
+
+
 def test_reward_metrics_on_a_hand_built_batch():
     groups = [
         _group(

@@ -1,0 +1,110 @@
+"""The value model of PPO with a critic, on one device: the policy's decoder (a separate copy) with a scalar head.
+
+Owns the critic's parameters, its optimizer and their persistence. Knows nothing of rollouts, GAE or losses: it
+turns token ids into per-position values and applies accumulated gradients, like `SingleDeviceBackend` does for
+the policy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from sharpen.config.schema import CriticConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class ValueNetwork(nn.Module):
+    """A causal LM's decoder (no LM head) and a linear head from its last hidden state to one value."""
+
+    def __init__(self, decoder: nn.Module, *, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.decoder = decoder
+        self.head = nn.Linear(hidden_size, 1, dtype=dtype)
+        # A zero head makes every initial value exactly 0, whatever the seed: the first advantages are the
+        # (discounted) rewards themselves, and two runs of one recipe start from the same critic.
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+
+class ValueModel:
+    def __init__(
+        self,
+        config: CriticConfig,
+        *,
+        model_path: Path,
+        dtype: str,
+        device: torch.device,
+        bf16_autocast: bool,
+        gradient_checkpointing: bool,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.device = device
+        self.bf16_autocast = bf16_autocast
+        torch_dtype = getattr(torch, dtype)
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        model.config.use_cache = False
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # The LM head is dropped (with tied embeddings it is the input embedding, which the decoder keeps).
+        network = ValueNetwork(model.get_decoder(), hidden_size=model.config.hidden_size, dtype=torch_dtype)
+        self.network: ValueNetwork = network.to(device)
+        self.network.train()
+        self.optimizer = torch.optim.AdamW(
+            self.network.parameters(), lr=config.learning_rate, betas=betas, weight_decay=weight_decay
+        )
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        if not self.bf16_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+        """Value of each state from which a target token is predicted; [batch, seq - 1] float32, 0 elsewhere.
+
+        ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
+        ``input_ids[:, t + 1]`` is a completion token. Position t holds V(s_t), read from the hidden state at
+        token t: the same positions as the policy's logprobs, so advantages, logprobs and values line up.
+        """
+        with self.autocast():
+            hidden = self.network.decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
+            scores = self.network.head(selected).squeeze(-1).float()  # [num_targets]
+        values = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
+        values[target_mask] = scores
+        return values
+
+    def clip_and_step(self, max_grad_norm: float) -> float:
+        """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.network.parameters(), max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(grad_norm)
+
+    def save(self, folder: Path) -> None:
+        """Weights (safetensors) and optimizer state into ``folder`` (the trainer passes ``checkpoint/critic``)."""
+        from safetensors.torch import save_file
+
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {name: tensor.detach().contiguous() for name, tensor in self.network.state_dict().items()}
+        save_file(state, str(folder / "model.safetensors"))
+        torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+
+    def load(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        state = load_file(str(folder / "model.safetensors"), device=str(self.device))
+        missing, unexpected = self.network.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"critic checkpoint {folder} does not fit: missing {missing}, unexpected {unexpected}")
+        self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device))
