@@ -108,6 +108,8 @@ class RolloutGroup:
 
     example: Example
     rollouts: list[Rollout]
+    baseline_score: float | None = None
+    """Score of a greedy completion of the example (ReMax's baseline); None when not generated or abstained."""
 
     @property
     def scores(self) -> list[float | None]:
@@ -143,6 +145,7 @@ class SamplingParams:
 
     max_new_tokens: int
     temperature: float = 1.0
+    """0 means greedy decoding."""
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()

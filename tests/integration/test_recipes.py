@@ -24,7 +24,7 @@ def vowel_reward(example: Example, completion: str) -> RewardResult:
 
 
 def test_every_algorithm_has_a_recipe() -> None:
-    assert {p.stem for p in RECIPES} >= {"grpo", "drgrpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo"}
+    assert {p.stem for p in RECIPES} >= {"grpo", "drgrpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "remax"}
 
 
 @pytest.mark.slow

@@ -127,7 +127,7 @@ class RolloutConfig(Section):
 class AlgorithmConfig(Section):
     """The RL objective. docs/algorithms.md gives each formula and its paper."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"] = "grpo"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"] = "grpo"
     """Advantage estimator: GRPO (group mean/std), Dr.GRPO (group mean only), RLOO (leave-one-out), REINFORCE++
     (batch-normalised score), REINFORCE++-baseline (group mean, then batch-normalised) or GAE (per-token, from a
     learned value model: PPO with a critic, configured in trainer.critic)."""

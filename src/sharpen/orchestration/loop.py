@@ -6,7 +6,7 @@ device or engine type. Asynchronous mode (overlapped generation) will reuse thes
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,8 @@ def collect_groups(
             )
         with timer.phase("score"):
             score_groups(c.rubric, groups, config=config.reward, max_new_tokens=config.rollout.max_new_tokens)
+        if config.trainer.algorithm.advantage == "remax":
+            add_greedy_baselines(c, groups, sampling=sampling, timer=timer)
         if buffer is None:
             return groups, {}
         buffer.add(groups)
@@ -107,3 +109,22 @@ def collect_groups(
     assert buffer is not None
     metrics = buffer.metrics()
     return buffer.take(), metrics
+
+
+def add_greedy_baselines(
+    c: Components, groups: list[RolloutGroup], *, sampling: SamplingParams, timer: PhaseTimer
+) -> None:
+    """ReMax: one greedy completion per example, scored like the samples; its score is the group's baseline."""
+    with timer.phase("generate"):
+        greedy = generate_groups(
+            c.engine,
+            [group.example for group in groups],
+            tokenizer=c.tokenizer,
+            sampling=replace(sampling, temperature=0.0),
+            num_samples=1,
+            seed="greedy",
+        )
+    with timer.phase("score"):
+        score_groups(c.rubric, greedy, config=c.config.reward, max_new_tokens=c.config.rollout.max_new_tokens)
+    for group, baseline in zip(groups, greedy, strict=True):
+        group.baseline_score = baseline.scores[0]

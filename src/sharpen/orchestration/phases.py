@@ -23,6 +23,7 @@ from sharpen.trainer.algorithms.estimators import (
     compute_drgrpo_advantages,
     compute_reinforce_pp_advantages,
     compute_reinforce_pp_baseline_advantages,
+    compute_remax_advantages,
     compute_rloo_advantages,
 )
 from sharpen.types import Rollout, RolloutGroup
@@ -69,7 +70,9 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> No
 
     With ``advantage = "gae"`` (PPO with a critic) no group estimator runs: the advantages are per token and need
     the critic's values, so the trainer computes them from each rollout's score. Here every scored rollout gets the
-    placeholder ``advantage = 0.0``, which only marks it as trainable; abstained ones get None as usual."""
+    placeholder ``advantage = 0.0``, which only marks it as trainable; abstained ones get None as usual.
+    With ``advantage = "remax"`` each group's baseline is its greedy completion's score (``baseline_score``); a
+    group without one abstains as a whole."""
     if config.advantage == "gae":
         for group in groups:
             for rollout, score in zip(group.rollouts, group.scores, strict=True):
@@ -83,7 +86,13 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> No
         for col, score in enumerate(group.scores):
             if score is not None:
                 scores[row, col] = score
-    advantages = ADVANTAGE_ESTIMATORS[config.advantage](scores)
+    if config.advantage == "remax":
+        baselines = torch.tensor(
+            [float("nan") if g.baseline_score is None else g.baseline_score for g in groups], dtype=torch.float64
+        )
+        advantages = compute_remax_advantages(scores, baselines)
+    else:
+        advantages = ADVANTAGE_ESTIMATORS[config.advantage](scores)
     for row, group in enumerate(groups):
         for col, rollout in enumerate(group.rollouts):
             value = float(advantages[row, col])

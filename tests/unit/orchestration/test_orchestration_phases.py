@@ -114,3 +114,12 @@ def test_reward_metrics_when_every_reward_abstained():
     assert metrics["reward/num_abstained"] == 2.0
     assert metrics["reward/status_timeout"] == 1.0
     assert metrics["rollout/groups_all_equal_fraction"] == 1.0
+
+
+def test_remax_advantages_subtract_the_greedy_baseline_and_a_group_without_one_abstains():
+    with_baseline = _group(0, (1.0,), (0.0,))
+    with_baseline.baseline_score = 0.25
+    without = _group(1, (1.0,), (0.0,))
+    assign_advantages([with_baseline, without], AlgorithmConfig(advantage="remax"))
+    assert [r.advantage for r in with_baseline.rollouts] == [0.75, -0.25]
+    assert [r.advantage for r in without.rollouts] == [None, None]

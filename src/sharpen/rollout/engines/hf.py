@@ -52,14 +52,17 @@ class HfEngine:
         if param.seed is not None:
             torch.manual_seed(param.seed)
         eos = [self.tokenizer.eos_token_id, *param.stop_token_ids]
+        # temperature 0 means greedy (ReMax's baseline); otherwise sample with exactly the given settings
+        sampling_kwargs = (
+            {"do_sample": True, "temperature": param.temperature, "top_p": param.top_p, "top_k": 0}
+            if param.temperature > 0
+            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        )
         # the auto class's return type does not satisfy `generate`'s self protocol in transformers' stubs
         result = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
-            do_sample=True,
-            temperature=param.temperature,
-            top_p=param.top_p,
-            top_k=0,
+            **sampling_kwargs,
             max_new_tokens=param.max_new_tokens,
             eos_token_id=eos,
             pad_token_id=self.pad_token_id,
