@@ -25,7 +25,8 @@ $(STAMP): pyproject.toml
 
 demo: install
 	$(BIN)/sharpen models pull smollm2-135m-instruct
-	$(BIN)/sharpen train recipes/demo.toml
+	# a fresh run directory each time, so a second `make demo` trains again instead of refusing an existing run
+	$(BIN)/sharpen train recipes/demo.toml run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks
