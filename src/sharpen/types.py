@@ -84,6 +84,8 @@ class Rollout:
     sample_index: int = 0
     """Index of this rollout within its group (0..num_samples-1)."""
     reward: RewardResult | None = None
+    token_rewards: list[float] | None = None
+    """Per-completion-token reward terms added to the score (e.g. the KL penalty); None when there are none."""
     advantage: float | None = None
 
     def __post_init__(self) -> None:
@@ -92,6 +94,13 @@ class Rollout:
                 f"rollout {self.example.task_key}: {len(self.completion_ids)} completion tokens but "
                 f"{len(self.completion_logprobs)} logprobs and {len(self.versions)} versions"
             )
+
+    @property
+    def total_score(self) -> float | None:
+        """The reward's score plus any per-token reward terms (what the advantages see); None if abstained."""
+        if self.reward is None or self.reward.score is None:
+            return None
+        return self.reward.score + sum(self.token_rewards or ())
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +122,8 @@ class RolloutGroup:
 
     @property
     def scores(self) -> list[float | None]:
-        return [r.reward.score if r.reward is not None else None for r in self.rollouts]
+        """Each rollout's `Rollout.total_score`."""
+        return [r.total_score for r in self.rollouts]
 
 
 @dataclass(kw_only=True, slots=True)

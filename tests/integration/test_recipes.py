@@ -58,7 +58,9 @@ def test_recipe_runs_with_the_tiny_model(recipe: Path, tiny_model_path: Path, tm
         assert row["train/num_optimizer_steps"] == config.trainer.algorithm.num_mini_batches
         assert row["sync/probe_mismatch_mean"] < 1e-4
     assert rows[-1]["sync/probe_trainer_delta"] > 0.0  # the policy moved and the engine followed
-    if config.trainer.algorithm.kl_coef > 0:
+    if config.trainer.algorithm.kl_in_reward:
+        assert rows[-1]["reward/kl_penalty"] != 0.0  # the policy moved away from the frozen reference
+    elif config.trainer.algorithm.kl_coef > 0:
         assert rows[-1]["train/kl"] > 0.0  # the reference is a separate, frozen copy
     if config.trainer.algorithm.advantage == "gae":
         assert all(math.isfinite(row["critic/value_loss"]) for row in rows)

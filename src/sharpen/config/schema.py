@@ -165,6 +165,9 @@ class AlgorithmConfig(Section):
     """Adaptive KL coefficient (Ziegler et al.): steer the measured KL towards this target (None: fixed kl_coef)."""
     kl_horizon: int = Field(default=10000, ge=1)
     """Horizon (in samples) of the adaptive KL controller."""
+    kl_in_reward: bool = False
+    """Apply the KL as a per-token reward penalty, -kl_coef * KL_t(engine || reference) with kl_estimator, before
+    the advantages (REINFORCE++, PPO-RLHF), instead of as a loss term. Needs kl_coef > 0."""
     off_policy_correction: Literal["none", "token_tis", "sequence_tis", "token_mask", "sequence_mask"] = "token_tis"
     """Correction of the loss against the engine's (behaviour) logprobs: truncated importance sampling per token or
     per sequence, or masking tokens/sequences whose ratio leaves [off_policy_low, off_policy_high]. On by default:
@@ -178,6 +181,8 @@ class AlgorithmConfig(Section):
 
     @model_validator(mode="after")
     def _check_band(self) -> AlgorithmConfig:
+        if self.kl_in_reward and self.kl_coef == 0:
+            raise ValueError("kl_in_reward needs kl_coef > 0")
         if self.off_policy_low > self.off_policy_high:
             raise ValueError(
                 f"off_policy_low = {self.off_policy_low} is above off_policy_high = {self.off_policy_high}"

@@ -15,7 +15,13 @@ from sharpen.data import ExampleSampler
 from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, peak_memory_metrics
 from sharpen.orchestration.checkpoint import save_checkpoint
 from sharpen.orchestration.filters import DynamicSamplingBuffer, overlong_filter
-from sharpen.orchestration.phases import WeightSync, assign_advantages, reward_metrics, score_groups
+from sharpen.orchestration.phases import (
+    WeightSync,
+    add_kl_penalties,
+    assign_advantages,
+    reward_metrics,
+    score_groups,
+)
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import generate_groups
@@ -48,6 +54,8 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
     for step in range(start_step, config.run.num_steps):
         groups, sampling_metrics = collect_groups(c, step=step, sampling=sampling, timer=timer)
         with timer.phase("score"):
+            if config.trainer.algorithm.kl_in_reward:
+                add_kl_penalties(c.trainer, groups)
             assign_advantages(groups, config.trainer.algorithm)
         rollouts = [r for g in groups for r in g.rollouts]
         trained = overlong_filter(rollouts) if config.trainer.algorithm.mask_truncated else rollouts

@@ -55,6 +55,14 @@ def score_groups(
             rollout.reward = reward
 
 
+def add_kl_penalties(trainer: Trainer, groups: list[RolloutGroup]) -> None:
+    """``kl_in_reward``: each rollout gets per-token reward terms -kl_coef * KL_t(engine || reference), which the
+    advantages then see (sequence estimators through `Rollout.total_score`, GAE token by token)."""
+    rollouts = [r for g in groups for r in g.rollouts if r.completion_ids]
+    for rollout, penalties in zip(rollouts, trainer.kl_penalties(rollouts), strict=True):
+        rollout.token_rewards = penalties
+
+
 ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "grpo": compute_grpo_advantages,
     "drgrpo": compute_drgrpo_advantages,
@@ -117,6 +125,9 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
     for name in sorted({n for r in rollouts if r.reward is not None for n in r.reward.components}):
         values = [r.reward.components[name] for r in rollouts if r.reward is not None and name in r.reward.components]
         metrics[f"reward/{name}"] = statistics.fmean(values)
+    penalised = [sum(r.token_rewards) for r in rollouts if r.token_rewards is not None]
+    if penalised:
+        metrics["reward/kl_penalty"] = statistics.fmean(penalised)
     for status, count in statuses.items():
         metrics[f"reward/status_{status}"] = count / len(rollouts)
     return metrics

@@ -76,6 +76,9 @@ class CriticStep:
             last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)  # [batch]
             scores = torch.tensor([sequence_score(r) for r in chunk], dtype=torch.float32, device=values.device)
             rewards[torch.arange(len(chunk), device=values.device), last] = scores
+            for row, rollout in enumerate(chunk):  # per-token terms (the KL penalty) on their own tokens
+                if rollout.token_rewards is not None:
+                    rewards[row, mask[row]] += torch.tensor(rollout.token_rewards, device=values.device)
             advantages, returns = compute_gae(rewards, values, mask, gamma=self.config.gamma, lam=self.config.lam)
             for row, rollout in enumerate(chunk):
                 keep = mask[row]

@@ -17,6 +17,7 @@ import json
 import math
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -113,6 +114,7 @@ class Trainer:
         self.temperature = temperature
         self.constant_length = float(algorithm.aggregation_constant or max_new_tokens or 1)
         self.kl_controller = build_kl_controller(algorithm)
+        self.reward_kl = 0.0  # mean per-token KL measured by the last `kl_penalties` call
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algorithm = self.config.algorithm
@@ -146,6 +148,8 @@ class Trainer:
         metrics = {f"train/{name}": value / num_tokens for name, value in sums.items() if not name.startswith("off")}
         metrics["train/loss"] = loss
         metrics.update({name: value / num_tokens for name, value in sums.items() if name.startswith("off")})
+        if algorithm.kl_in_reward:
+            metrics["train/kl"] = self.reward_kl
         if algorithm.kl_coef > 0:
             self.kl_controller.update(metrics["train/kl"], len(rollouts))
         grad_norm = sum(grad_norms) / len(grad_norms)
@@ -234,7 +238,7 @@ class Trainer:
             sums["entropy"] += float(entropy.detach()[mask].sum())
             if algorithm.entropy_coef > 0:
                 loss = loss - algorithm.entropy_coef * aggregate(entropy)
-        if self.reference is not None:
+        if self.reference is not None and not algorithm.kl_in_reward:
             ref = self.reference.token_logprobs(
                 micro.input_ids, micro.attention_mask, mask, temperature=self.temperature
             )
@@ -263,6 +267,31 @@ class Trainer:
             for row, rollout in enumerate(chunk):
                 old[id(rollout)] = logprobs[row][micro.loss_mask[row]].tolist()
         return old
+
+    @torch.no_grad()
+    def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
+        """Per-token reward penalties -kl_coef * KL_t(engine || reference) for ``kl_in_reward``: the behaviour
+        policy's logprobs are the engine's, so only the reference runs a forward pass."""
+        if self.reference is None:
+            raise ValueError("kl_penalties needs a reference policy (trainer.algorithm.kl_coef > 0)")
+        algorithm = self.config.algorithm
+        coef = self.kl_controller.coef
+        penalties: dict[int, list[float]] = {}
+        kl_sum, num_tokens = 0.0, 0
+        for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
+            # advantages do not exist yet (these penalties feed them): pack copies with a placeholder
+            placeholders = [replace(r, advantage=0.0) for r in chunk]
+            micro = pack_micro_batch(placeholders, pad_token_id=self.pad_token_id, device=self.backend.device)
+            ref = self.reference.token_logprobs(
+                micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
+            )
+            kl = kl_per_token(micro.engine_logprobs, ref, algorithm.kl_estimator)
+            for row, rollout in enumerate(chunk):
+                penalties[id(rollout)] = (-coef * kl[row][micro.loss_mask[row]]).tolist()
+            kl_sum += float(kl[micro.loss_mask].sum())
+            num_tokens += int(micro.loss_mask.sum())
+        self.reward_kl = kl_sum / max(num_tokens, 1)  # what the adaptive controller steers in this mode
+        return [penalties[id(r)] for r in rollouts]
 
     @torch.no_grad()
     def compute_logprobs(self, token_ids: list[int]) -> list[float]:

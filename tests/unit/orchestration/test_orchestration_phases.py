@@ -123,3 +123,23 @@ def test_remax_advantages_subtract_the_greedy_baseline_and_a_group_without_one_a
     assign_advantages([with_baseline, without], AlgorithmConfig(advantage="remax"))
     assert [r.advantage for r in with_baseline.rollouts] == [0.75, -0.25]
     assert [r.advantage for r in without.rollouts] == [None, None]
+
+
+def test_kl_penalties_reach_the_advantages_but_not_the_task_reward_metric():
+    from sharpen.orchestration.phases import add_kl_penalties
+
+    class FakeTrainer:
+        def kl_penalties(self, rollouts):
+            return [
+                [-0.1] * len(r.completion_ids) if i == 0 else [0.0] * len(r.completion_ids)
+                for i, r in enumerate(rollouts)
+            ]
+
+    group = _group(0, (1.0,), (1.0,))  # equal task rewards: no signal without the penalty
+    add_kl_penalties(FakeTrainer(), [group])  # type: ignore[arg-type]
+    assert group.scores == [pytest.approx(0.8), 1.0]  # 2 tokens x -0.1
+    assign_advantages([group], AlgorithmConfig(advantage="drgrpo"))
+    assert [r.advantage for r in group.rollouts] == [pytest.approx(-0.1), pytest.approx(0.1)]
+    metrics = reward_metrics([group])
+    assert metrics["reward/mean"] == 1.0
+    assert metrics["reward/kl_penalty"] == pytest.approx(-0.1)

@@ -252,3 +252,23 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer_exactly(model_dir,
         original.backend.model.named_parameters(), restored.backend.model.named_parameters(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+def test_kl_penalties_are_minus_coef_times_k1_of_engine_against_the_reference(model_dir):
+    from sharpen.config.schema import AlgorithmConfig
+    from sharpen.trainer import ReferencePolicy
+
+    config = _config().model_copy(
+        update={"algorithm": AlgorithmConfig(kl_coef=0.5, kl_estimator="k1", kl_in_reward=True)}
+    )
+    reference = ReferencePolicy(model_path=model_dir, dtype="float32", device=torch.device("cpu"), bf16_autocast=False)
+    backend = SingleDeviceBackend(config, model_path=model_dir, dtype="float32")
+    trainer = Trainer(config, backend=backend, pad_token_id=PAD, reference=reference)
+    rollouts = _rollouts(seed=7, num=3)
+    for rollout in rollouts:  # engine logprobs = the reference's own + 0.25 per token
+        own = trainer.compute_logprobs(rollout.prompt_ids + rollout.completion_ids)[len(rollout.prompt_ids) - 1 :]
+        rollout.completion_logprobs = [lp + 0.25 for lp in own]
+    penalties = trainer.kl_penalties(rollouts)
+    for rollout, row in zip(rollouts, penalties, strict=True):
+        assert len(row) == len(rollout.completion_ids)
+        assert row == pytest.approx([-0.5 * 0.25] * len(row), abs=1e-5)
