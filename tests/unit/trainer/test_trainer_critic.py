@@ -18,8 +18,7 @@ from sharpen.trainer.algorithms.value import compute_value_loss
 from sharpen.trainer.packing import pack_micro_batch
 from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, TrainBatch
 
-VOCAB = 128
-PAD = 0
+VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
 _EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
 CRITIC_METRICS = {
     "critic/value_loss",
@@ -29,36 +28,6 @@ CRITIC_METRICS = {
     "critic/explained_variance",
     "critic/grad_norm",
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: a 32-wide model gains nothing from more (see test_trainer_step.py)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=PAD,
-    )
-    folder = tmp_path_factory.mktemp("tiny_llama_critic")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def _config(critic: dict | None = None, **overrides) -> TrainerConfig:
