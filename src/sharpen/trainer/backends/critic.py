@@ -7,7 +7,6 @@ the policy.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 from sharpen.config.schema import CriticConfig
+from sharpen.trainer.backends.single_device import bf16_autocast
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -64,11 +64,6 @@ class ValueModel:
             self.network.parameters(), lr=config.learning_rate, betas=betas, weight_decay=weight_decay
         )
 
-    def autocast(self) -> contextlib.AbstractContextManager[object]:
-        if not self.bf16_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
         """Value of each state from which a target token is predicted; [batch, seq - 1] float32, 0 elsewhere.
 
@@ -76,7 +71,7 @@ class ValueModel:
         ``input_ids[:, t + 1]`` is a completion token. Position t holds V(s_t), read from the hidden state at
         token t: the same positions as the policy's logprobs, so advantages, logprobs and values line up.
         """
-        with self.autocast():
+        with bf16_autocast(self.device, enabled=self.bf16_autocast):
             hidden = self.network.decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
             scores = self.network.head(selected).squeeze(-1).float()  # [num_targets]

@@ -62,6 +62,13 @@ def score_tokens(
     return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
+def bf16_autocast(device: torch.device, *, enabled: bool) -> contextlib.AbstractContextManager[object]:
+    """bfloat16 autocast on ``device`` when enabled, else nothing (master weights keep their dtype either way)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -91,11 +98,6 @@ class SingleDeviceBackend:
             weight_decay=config.weight_decay,
         )
 
-    def autocast(self) -> contextlib.AbstractContextManager[object]:
-        if not self.config.bf16_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-
     def token_logprobs(
         self,
         input_ids: torch.Tensor,
@@ -122,8 +124,7 @@ class SingleDeviceBackend:
         entropy_requires_grad: bool = False,
     ) -> TokenScores:
         """``use_autocast=False`` computes in the weights' own dtype even when the config asks for bf16 autocast."""
-        context = self.autocast() if use_autocast else contextlib.nullcontext()
-        with context:
+        with bf16_autocast(self.device, enabled=use_autocast and self.config.bf16_autocast):
             return score_tokens(
                 self.model,
                 input_ids,
@@ -198,10 +199,5 @@ class ReferencePolicy:
     def token_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
     ) -> torch.Tensor:
-        context = (
-            torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-            if self.bf16_autocast
-            else contextlib.nullcontext()
-        )
-        with context:
+        with bf16_autocast(self.device, enabled=self.bf16_autocast):
             return score_tokens(self.model, input_ids, attention_mask, target_mask, temperature=temperature).logprobs
