@@ -10,11 +10,11 @@ import difflib
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from sharpen.config.schema import SharpenConfig
+from sharpen.config.schema import DataConfig, EngineConfig, SharpenConfig
 
 
 class ConfigError(ValueError):
@@ -76,7 +76,16 @@ def format_validation_error(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
-_UNION_TAGS = {"reasoning_gym", "jsonl", "vllm", "hf", "scripted"}
+def _discriminator_tags(*unions: object) -> set[str]:
+    """The ``type`` values of the discriminated unions' members: pydantic puts them into error locations."""
+    tags: set[str] = set()
+    for union in unions:
+        for member in get_args(get_args(union)[0]):
+            tags.update(get_args(member.model_fields["type"].annotation))
+    return tags
+
+
+_UNION_TAGS = _discriminator_tags(DataConfig, EngineConfig)
 
 
 def fill_default_types(data: dict[str, Any], model: type[BaseModel] = SharpenConfig) -> dict[str, Any]:
