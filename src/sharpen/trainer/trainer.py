@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -256,42 +256,50 @@ class Trainer:
         return loss
 
     @torch.no_grad()
+    def _score_completions(
+        self, rollouts: list[Rollout], score: Callable[[MicroBatch], torch.Tensor]
+    ) -> dict[int, list[float]]:
+        """``score(micro)`` ([batch, seq - 1]) on every rollout's completion tokens, keyed by rollout id, without
+        gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder are packed."""
+        scored: dict[int, list[float]] = {}
+        for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
+            placeholders = [replace(r, advantage=0.0) for r in chunk]
+            micro = pack_micro_batch(placeholders, pad_token_id=self.pad_token_id, device=self.backend.device)
+            values = score(micro)
+            for row, rollout in enumerate(chunk):
+                scored[id(rollout)] = values[row][micro.loss_mask[row]].tolist()
+        return scored
+
     def _old_logprobs(self, rollouts: list[Rollout]) -> dict[int, list[float]]:
         """The policy's logprobs of every completion token before this step's first update, keyed by rollout id."""
-        old: dict[int, list[float]] = {}
-        for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
-            micro = pack_micro_batch(chunk, pad_token_id=self.pad_token_id, device=self.backend.device)
-            logprobs = self.backend.token_logprobs(
+        return self._score_completions(
+            rollouts,
+            lambda micro: self.backend.token_logprobs(
                 micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
-            )
-            for row, rollout in enumerate(chunk):
-                old[id(rollout)] = logprobs[row][micro.loss_mask[row]].tolist()
-        return old
+            ),
+        )
 
-    @torch.no_grad()
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         """Per-token reward penalties -kl_coef * KL_t(engine || reference) for ``kl_in_reward``: the behaviour
         policy's logprobs are the engine's, so only the reference runs a forward pass."""
-        if self.reference is None:
+        reference = self.reference
+        if reference is None:
             raise ValueError("kl_penalties needs a reference policy (trainer.algorithm.kl_coef > 0)")
-        algorithm = self.config.algorithm
+        estimator = self.config.algorithm.kl_estimator
+        kl = self._score_completions(
+            rollouts,
+            lambda micro: kl_per_token(
+                micro.engine_logprobs,
+                reference.token_logprobs(
+                    micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
+                ),
+                estimator,
+            ),
+        )
+        values = [value for row in kl.values() for value in row]
+        self.reward_kl = sum(values) / max(len(values), 1)  # what the adaptive controller steers in this mode
         coef = self.kl_controller.coef
-        penalties: dict[int, list[float]] = {}
-        kl_sum, num_tokens = 0.0, 0
-        for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
-            # advantages do not exist yet (these penalties feed them): pack copies with a placeholder
-            placeholders = [replace(r, advantage=0.0) for r in chunk]
-            micro = pack_micro_batch(placeholders, pad_token_id=self.pad_token_id, device=self.backend.device)
-            ref = self.reference.token_logprobs(
-                micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
-            )
-            kl = kl_per_token(micro.engine_logprobs, ref, algorithm.kl_estimator)
-            for row, rollout in enumerate(chunk):
-                penalties[id(rollout)] = (-coef * kl[row][micro.loss_mask[row]]).tolist()
-            kl_sum += float(kl[micro.loss_mask].sum())
-            num_tokens += int(micro.loss_mask.sum())
-        self.reward_kl = kl_sum / max(num_tokens, 1)  # what the adaptive controller steers in this mode
-        return [penalties[id(r)] for r in rollouts]
+        return [[-coef * value for value in kl[id(r)]] for r in rollouts]
 
     @torch.no_grad()
     def compute_logprobs(self, token_ids: list[int]) -> list[float]:
