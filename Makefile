@@ -7,7 +7,7 @@ STAMP := $(VENV)/.sharpen-installed
 export VLLM_CPU_OMP_THREADS_BIND ?= 0-1
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: install demo test lint clean-venv
+.PHONY: install system-deps demo test lint clean-venv
 
 install: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-demo: install
+# bubblewrap isolates untrusted model code (environments/sandbox); a Debian package, so it needs apt (root).
+system-deps:
+	@command -v bwrap >/dev/null || apt-get install -y bubblewrap || (apt-get update && apt-get install -y bubblewrap) \
+		|| { echo "sharpen: could not install bubblewrap (apt-get as root); install it and rerun" >&2; exit 1; }
+
+demo: install system-deps
 	$(BIN)/sharpen models pull smollm2-135m-instruct
 	# a fresh run directory each time, so a second `make demo` trains again instead of refusing an existing run
 	$(BIN)/sharpen train recipes/demo.toml run.name=demo-$$(date +%Y%m%d-%H%M%S)
@@ -34,7 +39,7 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/pyright
 
-test: install
+test: install system-deps
 	$(BIN)/sharpen models pull smollm2-135m-instruct
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
