@@ -68,6 +68,44 @@ class RewardResult:
 
 
 @dataclass(kw_only=True, slots=True)
+class TurnRecord:
+    """One turn of a multi-turn episode: what the policy did and what the environment answered."""
+
+    action_text: str
+    """The text of the policy's turn (what ``Environment.step`` received)."""
+    num_action_tokens: int
+    observation_ids: list[int]
+    """Tokens the episode loop appended after the action (the rendered observation); empty after the last turn."""
+    reward: float | None = None
+    is_terminated: bool = False
+    is_truncated: bool = False
+    info: dict[str, Any] = field(default_factory=dict[str, Any])
+
+
+@dataclass(kw_only=True, slots=True)
+class EpisodeRecord:
+    """Enough to re-run an episode's environment side (`sharpen replay`): which environment, which seed, and every
+    turn. The task itself is the rollout's `Example` (its key and content hash)."""
+
+    environment: str
+    environment_version: str
+    seed: int
+    sandbox_backend: str | None = None
+    turns: list[TurnRecord] = field(default_factory=list[TurnRecord])
+    stop_reason: str = ""
+    """Why the episode ended: terminated, truncated (by the environment), max_turns, max_tokens, length (a turn hit
+    its token limit), wall_clock (the environment's time budget ran out) or environment_error (it raised)."""
+    error: str = ""
+    """The exception an environment raised (stop_reason environment_error)."""
+
+    @property
+    def env_reward(self) -> float | None:
+        """The sum of the environment's rewards, or None when it gave none (the rubric scores the episode)."""
+        rewards = [t.reward for t in self.turns if t.reward is not None]
+        return sum(rewards) if rewards else None
+
+
+@dataclass(kw_only=True, slots=True)
 class Rollout:
     """One trajectory: the prompt tokens, what the engine generated, and what the trainer needs from it."""
 
@@ -81,6 +119,11 @@ class Rollout:
     completion_text: str = ""
     is_truncated: bool = False
     """True when generation stopped at the token limit rather than at an end-of-sequence token."""
+    loss_mask: list[bool] | None = None
+    """Per completion token: True where the policy generated it (trained on), False where the environment appended
+    it (tool output, the next user turn). None means every completion token was generated (single-turn)."""
+    episode: EpisodeRecord | None = None
+    """What the environment did, for replay (None for rollouts made without an environment)."""
     sample_index: int = 0
     """Index of this rollout within its group (0..num_samples-1)."""
     reward: RewardResult | None = None
@@ -89,11 +132,22 @@ class Rollout:
     advantage: float | None = None
 
     def __post_init__(self) -> None:
-        if len(self.completion_ids) != len(self.completion_logprobs) or len(self.completion_ids) != len(self.versions):
+        num = len(self.completion_ids)
+        if num != len(self.completion_logprobs) or num != len(self.versions):
             raise ValueError(
-                f"rollout {self.example.task_key}: {len(self.completion_ids)} completion tokens but "
+                f"rollout {self.example.task_key}: {num} completion tokens but "
                 f"{len(self.completion_logprobs)} logprobs and {len(self.versions)} versions"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != num:
+            raise ValueError(
+                f"rollout {self.example.task_key}: {num} completion tokens but a loss mask of {len(self.loss_mask)}"
+            )
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Completion tokens the policy generated (the trained ones). Per-token values the trainer derives (old
+        logprobs, KL penalties in ``token_rewards``, GAE targets) hold one entry per such token, in order."""
+        return len(self.completion_ids) if self.loss_mask is None else sum(self.loss_mask)
 
     @property
     def total_score(self) -> float | None:
@@ -136,7 +190,7 @@ class TrainBatch:
 
     @property
     def num_loss_tokens(self) -> int:
-        return sum(len(r.completion_ids) for r in self.rollouts)
+        return sum(r.num_loss_tokens for r in self.rollouts)
 
 
 @dataclass(kw_only=True, slots=True)

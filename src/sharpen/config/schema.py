@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+from sharpen.config.environments import EnvironmentConfig, SingleTurnEnvironmentConfig
+from sharpen.config.section import Section
 
 
 class RunConfig(Section):
@@ -63,7 +62,15 @@ class JsonlDataConfig(Section):
     """System prompt prepended to every example (None: the default answer-format instruction)."""
 
 
-DataConfig = Annotated[ReasoningGymDataConfig | JsonlDataConfig, Field(discriminator="type")]
+class EnvironmentTasksDataConfig(Section):
+    type: Literal["environment"] = "environment"
+    size: int = Field(default=1000, ge=1)
+    """Number of tasks the environment generates (guess_number, gymnasium: environments that make their own)."""
+
+
+DataConfig = Annotated[
+    ReasoningGymDataConfig | JsonlDataConfig | EnvironmentTasksDataConfig, Field(discriminator="type")
+]
 
 
 class RewardConfig(Section):
@@ -248,6 +255,9 @@ class MonitoringConfig(Section):
     """Rollouts per step written to ``run_dir/rollouts.jsonl``."""
 
 
+ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium")
+
+
 class SharpenConfig(Section):
     """A whole run."""
 
@@ -256,6 +266,8 @@ class SharpenConfig(Section):
     data: DataConfig = Field(default_factory=ReasoningGymDataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    environment: EnvironmentConfig = Field(default_factory=SingleTurnEnvironmentConfig)
+    """What the episodes run in: single-turn prompts (the default), tool use, games."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
@@ -273,6 +285,11 @@ class SharpenConfig(Section):
             raise ValueError(
                 f"reward.overlong_buffer_tokens = {self.reward.overlong_buffer_tokens} is larger than "
                 f"rollout.max_new_tokens = {self.rollout.max_new_tokens}"
+            )
+        if self.data.type == "environment" and self.environment.type not in ENVIRONMENTS_WITH_TASKS:
+            raise ValueError(
+                f'data.type = "environment" needs an environment that makes its own tasks '
+                f"({', '.join(ENVIRONMENTS_WITH_TASKS)}), not {self.environment.type!r}"
             )
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:

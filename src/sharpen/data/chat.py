@@ -1,8 +1,8 @@
 """Chat rendering: prompt messages -> the token ids the policy is conditioned on, via the tokenizer's chat template.
 
-Owns the one place where messages become tokens, so the engine and the trainer see identical prompt ids. It does
-not render completions or later turns (tokens are never re-rendered from text between turns). Imports no
-transformers: any object with HF's ``apply_chat_template`` works.
+Owns the one place where messages become tokens, so the engine and the trainer see identical prompt ids. It renders
+later turns only as continuations (`render_continuation`): tokens are never re-rendered from text between
+turns. Imports no transformers: any object with HF's ``apply_chat_template`` works.
 """
 
 from __future__ import annotations
@@ -17,13 +17,45 @@ def render_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     """Token ids of ``messages`` under the tokenizer's chat template, ending with the assistant generation prompt."""
     if not messages:
         raise ValueError("render_prompt: no messages to render")
-    rendered = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages],
-        add_generation_prompt=True,
-        tokenize=True,
+    return _template_ids(
+        tokenizer, [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
     )
+
+
+# A conversation that ends with an assistant turn: what a continuation is rendered after. Its content never reaches
+# the model; only the tokens the template puts after it do.
+_ANCHOR = ({"role": "user", "content": "anchor"}, {"role": "assistant", "content": "anchor"})
+
+
+def render_continuation(tokenizer: Any, messages: Sequence[Message], *, end_of_turn_id: int) -> list[int]:
+    """Token ids that follow an assistant turn ending in ``end_of_turn_id``: ``messages`` (tool results, the next
+    user turn) under the chat template, then the assistant generation prompt.
+
+    Multi-turn episodes append these to the tokens generated so far, so past turns are never re-rendered (which
+    could re-tokenise the model's text differently, or let a template rewrite history). They are the tokens the
+    template puts after the end of an anchor assistant turn: whatever separator the template places between turns
+    (SmolLM2's "\\n") belongs to the continuation."""
+    if not messages:
+        raise ValueError("render_continuation: no messages to render")
+    base = _template_ids(tokenizer, list(_ANCHOR), add_generation_prompt=False)
+    full = _template_ids(
+        tokenizer, [*_ANCHOR, *({"role": m.role, "content": m.content} for m in messages)], add_generation_prompt=True
+    )
+    if end_of_turn_id not in base:
+        raise ValueError(
+            f"render_continuation: the chat template does not end an assistant turn with token {end_of_turn_id}; "
+            "multi-turn episodes need the end-of-turn token the engine stops on"
+        )
+    end = len(base) - base[::-1].index(end_of_turn_id)  # just past the anchor turn's end-of-turn token
+    if full[:end] != base[:end]:
+        raise ValueError("render_continuation: the chat template renders past turns differently once more follow")
+    return full[end:]
+
+
+def _template_ids(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     # transformers < 5 returns the ids; transformers >= 5 returns a BatchEncoding (a Mapping) holding them.
     ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
     if len(ids) > 0 and not isinstance(ids[0], int):
-        raise ValueError(f"render_prompt: expected a flat list of token ids, got a list of {type(ids[0]).__name__}")
+        raise ValueError(f"chat template: expected a flat list of token ids, got a list of {type(ids[0]).__name__}")
     return [int(token_id) for token_id in ids]

@@ -1,3 +1,23 @@
-"""Environments: what the policy interacts with. Today only the single-turn case exists, and it lives in the
-episode loop (`rollout/episodes.py`: prompt -> one completion -> reward). The multi-turn `Environment`
-protocol, tools and the sandbox arrive with the agentic-environments issue."""
+"""Environments: the `Environment` protocol (multi-turn, async), the shipped environments, tools and the sandbox.
+
+An environment turns the policy's text into observations and (optionally) rewards; it never touches tokens, the
+engine or the trainer. The episode loop that drives it is `sharpen.rollout.episodes`.
+"""
+
+from sharpen.environments.base import (
+    Environment,
+    EnvironmentFactory,
+    EpisodeContext,
+    EpisodeLimits,
+    SingleTurnEnvironment,
+    StepResult,
+)
+
+__all__ = [
+    "Environment",
+    "EnvironmentFactory",
+    "EpisodeContext",
+    "EpisodeLimits",
+    "SingleTurnEnvironment",
+    "StepResult",
+]

@@ -1,13 +1,15 @@
 """The rollout recorder: a few whole rollouts per step, written as JSON lines, to read what the policy actually did.
 
 Owns the on-disk record of a rollout (prompt, completion text and tokens, logprobs, policy versions, reward,
-advantage). Does not choose what is trained on or compute anything; it reads `Rollout`s after they are scored.
-Which rollouts are kept is deterministic: the first ``num_per_step`` of the step's list, in order, so a group's
-samples appear side by side (with their advantages) and a rerun with the same seed records the same rollouts.
+advantage, loss mask, and the episode record that `sharpen replay` re-runs). Does not choose what is trained on or
+compute anything; it reads `Rollout`s after they are scored. Which rollouts are kept is deterministic: the first
+``num_per_step`` of the step's list, in order, so a group's samples appear side by side (with their advantages)
+and a rerun with the same seed records the same rollouts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,8 @@ def rollout_record(step: int, rollout: Rollout) -> dict[str, Any]:
         },
         "advantage": rollout.advantage,
         "is_truncated": rollout.is_truncated,
+        "loss_mask": None if rollout.loss_mask is None else [int(m) for m in rollout.loss_mask],
+        "episode": None if rollout.episode is None else dataclasses.asdict(rollout.episode),
     }
 
 

@@ -11,6 +11,7 @@ from sharpen.config import SharpenConfig, dump_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples
+from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
 from sharpen.monitoring import RolloutRecorder, build_sinks
 from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
 from sharpen.orchestration.loop import Components, run_loop
@@ -21,6 +22,13 @@ from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, Value
 from sharpen.types import Example
 
 logger = logging.getLogger(__name__)
+
+
+def load_run_examples(config: SharpenConfig) -> list[Example]:
+    """The run's tasks: from its data source, or made by its environment (``data.type = "environment"``)."""
+    if config.data.type == "environment":
+        return environment_tasks(config.environment, size=config.data.size, seed=config.run.seed)
+    return load_examples(config.data, seed=config.run.seed)
 
 
 def prepare_run_dir(config: SharpenConfig, *, resume: bool) -> tuple[Path, Path | None]:
@@ -102,6 +110,8 @@ def build_components(
             num_per_step=config.monitoring.num_recorded_rollouts,
             resume_from_step=resume_from_step,
         ),
+        make_environment=build_environment_factory(config.environment),
+        episode_limits=episode_limits(config.environment),
         weight_sync=WeightSync(
             probe_ids=tokenizer.encode(config.weight_sync.probe_text),
             tolerance=config.weight_sync.tolerance,
@@ -123,7 +133,7 @@ def run_local(
     ``engine`` reuses an engine the caller owns (it is not closed here), e.g. one engine for a test session.
     """
     resolve_model_path(config.model.path)  # user errors first: before any folder or slow component exists
-    examples = load_examples(config.data, seed=config.run.seed)
+    examples = load_run_examples(config)
     run_dir, checkpoint = prepare_run_dir(config, resume=resume)
     (run_dir / "config.toml").write_text(dump_config(config))
     next_step = 0

@@ -6,12 +6,13 @@ device or engine type. Asynchronous mode (overlapped generation) will reuse thes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from sharpen.config.schema import SharpenConfig
 from sharpen.data import ExampleSampler
+from sharpen.environments import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
 from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, peak_memory_metrics
 from sharpen.orchestration.checkpoint import save_checkpoint
 from sharpen.orchestration.filters import DynamicSamplingBuffer, overlong_filter
@@ -41,6 +42,10 @@ class Components:
     sink: MetricSink
     recorder: RolloutRecorder
     weight_sync: WeightSync
+    make_environment: EnvironmentFactory = SingleTurnEnvironment
+    episode_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    sandbox: Any = None
+    """The sandbox pool of environments that run code (None when the environment needs none)."""
 
 
 def run_loop(c: Components, *, start_step: int = 0) -> None:
@@ -104,6 +109,7 @@ def collect_groups(
                 sampling=sampling,
                 num_samples=config.rollout.num_samples_per_prompt,
                 seed=f"{config.run.seed}/{step}" if draw == 0 else f"{config.run.seed}/{step}/{draw}",
+                **episode_options(c),
             )
         with timer.phase("score"):
             score_groups(c.rubric, groups, config=config.reward, max_new_tokens=config.rollout.max_new_tokens)
@@ -119,6 +125,16 @@ def collect_groups(
     return buffer.take(), metrics
 
 
+def episode_options(c: Components) -> dict[str, Any]:
+    """The environment side of `generate_groups`: which environment, its limits, seed and sandbox."""
+    return {
+        "make_environment": c.make_environment,
+        "limits": c.episode_limits,
+        "episode_seed": c.config.run.seed,
+        "sandbox": c.sandbox,
+    }
+
+
 def add_greedy_baselines(
     c: Components, groups: list[RolloutGroup], *, sampling: SamplingParams, timer: PhaseTimer
 ) -> None:
@@ -131,6 +147,7 @@ def add_greedy_baselines(
             sampling=replace(sampling, temperature=0.0),
             num_samples=1,
             seed="greedy",
+            **episode_options(c),
         )
     with timer.phase("score"):
         score_groups(c.rubric, greedy, config=c.config.reward, max_new_tokens=c.config.rollout.max_new_tokens)

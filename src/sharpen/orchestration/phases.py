@@ -26,7 +26,7 @@ from sharpen.trainer.algorithms.estimators import (
     compute_remax_advantages,
     compute_rloo_advantages,
 )
-from sharpen.types import Rollout, RolloutGroup
+from sharpen.types import Example, RewardResult, RewardStatus, Rollout, RolloutGroup
 
 if TYPE_CHECKING:
     from sharpen.rollout.engines import InferenceEngine
@@ -41,7 +41,7 @@ def score_groups(
     shaping = config is not None and config.overlong_buffer_tokens > 0
     for group in groups:
         for rollout in group.rollouts:
-            reward = rubric(group.example, rollout.completion_text)
+            reward = score_rollout(rubric, group.example, rollout)
             if shaping and config is not None and reward.score is not None:
                 shaped = shape_overlong_reward(
                     reward.score,
@@ -55,10 +55,29 @@ def score_groups(
             rollout.reward = reward
 
 
+def score_rollout(rubric: RewardFn, example: Example, rollout: Rollout) -> RewardResult:
+    """The environment's own reward when it gave one, else the rubric's verdict on the final turn's text. An
+    episode that the environment broke (it raised, or ran out of its wall clock) abstains: the policy is not to
+    blame for it."""
+    episode = rollout.episode
+    if episode is None:
+        return rubric(example, rollout.completion_text)
+    verifier = f"environment:{episode.environment}"
+    if episode.stop_reason == "environment_error":
+        return RewardResult(score=None, status=RewardStatus.INFRA_ERROR, verifier=verifier)
+    if episode.stop_reason == "wall_clock":
+        return RewardResult(score=None, status=RewardStatus.TIMEOUT, verifier=verifier)
+    score = episode.env_reward
+    if score is None:
+        return rubric(example, rollout.completion_text)
+    status = RewardStatus.OK if score >= 1.0 else RewardStatus.WRONG
+    return RewardResult(score=score, status=status, components={"environment": score}, verifier=verifier)
+
+
 def add_kl_penalties(trainer: Trainer, groups: list[RolloutGroup]) -> None:
     """``kl_in_reward``: each rollout gets per-token reward terms -kl_coef * KL_t(engine || reference), which the
     advantages then see (sequence estimators through `Rollout.total_score`, GAE token by token)."""
-    rollouts = [r for g in groups for r in g.rollouts if r.completion_ids]
+    rollouts = [r for g in groups for r in g.rollouts if r.num_loss_tokens]
     for rollout, penalties in zip(rollouts, trainer.kl_penalties(rollouts), strict=True):
         rollout.token_rewards = penalties
 
@@ -130,6 +149,11 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         metrics["reward/kl_penalty"] = statistics.fmean(penalised)
     for status, count in statuses.items():
         metrics[f"reward/status_{status}"] = count / len(rollouts)
+    episodes = [r.episode for r in rollouts if r.episode is not None]
+    if episodes:
+        metrics["rollout/num_turns_mean"] = statistics.fmean(len(e.turns) for e in episodes)
+        for reason, count in Counter(e.stop_reason for e in episodes).items():
+            metrics[f"rollout/stop_{reason}"] = count / len(episodes)
     return metrics
 
 

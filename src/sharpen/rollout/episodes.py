@@ -1,26 +1,76 @@
-"""The single-turn episode loop: examples -> prompt tokens -> engine completions -> `RolloutGroup`s.
+"""The episode loop: examples -> environments <-> engine turns -> `RolloutGroup`s.
 
-Prompts are rendered to token ids once, by the tokenizer's chat template; the engine's token ids are kept as
-they came (never re-tokenised from text). Every sample gets its own sampling seed derived from
-(run seed, step, example index, sample index), so a run is reproducible whatever the engine's batching.
-Multi-turn episodes and tools arrive with the environments issue and extend this module.
+Owns token continuity. The first prompt is rendered once by the chat template; after that every turn only extends
+the token list: the engine's tokens as they came, then the environment's observation rendered as a continuation
+(`sharpen.data.render_continuation`). Past turns are never re-rendered or re-tokenised, so the trainer sees exactly
+the tokens the engine conditioned on; the loss mask is True only on tokens the engine generated.
+
+Episodes run in lockstep turns: each turn, every live episode's next request goes to the engine in one batch (so the
+engine batches as in single-turn generation), then every environment steps concurrently (asyncio). Every sample gets
+its own sampling seed per turn, derived from (run seed, step, example index, sample index, turn), so a run is
+reproducible whatever the engine's batching; turn 0 uses the single-turn derivation, so a single-turn environment
+reproduces single-turn generation exactly. Limits (turns, tokens, the environment's wall clock) are enforced here,
+not by environments. Rewards are not computed here (see `sharpen.orchestration.phases.score_groups`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
-from dataclasses import replace
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sharpen.data import render_prompt
+from sharpen.data import render_continuation, render_prompt
+from sharpen.environments import (
+    EnvironmentFactory,
+    EpisodeContext,
+    EpisodeLimits,
+    SingleTurnEnvironment,
+    StepResult,
+)
+from sharpen.environments.base import Environment
 from sharpen.rollout.engines.base import InferenceEngine
-from sharpen.types import Example, Rollout, RolloutGroup, SamplingParams
+from sharpen.types import Completion, EpisodeRecord, Example, Rollout, RolloutGroup, SamplingParams, TurnRecord
+
+logger = logging.getLogger(__name__)
 
 
 def derive_seed(*parts: int | str) -> int:
     """A stable 63-bit seed from any parts (Python's ``hash`` is salted per process, so it is not used)."""
     digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(kw_only=True)
+class _Episode:
+    """One episode in flight."""
+
+    example_index: int
+    sample_index: int
+    environment: Environment
+    context: EpisodeContext
+    record: EpisodeRecord
+    prompt_ids: list[int] = field(default_factory=list[int])
+    completion_ids: list[int] = field(default_factory=list[int])
+    logprobs: list[float] = field(default_factory=list[float])
+    versions: list[int] = field(default_factory=list[int])
+    loss_mask: list[bool] = field(default_factory=list[bool])
+    last_text: str = ""
+    env_seconds: float = 0.0
+    is_done: bool = False
+    is_truncated: bool = False
+
+    def end(self, reason: str, *, is_truncated: bool) -> None:
+        self.is_done = True
+        self.is_truncated = is_truncated
+        self.record.stop_reason = reason
+
+    def remaining_wall_seconds(self) -> float | None:
+        budget = self.context.wall_seconds
+        return None if budget is None else max(budget - self.env_seconds, 0.0)
 
 
 def generate_groups(
@@ -31,27 +81,215 @@ def generate_groups(
     sampling: SamplingParams,
     num_samples: int,
     seed: int | str,
+    make_environment: EnvironmentFactory = SingleTurnEnvironment,
+    limits: EpisodeLimits | None = None,
+    episode_seed: int | str = 0,
+    sandbox: Any = None,
 ) -> list[RolloutGroup]:
-    """``num_samples`` rollouts per example, stamped with the engine's current policy version."""
-    prompts = [render_prompt(tokenizer, example.prompt) for example in examples]
-    requests = [(i, s) for i in range(len(examples)) for s in range(num_samples)]
-    completions = engine.generate(
-        [prompts[i] for i, _ in requests],
-        [replace(sampling, seed=derive_seed(seed, i, s)) for i, s in requests],
+    """``num_samples`` episodes per example, each token stamped with the engine's policy version when it was made.
+
+    ``seed`` seeds sampling (it differs per step); ``episode_seed`` (the run seed) seeds environments, through
+    ``EpisodeContext.seed = derive_seed(episode_seed, task_key, sample_index)``. ``sampling.max_new_tokens`` is the
+    limit of one turn."""
+    return asyncio.run(
+        run_episodes(
+            engine,
+            examples,
+            tokenizer=tokenizer,
+            sampling=sampling,
+            num_samples=num_samples,
+            seed=seed,
+            make_environment=make_environment,
+            limits=limits or EpisodeLimits(),
+            episode_seed=episode_seed,
+            sandbox=sandbox,
+        )
     )
-    version = engine.policy_version
+
+
+async def run_episodes(
+    engine: InferenceEngine,
+    examples: list[Example],
+    *,
+    tokenizer: Any,
+    sampling: SamplingParams,
+    num_samples: int,
+    seed: int | str,
+    make_environment: EnvironmentFactory,
+    limits: EpisodeLimits,
+    episode_seed: int | str,
+    sandbox: Any,
+) -> list[RolloutGroup]:
+    """`generate_groups` for callers that already run an event loop."""
+    episodes = [
+        _new_episode(make_environment(), examples[i], i, s, limits=limits, episode_seed=episode_seed, sandbox=sandbox)
+        for i in range(len(examples))
+        for s in range(num_samples)
+    ]
+    observations = await asyncio.gather(*(_reset(e, examples[e.example_index]) for e in episodes))
+    for episode, observation in zip(episodes, observations, strict=True):
+        if observation is not None:
+            episode.prompt_ids = render_prompt(tokenizer, observation)
+    turn = 0
+    while live := [e for e in episodes if not e.is_done]:
+        requests = [_request(e, sampling, limits=limits, seed=seed, turn=turn) for e in live]
+        completions = engine.generate([ids for ids, _ in requests], [params for _, params in requests])
+        version = engine.policy_version
+        for episode, completion in zip(live, completions, strict=True):
+            _append(episode, completion.token_ids, completion.logprobs, version=version, is_generated=True)
+            episode.last_text = completion.text
+        results = await asyncio.gather(*(_step(e, c.text) for e, c in zip(live, completions, strict=True)))
+        for episode, completion, result in zip(live, completions, results, strict=True):
+            _advance(episode, completion, result, tokenizer, version=version, limits=limits, turn=turn)
+        turn += 1
+    return _groups(examples, episodes)
+
+
+def _new_episode(
+    environment: Environment,
+    example: Example,
+    example_index: int,
+    sample_index: int,
+    *,
+    limits: EpisodeLimits,
+    episode_seed: int | str,
+    sandbox: Any,
+) -> _Episode:
+    context = EpisodeContext(
+        seed=derive_seed(episode_seed, example.task_key, sample_index),
+        sample_index=sample_index,
+        max_turns=limits.max_turns,
+        max_tokens=limits.max_tokens,
+        wall_seconds=limits.wall_seconds,
+        sandbox=sandbox,
+    )
+    record = EpisodeRecord(
+        environment=environment.name,
+        environment_version=environment.version,
+        seed=context.seed,
+        sandbox_backend=None if sandbox is None else str(sandbox.backend),
+    )
+    return _Episode(
+        example_index=example_index,
+        sample_index=sample_index,
+        environment=environment,
+        context=context,
+        record=record,
+    )
+
+
+async def _reset(episode: _Episode, example: Example) -> list[Any] | None:
+    started = time.perf_counter()
+    try:
+        return await asyncio.wait_for(
+            episode.environment.reset(example, episode.context), timeout=episode.remaining_wall_seconds()
+        )
+    except TimeoutError:
+        episode.end("wall_clock", is_truncated=True)
+        return None
+    except Exception as error:  # an environment bug ends its episode (scored as an infra error), not the run
+        logger.warning("environment %s failed in reset", episode.environment.name, exc_info=True)
+        episode.record.error = repr(error)
+        episode.end("environment_error", is_truncated=True)
+        return None
+    finally:
+        episode.env_seconds += time.perf_counter() - started
+
+
+async def _step(episode: _Episode, action: str) -> StepResult:
+    started = time.perf_counter()
+    try:
+        return await asyncio.wait_for(episode.environment.step(action), timeout=episode.remaining_wall_seconds())
+    except TimeoutError:
+        return StepResult(truncated=True, info={"stop": "wall_clock"})
+    except Exception as error:  # an environment bug ends its episode (scored as an infra error), not the run
+        logger.warning("environment %s failed in step", episode.environment.name, exc_info=True)
+        episode.record.error = repr(error)
+        return StepResult(truncated=True, info={"stop": "environment_error"})
+    finally:
+        episode.env_seconds += time.perf_counter() - started
+
+
+def _request(
+    episode: _Episode, sampling: SamplingParams, *, limits: EpisodeLimits, seed: int | str, turn: int
+) -> tuple[list[int], SamplingParams]:
+    index, sample = episode.example_index, episode.sample_index
+    turn_seed = derive_seed(seed, index, sample) if turn == 0 else derive_seed(seed, index, sample, turn)
+    budget = min(sampling.max_new_tokens, limits.max_tokens - len(episode.completion_ids))
+    return episode.prompt_ids + episode.completion_ids, replace(sampling, max_new_tokens=budget, seed=turn_seed)
+
+
+def _append(
+    episode: _Episode, ids: Sequence[int], logprobs: Sequence[float], *, version: int, is_generated: bool
+) -> None:
+    episode.completion_ids.extend(ids)
+    episode.logprobs.extend(logprobs)
+    episode.versions.extend([version] * len(ids))
+    episode.loss_mask.extend([is_generated] * len(ids))
+
+
+def _advance(
+    episode: _Episode,
+    completion: Completion,
+    result: StepResult,
+    tokenizer: Any,
+    *,
+    version: int,
+    limits: EpisodeLimits,
+    turn: int,
+) -> None:
+    """Record the turn and either end the episode or append the observation for the next turn."""
+    record = TurnRecord(
+        action_text=completion.text,
+        num_action_tokens=len(completion.token_ids),
+        observation_ids=[],
+        reward=result.reward,
+        is_terminated=result.terminated,
+        is_truncated=result.truncated,
+        info=result.info,
+    )
+    episode.record.turns.append(record)
+    if result.terminated:
+        episode.end("terminated", is_truncated=completion.finish_reason == "length")
+    elif result.truncated:
+        episode.end(str(result.info.get("stop", "truncated")), is_truncated=True)
+    elif completion.finish_reason == "length":
+        is_budget = len(episode.completion_ids) >= limits.max_tokens  # the turn's limit was the episode's budget
+        episode.end("max_tokens" if is_budget else "length", is_truncated=True)
+    elif turn + 1 >= limits.max_turns:
+        episode.end("max_turns", is_truncated=True)
+    elif not result.observation:
+        raise ValueError(
+            f"environment {episode.environment.name!r} ended a turn without an observation and without terminating"
+        )
+    else:
+        end_of_turn_id = tokenizer.eos_token_id  # the token the engine stops a turn on
+        ids = render_continuation(tokenizer, result.observation, end_of_turn_id=end_of_turn_id)
+        if not completion.token_ids or completion.token_ids[-1] != end_of_turn_id:
+            ids = [end_of_turn_id, *ids]  # the turn stopped on another stop token: close it as the template would
+        if len(episode.completion_ids) + len(ids) >= limits.max_tokens:
+            episode.end("max_tokens", is_truncated=True)
+            return
+        record.observation_ids = ids
+        _append(episode, ids, [0.0] * len(ids), version=version, is_generated=False)
+
+
+def _groups(examples: list[Example], episodes: list[_Episode]) -> list[RolloutGroup]:
     groups = [RolloutGroup(example=example, rollouts=[]) for example in examples]
-    for (i, s), completion in zip(requests, completions, strict=True):
-        groups[i].rollouts.append(
+    for episode in episodes:
+        is_multi_turn = not all(episode.loss_mask)
+        groups[episode.example_index].rollouts.append(
             Rollout(
-                example=examples[i],
-                prompt_ids=prompts[i],
-                completion_ids=completion.token_ids,
-                completion_logprobs=completion.logprobs,
-                versions=[version] * len(completion.token_ids),
-                completion_text=completion.text,
-                is_truncated=completion.finish_reason == "length",
-                sample_index=s,
+                example=examples[episode.example_index],
+                prompt_ids=episode.prompt_ids,
+                completion_ids=episode.completion_ids,
+                completion_logprobs=episode.logprobs,
+                versions=episode.versions,
+                completion_text=episode.last_text,
+                is_truncated=episode.is_truncated,
+                loss_mask=episode.loss_mask if is_multi_turn else None,
+                episode=episode.record,
+                sample_index=episode.sample_index,
             )
         )
     return groups

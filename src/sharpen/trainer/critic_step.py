@@ -91,7 +91,7 @@ class CriticStep:
         targets: dict[int, CriticTargets] = {}
         offset = 0
         for rollout in rollouts:
-            end = offset + len(rollout.completion_ids)
+            end = offset + rollout.num_loss_tokens
             targets[id(rollout)] = CriticTargets(
                 advantages=flat_advantages[offset:end].tolist(),
                 old_values=flat_values[offset:end].tolist(),

@@ -39,7 +39,8 @@ def pack_micro_batch(
     returns: list[list[float]] | None = None,
 ) -> MicroBatch:
     """Right-pad ``rollouts`` into one `MicroBatch`. The optional per-token inputs hold one list per rollout, one
-    value per completion token, and are placed at the completion's target positions (0 elsewhere).
+    value per trained completion token (`Rollout.num_loss_tokens`), and are placed at those tokens' target
+    positions (0 elsewhere). Tokens an environment appended (``rollout.loss_mask`` False) are inputs only.
     ``token_advantages`` replaces the rollouts' sequence advantages (``advantages`` is then [batch, seq - 1]);
     ``rollout.advantage`` must still be set, as the mark of a trainable rollout."""
     if not rollouts:
@@ -68,12 +69,14 @@ def pack_micro_batch(
         input_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         attention_mask[row, : len(tokens)] = 1
         start = len(rollout.prompt_ids) - 1  # target index of the first completion token
-        end = start + len(rollout.completion_ids)
-        loss_mask[row, start:end] = True
-        engine_logprobs[row, start:end] = torch.tensor(rollout.completion_logprobs, dtype=torch.float32)
+        positions = trained_positions(rollout, start)  # [num_loss_tokens]
+        loss_mask[row, positions] = True
+        engine_logprobs[row, positions] = torch.tensor(rollout.completion_logprobs, dtype=torch.float32)[
+            positions - start
+        ]
         advantages[row, 0] = rollout.advantage
         for lists, tensor in per_token.values():
-            tensor[row, start:end] = torch.tensor(lists[row], dtype=torch.float32)
+            tensor[row, positions] = torch.tensor(lists[row], dtype=torch.float32)
     if "advantages" in per_token:
         advantages = per_token["advantages"][1]
 
@@ -90,6 +93,13 @@ def pack_micro_batch(
         old_values=optional("old_values"),
         returns=optional("returns"),
     )
+
+
+def trained_positions(rollout: Rollout, start: int) -> torch.Tensor:
+    """Target indices of the rollout's trained completion tokens, the first completion token's being ``start``."""
+    if rollout.loss_mask is None:
+        return torch.arange(start, start + len(rollout.completion_ids))
+    return start + torch.tensor(rollout.loss_mask, dtype=torch.bool).nonzero().flatten()
 
 
 def split_micro_batches(rollouts: list[Rollout], micro_batch_size: int) -> list[list[Rollout]]:

@@ -118,7 +118,7 @@ class Trainer:
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algorithm = self.config.algorithm
-        rollouts = [r for r in batch.rollouts if r.advantage is not None and r.completion_ids]
+        rollouts = [r for r in batch.rollouts if r.advantage is not None and r.num_loss_tokens]
         if not rollouts:
             return {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
         needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1
@@ -175,7 +175,7 @@ class Trainer:
     ) -> None:
         """Forward/backward every micro-batch of one mini-batch, accumulating gradients and metric sums."""
         algorithm = self.config.algorithm
-        lengths = torch.tensor([len(r.completion_ids) for r in rollouts])
+        lengths = torch.tensor([r.num_loss_tokens for r in rollouts])
         normalizer = aggregation_normalizer(
             algorithm.loss_aggregation, torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from sharpen.monitoring import RolloutRecorder, read_jsonl
-from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout
+from sharpen.types import EpisodeRecord, Example, Message, RewardResult, RewardStatus, Rollout, TurnRecord
 
 EXAMPLE = Example(
     task_key="basic_arithmetic/3",
@@ -53,7 +53,28 @@ def test_record_fields(tmp_path: Path) -> None:
         "reward": {"score": 1.0, "status": "ok", "components": {"correct": 1.0, "format": 1.0}, "verifier": "m"},
         "advantage": 0.0,
         "is_truncated": False,
+        "loss_mask": None,
+        "episode": None,
     }
+
+
+def test_multi_turn_records_keep_the_loss_mask_and_the_episode(tmp_path: Path) -> None:
+    rollout = _rollout(0)
+    rollout.loss_mask = [True, False]
+    rollout.episode = EpisodeRecord(
+        environment="calculator",
+        environment_version="1",
+        seed=42,
+        turns=[TurnRecord(action_text="a", num_action_tokens=1, observation_ids=[11], info={"tool_calls": []})],
+        stop_reason="max_turns",
+    )
+    recorder = RolloutRecorder(tmp_path / "rollouts.jsonl", num_per_step=1)
+    recorder.record(0, [rollout])
+    recorder.close()
+    (record,) = read_jsonl(tmp_path / "rollouts.jsonl")
+    assert record["loss_mask"] == [1, 0]
+    assert record["episode"]["seed"] == 42 and record["episode"]["stop_reason"] == "max_turns"
+    assert record["episode"]["turns"][0]["observation_ids"] == [11]
 
 
 def test_records_first_num_per_step_and_unscored(tmp_path: Path) -> None:

@@ -74,3 +74,21 @@ def test_split_micro_batches_sorts_by_length_and_chunks():
     assert sorted(r.example.task_key for chunk in chunks for r in chunk) == sorted(r.example.task_key for r in rollouts)
     assert [len(chunk) for chunk in split_micro_batches(rollouts, 5)] == [5]
     assert [len(chunk) for chunk in split_micro_batches(rollouts, 1)] == [1] * 5
+
+
+def test_environment_tokens_are_inputs_only_and_per_token_values_land_on_generated_tokens():
+    # completion [4, 5 | 6, 7 | 8]: 6 and 7 were appended by the environment (tool output)
+    rollout = _rollout([1, 2], [4, 5, 6, 7, 8])
+    rollout.loss_mask = [True, True, False, False, True]
+    assert rollout.num_loss_tokens == 3
+    micro = pack_micro_batch([rollout], pad_token_id=PAD, device=torch.device("cpu"), old_logprobs=[[-1.0, -2.0, -3.0]])
+    assert micro.input_ids.tolist() == [[1, 2, 4, 5, 6, 7, 8]]
+    assert micro.loss_mask.tolist() == [[False, True, True, False, False, True]]
+    assert micro.input_ids[0, 1:][micro.loss_mask[0]].tolist() == [4, 5, 8]
+    assert micro.engine_logprobs[0].tolist() == pytest.approx([0.0, -0.1, -0.2, 0.0, 0.0, -0.5])
+    assert micro.old_logprobs is not None
+    assert micro.old_logprobs[0].tolist() == [0.0, -1.0, -2.0, 0.0, 0.0, -3.0]
+    with pytest.raises(ValueError, match="loss mask"):
+        Rollout(
+            example=_EXAMPLE, prompt_ids=[1], completion_ids=[4], completion_logprobs=[0.0], versions=[0], loss_mask=[]
+        )

@@ -1,0 +1,102 @@
+"""The `Environment` contract: what the episode loop drives, one instance per episode.
+
+Owns the protocol and its data (`EpisodeContext`, `StepResult`). An environment sees text (the policy's turn) and
+answers with messages; it never sees tokens, the engine or the trainer. Token handling (continuity across turns,
+loss masks) is the episode loop's (`sharpen.rollout.episodes`), limits are enforced there too, so an environment
+stays a few lines: `reset` returns the first observation, `step` judges one action.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from sharpen.types import Example, Message
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class EpisodeLimits:
+    """What the episode loop enforces on every episode."""
+
+    max_turns: int = 1
+    """Policy turns per episode."""
+    max_tokens: int = 1 << 30
+    """Completion tokens (generated plus appended) per episode."""
+    wall_seconds: float | None = None
+    """Wall-clock budget of the environment's side of an episode (reset plus steps)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EpisodeContext:
+    """What an episode may use besides its task: its own seed and the shared sandbox.
+
+    ``seed`` is derived from (run seed, task key, sample index), so an episode is reproduced by its task and sample
+    alone; draw randomness from ``rng`` (seeded with it), never from the global ``random`` module."""
+
+    seed: int
+    sample_index: int
+    max_turns: int
+    """Policy turns the episode may take (the loop stops it after this many)."""
+    max_tokens: int
+    """Completion tokens (generated plus appended) the episode may hold."""
+    wall_seconds: float | None = None
+    """Wall-clock budget of the environment's side of the episode (None: unbounded)."""
+    sandbox: Any = None
+    """A `sharpen.environments.sandbox.SandboxPool` for environments that run code (None when not configured)."""
+    rng: random.Random = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+
+@dataclass(kw_only=True, slots=True)
+class StepResult:
+    """The environment's answer to one action."""
+
+    observation: list[Message] = field(default_factory=list[Message])
+    """Messages appended to the conversation before the policy's next turn (tool results, a user reply). Ignored
+    when the episode ends."""
+    reward: float | None = None
+    """This step's reward; None everywhere means the episode is scored by the run's reward function instead."""
+    terminated: bool = False
+    """The task is over (solved, failed, answered)."""
+    truncated: bool = False
+    """The environment cut the episode short (e.g. too many tool calls)."""
+    info: dict[str, Any] = field(default_factory=dict[str, Any])
+    """JSON-serialisable details, recorded with the episode (tool calls made, sandbox statuses, ...)."""
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A task the policy acts in over one or more turns. Build one instance per episode (a factory is configured
+    per run); ``name`` and ``version`` are recorded with every rollout, so bump the version when behaviour changes."""
+
+    name: str
+    version: str
+
+    async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:
+        """Start the episode; return the first observation (the prompt messages, system prompt included)."""
+        ...
+
+    async def step(self, action: str) -> StepResult:
+        """Take the policy's turn (its text, without the end-of-turn token) and answer it."""
+        ...
+
+
+EnvironmentFactory = Callable[[], Environment]
+"""Builds a fresh environment for each episode."""
+
+
+class SingleTurnEnvironment:
+    """The default: the example's prompt, one answer, done. The run's reward function scores it."""
+
+    name = "single_turn"
+    version = "1"
+
+    async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:
+        return list(example.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(terminated=True)

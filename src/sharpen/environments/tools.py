@@ -1,0 +1,171 @@
+"""Tools: Python functions as JSON-schema tool specs, tool-call parsing, and calling a tool safely.
+
+Owns the one place where a policy's text becomes tool calls, so environments never write their own regex. Parsers
+are selected by name (`TOOL_CALL_PARSERS`): Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks, or a whole turn
+that is one JSON object (Llama 3 style). A malformed call is reported back as a `ToolCallError` (the policy sees it
+as a message), never raised. It does not decide when an episode ends; `ToolEnvironment` does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, Union, get_args, get_origin, get_type_hints
+
+_JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array"}
+_JSON_TYPES[dict] = "object"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ToolCallError:
+    """A tool call the parser could not read; ``message`` is what the policy is told."""
+
+    message: str
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str) -> list[ToolCall | ToolCallError]:
+        """The tool calls in one policy turn, in order (empty: the turn calls no tool)."""
+        ...
+
+
+def _call_from_json(payload: str, *, arguments_key: str = "arguments") -> ToolCall | ToolCallError:
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError as error:
+        return ToolCallError(message=f"tool call is not valid JSON ({error.msg} at column {error.colno})")
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return ToolCallError(message='a tool call must be a JSON object with a string "name"')
+    arguments = data.get(arguments_key, {})
+    if isinstance(arguments, str):  # some models double-encode the arguments
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return ToolCallError(message=f'"{arguments_key}" of tool call {data["name"]!r} is not valid JSON')
+    if not isinstance(arguments, dict):
+        return ToolCallError(message=f'"{arguments_key}" of tool call {data["name"]!r} must be a JSON object')
+    return ToolCall(name=data["name"], arguments=arguments)
+
+
+class HermesToolCallParser:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen 2.5/3). An opened block
+    that is never closed is an error, so a truncated call is not silently dropped."""
+
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str) -> list[ToolCall | ToolCallError]:
+        calls: list[ToolCall | ToolCallError] = [
+            _call_from_json(m.group(1).strip()) for m in self._BLOCK.finditer(text)
+        ]
+        if text.count("<tool_call>") > len(calls):
+            calls.append(ToolCallError(message="a <tool_call> block is not closed with </tool_call>"))
+        return calls
+
+
+class JsonToolCallParser:
+    """A turn that is exactly one JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.x); any other turn
+    calls no tool."""
+
+    def parse(self, text: str) -> list[ToolCall | ToolCallError]:
+        stripped = text.strip()
+        if not (stripped.startswith("{") and stripped.endswith("}")):
+            return []
+        return [_call_from_json(stripped, arguments_key="parameters")]
+
+
+TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
+    "hermes": HermesToolCallParser,
+    "json": JsonToolCallParser,
+}
+
+
+def tool_spec(function: Callable[..., Any]) -> dict[str, Any]:
+    """The OpenAI/JSON-schema spec of ``function``: its name, its docstring's first paragraph, and its parameters
+    from the signature's type hints (``Args:`` lines of a Google-style docstring describe them)."""
+    doc = inspect.getdoc(function) or ""
+    hints = get_type_hints(function)
+    described = _argument_docs(doc)
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for name, parameter in inspect.signature(function).parameters.items():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise ValueError(f"tool {function.__name__}: *args/**kwargs cannot be described as JSON schema")
+        schema = {"type": _json_type(hints.get(name, str), f"{function.__name__}({name})")}
+        if name in described:
+            schema["description"] = described[name]
+        properties[name] = schema
+        if parameter.default is parameter.empty:
+            required.append(name)
+    return {
+        "type": "function",
+        "function": {
+            "name": function.__name__,
+            "description": doc.split("\n\n")[0].replace("\n", " "),
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
+    }
+
+
+def _json_type(hint: Any, where: str) -> str:
+    if get_origin(hint) in (Union, types.UnionType):
+        options = [arg for arg in get_args(hint) if arg is not type(None)]
+        if len(options) == 1:
+            return _json_type(options[0], where)
+    base = get_origin(hint) or hint
+    if base not in _JSON_TYPES:
+        raise ValueError(f"tool {where}: type {hint!r} has no JSON-schema equivalent")
+    return _JSON_TYPES[base]
+
+
+def _argument_docs(doc: str) -> dict[str, str]:
+    section = re.search(r"^Args:\n((?:[ \t]+.*\n?)+)", doc, re.MULTILINE)
+    if section is None:
+        return {}
+    return dict(re.findall(r"^[ \t]+(\w+)(?: \([^)]*\))?:[ \t]*(.+)$", section.group(1), re.MULTILINE))
+
+
+async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall, *, max_chars: int) -> str:
+    """Run ``call`` against ``tools`` and return what the policy sees: the result as text, or an error message
+    (unknown tool, bad arguments, the tool raised). Sync tools run in a thread, so a slow one does not block the
+    other episodes. Output is capped at ``max_chars``."""
+    function = tools.get(call.name)
+    if function is None:
+        return f"error: unknown tool {call.name!r} (available: {', '.join(sorted(tools))})"
+    problem = _check_arguments(function, call.arguments)
+    if problem:
+        return f"error: {problem}"
+    try:
+        if inspect.iscoroutinefunction(function):
+            result = await function(**call.arguments)
+        else:
+            result = await asyncio.to_thread(function, **call.arguments)
+    except Exception as error:  # a tool failing on the policy's input is feedback for the policy, not a crash
+        return f"error: {type(error).__name__}: {error}"
+    text = result if isinstance(result, str) else json.dumps(result)
+    return text if len(text) <= max_chars else text[:max_chars] + f"\n[output truncated at {max_chars} characters]"
+
+
+def _check_arguments(function: Callable[..., Any], arguments: dict[str, Any]) -> str:
+    spec = tool_spec(function)["function"]["parameters"]
+    unknown = sorted(set(arguments) - set(spec["properties"]))
+    missing = [name for name in spec["required"] if name not in arguments]
+    if unknown or missing:
+        return f"tool {function.__name__}: unknown arguments {unknown}, missing arguments {missing}"
+    checks = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
+    for name, value in arguments.items():
+        expected = spec["properties"][name]["type"]
+        is_bool_as_number = isinstance(value, bool) and expected in ("integer", "number")
+        if not isinstance(value, checks[expected]) or is_bool_as_number:
+            return f"tool {function.__name__}: argument {name!r} must be a JSON {expected}, got {json.dumps(value)}"
+    return ""

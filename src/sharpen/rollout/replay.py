@@ -1,0 +1,88 @@
+"""Replaying a recorded episode's environment side: same task, same seed, the recorded actions in order.
+
+Owns the comparison of a re-run with its record: the first observation's prompt tokens, then per turn the
+environment's observation tokens, reward and end flags. The policy is not re-run (its actions come from the
+record), so a replay isolates the environment: a difference means the environment, its task data or its
+dependencies changed, or the environment is not deterministic given its seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+from sharpen.data import render_continuation, render_prompt
+from sharpen.environments import Environment, EpisodeContext, EpisodeLimits
+from sharpen.types import Example
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplayReport:
+    num_turns: int
+    differences: list[str] = field(default_factory=list[str])
+
+    @property
+    def is_reproduced(self) -> bool:
+        return not self.differences
+
+
+def replay_episode(
+    record: dict[str, Any],
+    example: Example,
+    environment: Environment,
+    *,
+    tokenizer: Any,
+    limits: EpisodeLimits,
+    sandbox: Any = None,
+) -> ReplayReport:
+    """Re-run the environment of a rollout record (as `sharpen.monitoring.rollout_record` writes it)."""
+    return asyncio.run(_replay(record, example, environment, tokenizer=tokenizer, limits=limits, sandbox=sandbox))
+
+
+async def _replay(
+    record: dict[str, Any],
+    example: Example,
+    environment: Environment,
+    *,
+    tokenizer: Any,
+    limits: EpisodeLimits,
+    sandbox: Any,
+) -> ReplayReport:
+    episode = record.get("episode")
+    if not episode:
+        raise ValueError(f"rollout {record.get('task_key')} has no episode record to replay")
+    report = ReplayReport(num_turns=len(episode["turns"]))
+    differences = report.differences
+    if example.task_hash != record["task_hash"]:
+        differences.append(
+            f"task {example.task_key}: content hash {example.task_hash} != recorded {record['task_hash']}"
+        )
+    recorded_env = (episode["environment"], episode["environment_version"])
+    if (environment.name, environment.version) != recorded_env:
+        differences.append(
+            f"environment {environment.name} v{environment.version} != recorded {recorded_env[0]} v{recorded_env[1]}"
+        )
+    context = EpisodeContext(
+        seed=episode["seed"],
+        sample_index=record["sample_index"],
+        max_turns=limits.max_turns,
+        max_tokens=limits.max_tokens,
+        wall_seconds=limits.wall_seconds,
+        sandbox=sandbox,
+    )
+    prompt_ids = render_prompt(tokenizer, await environment.reset(example, context))
+    if prompt_ids != record["prompt_ids"]:
+        differences.append("reset: the first observation renders to different prompt tokens")
+    for index, turn in enumerate(episode["turns"]):
+        result = await environment.step(turn["action_text"])
+        replayed = {"reward": result.reward, "is_terminated": result.terminated, "is_truncated": result.truncated}
+        for name, value in replayed.items():
+            if value != turn[name]:
+                differences.append(f"turn {index}: {name} {value!r} != recorded {turn[name]!r}")
+        recorded_ids = turn["observation_ids"]
+        if recorded_ids:
+            ids = render_continuation(tokenizer, result.observation, end_of_turn_id=tokenizer.eos_token_id)
+            if recorded_ids not in (ids, [tokenizer.eos_token_id, *ids]):
+                differences.append(f"turn {index}: the observation renders to different tokens")
+    return report
