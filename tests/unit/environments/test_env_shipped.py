@@ -1,0 +1,125 @@
+"""The shipped environments (calculator, guess-the-number, the gymnasium adapter) and the config registry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sharpen.config import load_config
+from sharpen.config.environments import (
+    CalculatorEnvironmentConfig,
+    GuessNumberEnvironmentConfig,
+    GymnasiumEnvironmentConfig,
+    SingleTurnEnvironmentConfig,
+)
+from sharpen.config.loader import ConfigError
+from sharpen.environments import Environment, EpisodeContext, SingleTurnEnvironment
+from sharpen.environments.calculator import CalculatorEnvironment, calculate, evaluate_arithmetic
+from sharpen.environments.guess_number import GuessNumberEnvironment
+from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
+from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
+
+CONTEXT = EpisodeContext(seed=7, sample_index=0, max_turns=20, max_tokens=1000)
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [
+        ("(12 + 7) * 3", "57"),
+        ("2 ** 10", "1024"),
+        ("7 / 2", "3.5"),
+        ("-7 // 2", "-4"),
+        ("10 % 4", "2"),
+        ("1.5e2", "150"),
+    ],
+)
+def test_calculator_evaluates_arithmetic(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("__import__('os').system('id')", "unsupported element Call"),
+        ("().__class__", "unsupported element Attribute"),
+        ("x + 1", "unsupported element Name"),
+        ("9 ** 9 ** 9", "exponent"),
+        ("1" + "0" * 400, "too large"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 / 0", "division by zero"),
+        ("1 +", "not an arithmetic expression"),
+        ("1" * 600, "longer than"),
+        ("True + 1", "unsupported element Constant"),
+    ],
+)
+def test_calculator_refuses_anything_but_bounded_arithmetic(expression, message):
+    with pytest.raises(ValueError, match=message):
+        evaluate_arithmetic(expression)
+
+
+def test_guess_number_gives_hints_and_rewards_the_find():
+    [example] = GuessNumberEnvironment.make_tasks(1, seed=0, low=1, high=8)
+    assert GuessNumberEnvironment.make_tasks(1, seed=0, low=1, high=8) == [example]  # tasks are seeded
+    secret = int(example.answer or 0)
+    environment = GuessNumberEnvironment(low=1, high=8)
+    assert asyncio.run(environment.reset(example, CONTEXT)) == list(example.prompt)
+    low, high = 1, 8
+    for _ in range(4):  # binary search finds any of 8 numbers in at most 4 guesses
+        guess = (low + high) // 2
+        result = asyncio.run(environment.step(f"My guess is {guess}"))
+        if result.terminated:
+            assert guess == secret and result.reward == 1.0
+            break
+        assert result.reward == 0.0
+        hint = result.observation[0].content
+        low, high = (guess + 1, high) if "higher" in hint else (low, guess - 1)
+    else:
+        pytest.fail("binary search did not find the secret")
+    nothing = asyncio.run(environment.step("no idea"))
+    assert not nothing.terminated and "one whole number" in nothing.observation[0].content
+
+
+def test_gymnasium_frozen_lake_is_playable_as_text():
+    [example] = GymnasiumEnvironment.make_tasks(1, seed=0, env_id="FrozenLake-v1", instructions="Walk.")
+    environment = GymnasiumEnvironment(
+        "FrozenLake-v1", env_kwargs={"is_slippery": False}, action_names=["left", "down", "right", "up"]
+    )
+    system, first = asyncio.run(environment.reset(example, CONTEXT))
+    assert system.content == "Walk." and first.content.startswith("[S]FFF")
+    rewards = []
+    for move in ["right", "right", "down", "down", "down", "right"]:  # the safe path on the 4x4 map
+        result = asyncio.run(environment.step(f"I move {move}."))
+        rewards.append(result.reward)
+    assert result.terminated and rewards == [0.0] * 5 + [1.0]
+    assert result.observation[0].content.endswith("HFF[G]")
+    assert asyncio.run(environment.step("fly")).observation[0].content.startswith("Unknown action. Legal actions:")
+
+
+def test_the_registry_builds_what_the_config_names():
+    cases = [
+        (SingleTurnEnvironmentConfig(), SingleTurnEnvironment),
+        (CalculatorEnvironmentConfig(max_tool_calls=2), CalculatorEnvironment),
+        (GuessNumberEnvironmentConfig(low=3, high=9), GuessNumberEnvironment),
+        (GymnasiumEnvironmentConfig(), GymnasiumEnvironment),
+    ]
+    for config, cls in cases:
+        environment = build_environment_factory(config)()
+        assert isinstance(environment, cls) and isinstance(environment, Environment)
+    assert build_environment_factory(CalculatorEnvironmentConfig(max_tool_calls=2))().max_tool_calls == 2  # type: ignore[attr-defined]
+    limits = episode_limits(CalculatorEnvironmentConfig(max_turns=3, max_episode_tokens=99, wall_seconds=5.0))
+    assert (limits.max_turns, limits.max_tokens, limits.wall_seconds) == (3, 99, 5.0)
+    assert episode_limits(SingleTurnEnvironmentConfig()).max_turns == 1
+    tasks = environment_tasks(GuessNumberEnvironmentConfig(low=3, high=9), size=5, seed=1)
+    assert len(tasks) == 5 and all(3 <= int(t.answer or 0) <= 9 for t in tasks)
+    with pytest.raises(ValueError, match="does not make its own tasks"):
+        environment_tasks(CalculatorEnvironmentConfig(), size=5, seed=1)
+
+
+def test_recipes_choose_environments_by_type_and_bad_combinations_are_one_error():
+    config = load_config(None, ['environment.type="guess_number"', 'data.type="environment"', "data.size=8"])
+    assert config.environment.type == "guess_number" and config.data.type == "environment"
+    with pytest.raises(ConfigError, match="makes its own tasks"):
+        load_config(None, ['data.type="environment"'])
+    with pytest.raises(ConfigError, match="max_tool_calls"):
+        load_config(None, ['environment.type="calculator"', "environment.max_tool_calls=0"])
