@@ -9,7 +9,8 @@ from __future__ import annotations
 def user_error_message(error: BaseException) -> str | None:
     from sharpen.cli.models import PullError
     from sharpen.data import DataError
+    from sharpen.environments.registry import EnvironmentLoadError
 
-    if isinstance(error, DataError | PullError):
+    if isinstance(error, DataError | PullError | EnvironmentLoadError):
         return str(error)
     return None

@@ -71,10 +71,22 @@ class GymnasiumEnvironmentConfig(EpisodeLimitsSection):
     """The system prompt of every episode."""
 
 
+class CustomEnvironmentConfig(EpisodeLimitsSection):
+    type: Literal["custom"] = "custom"
+    factory: str
+    """Your environment: ``path/to/file.py:ClassName`` or ``package.module:ClassName`` (a class or function that
+    returns a fresh `Environment`), called with ``kwargs`` once per episode."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the factory."""
+    tasks: str | None = None
+    """For ``data.type = "environment"``: a function ``(num_tasks, *, seed) -> list[Example]``, named like factory."""
+
+
 EnvironmentConfig = Annotated[
     SingleTurnEnvironmentConfig
     | CalculatorEnvironmentConfig
     | GuessNumberEnvironmentConfig
-    | GymnasiumEnvironmentConfig,
+    | GymnasiumEnvironmentConfig
+    | CustomEnvironmentConfig,
     Field(discriminator="type"),
 ]

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from sharpen.config.environments import EnvironmentConfig, SingleTurnEnvironmentConfig
+from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.section import Section
 
 
@@ -286,10 +286,15 @@ class SharpenConfig(Section):
                 f"reward.overlong_buffer_tokens = {self.reward.overlong_buffer_tokens} is larger than "
                 f"rollout.max_new_tokens = {self.rollout.max_new_tokens}"
             )
-        if self.data.type == "environment" and self.environment.type not in ENVIRONMENTS_WITH_TASKS:
+        environment = self.environment
+        makes_tasks = environment.type in ENVIRONMENTS_WITH_TASKS or (
+            isinstance(environment, CustomEnvironmentConfig) and environment.tasks is not None
+        )
+        if self.data.type == "environment" and not makes_tasks:
             raise ValueError(
                 f'data.type = "environment" needs an environment that makes its own tasks '
-                f"({', '.join(ENVIRONMENTS_WITH_TASKS)}), not {self.environment.type!r}"
+                f"({', '.join(ENVIRONMENTS_WITH_TASKS)}, or custom with environment.tasks), "
+                f"not {environment.type!r}"
             )
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:

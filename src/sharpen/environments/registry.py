@@ -6,10 +6,16 @@ same way. It does not run episodes.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import sys
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
+    CustomEnvironmentConfig,
     EnvironmentConfig,
     GuessNumberEnvironmentConfig,
     GymnasiumEnvironmentConfig,
@@ -36,6 +42,8 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
             )
         case GuessNumberEnvironmentConfig():
             return partial(GuessNumberEnvironment, low=config.low, high=config.high)
+        case CustomEnvironmentConfig():
+            return partial(load_object(config.factory, what="environment.factory"), **config.kwargs)
         case GymnasiumEnvironmentConfig():
             return partial(
                 GymnasiumEnvironment,
@@ -63,5 +71,38 @@ def environment_tasks(config: EnvironmentConfig, *, size: int, seed: int) -> lis
             return GymnasiumEnvironment.make_tasks(
                 size, seed=seed, env_id=config.env_id, instructions=config.instructions
             )
+        case CustomEnvironmentConfig(tasks=str(tasks)):
+            return list(load_object(tasks, what="environment.tasks")(size, seed=seed))
         case _:
             raise ValueError(f"environment {config.type!r} does not make its own tasks; configure a data source")
+
+
+class EnvironmentLoadError(ValueError):
+    """A custom environment (or task function) named in the config cannot be loaded; the message says why."""
+
+
+def load_object(spec: str, *, what: str) -> Any:
+    """The object named by ``path/to/file.py:name`` or ``package.module:name``."""
+    location, _, name = spec.rpartition(":")
+    if not location or not name:
+        raise EnvironmentLoadError(f"{what} = {spec!r}: expected 'path/to/file.py:Name' or 'package.module:Name'")
+    try:
+        if location.endswith(".py"):
+            path = Path(location).resolve()
+            if not path.is_file():
+                raise EnvironmentLoadError(f"{what} = {spec!r}: no file {path}")
+            module_name = f"sharpen_user_{path.stem}"
+            module = sys.modules.get(module_name)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(module_name, path)
+                assert module_spec is not None and module_spec.loader is not None
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+                module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(location)
+    except ImportError as error:
+        raise EnvironmentLoadError(f"{what} = {spec!r}: cannot import it ({error})") from error
+    if not hasattr(module, name):
+        raise EnvironmentLoadError(f"{what} = {spec!r}: {location} has no attribute {name!r}")
+    return getattr(module, name)

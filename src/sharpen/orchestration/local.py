@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from sharpen.config import SharpenConfig, dump_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples
+from sharpen.environments import EnvironmentFactory
 from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
 from sharpen.monitoring import RolloutRecorder, build_sinks
 from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
@@ -43,6 +45,26 @@ def prepare_run_dir(config: SharpenConfig, *, resume: bool) -> tuple[Path, Path 
     return run_dir, checkpoint
 
 
+def load_tokenizer(model_path: Path) -> Any:
+    """The model folder's tokenizer (and chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any, device: str) -> InferenceEngine:
+    """The recipe's inference engine (rollout.engine) on ``model_path``; ``device`` is used by the hf engine."""
+    return build_engine(
+        config.rollout.engine,
+        model_path=model_path,
+        dtype=config.model.dtype,
+        seed=config.run.seed,
+        device=device,
+        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
 def build_components(
     config: SharpenConfig,
     run_dir: Path,
@@ -51,11 +73,10 @@ def build_components(
     resume_from_step: int | None,
     reward_fn: RewardFn | None = None,
     engine: InferenceEngine | None = None,
+    make_environment: EnvironmentFactory | None = None,
 ) -> Components:
-    from transformers import AutoTokenizer
-
     model_path = resolve_model_path(config.model.path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     backend = SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
     reference = None
@@ -87,15 +108,7 @@ def build_components(
         reference=reference,
         critic=critic,
     )
-    engine = engine or build_engine(
-        config.rollout.engine,
-        model_path=model_path,
-        dtype=config.model.dtype,
-        seed=config.run.seed,
-        device=str(backend.device),
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    engine = engine or build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=str(backend.device))
     return Components(
         config=config,
         run_dir=run_dir,
@@ -110,7 +123,7 @@ def build_components(
             num_per_step=config.monitoring.num_recorded_rollouts,
             resume_from_step=resume_from_step,
         ),
-        make_environment=build_environment_factory(config.environment),
+        make_environment=make_environment or build_environment_factory(config.environment),
         episode_limits=episode_limits(config.environment),
         weight_sync=WeightSync(
             probe_ids=tokenizer.encode(config.weight_sync.probe_text),
@@ -132,7 +145,9 @@ def run_local(
     ``reward_fn`` replaces the configured rubric (any callable ``(example, completion) -> RewardResult``);
     ``engine`` reuses an engine the caller owns (it is not closed here), e.g. one engine for a test session.
     """
-    resolve_model_path(config.model.path)  # user errors first: before any folder or slow component exists
+    # user errors first: before any folder or slow component exists
+    resolve_model_path(config.model.path)
+    make_environment = build_environment_factory(config.environment)
     examples = load_run_examples(config)
     run_dir, checkpoint = prepare_run_dir(config, resume=resume)
     (run_dir / "config.toml").write_text(dump_config(config))
@@ -146,6 +161,7 @@ def run_local(
         resume_from_step=next_step - 1 if checkpoint else None,
         reward_fn=reward_fn,
         engine=engine,
+        make_environment=make_environment,
     )
     try:
         if checkpoint is not None:

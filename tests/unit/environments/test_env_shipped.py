@@ -6,9 +6,11 @@ import asyncio
 
 import pytest
 
+from sharpen.cli.main import EXIT_USER_ERROR, main
 from sharpen.config import load_config
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
+    CustomEnvironmentConfig,
     GuessNumberEnvironmentConfig,
     GymnasiumEnvironmentConfig,
     SingleTurnEnvironmentConfig,
@@ -18,7 +20,12 @@ from sharpen.environments import Environment, EpisodeContext, SingleTurnEnvironm
 from sharpen.environments.calculator import CalculatorEnvironment, calculate, evaluate_arithmetic
 from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
-from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
+from sharpen.environments.registry import (
+    EnvironmentLoadError,
+    build_environment_factory,
+    environment_tasks,
+    episode_limits,
+)
 
 CONTEXT = EpisodeContext(seed=7, sample_index=0, max_turns=20, max_tokens=1000)
 
@@ -123,3 +130,23 @@ def test_recipes_choose_environments_by_type_and_bad_combinations_are_one_error(
         load_config(None, ['data.type="environment"'])
     with pytest.raises(ConfigError, match="max_tool_calls"):
         load_config(None, ['environment.type="calculator"', "environment.max_tool_calls=0"])
+
+
+def test_custom_environments_load_from_a_file_or_a_module_with_one_clear_error(tmp_path, monkeypatch, capsys):
+    (tmp_path / "envs.py").write_text("from sharpen.environments import SingleTurnEnvironment as Mine\n")
+    monkeypatch.chdir(tmp_path)
+    make = build_environment_factory(CustomEnvironmentConfig(factory="envs.py:Mine"))
+    assert isinstance(make(), SingleTurnEnvironment)
+    make = build_environment_factory(CustomEnvironmentConfig(factory="sharpen.environments:SingleTurnEnvironment"))
+    assert isinstance(make(), SingleTurnEnvironment)
+    for spec, message in [
+        ("envs.py", "expected 'path/to/file.py:Name'"),
+        ("missing.py:Mine", "no file"),
+        ("envs.py:Theirs", "has no attribute 'Theirs'"),
+        ("no_such_module_xyz:Env", "cannot import it"),
+    ]:
+        with pytest.raises(EnvironmentLoadError, match=message):
+            build_environment_factory(CustomEnvironmentConfig(factory=spec))
+    assert main(["train", 'environment={type = "custom", factory = "envs.py:Theirs"}']) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.startswith("sharpen: environment.factory = 'envs.py:Theirs'")
+    assert not (tmp_path / "runs").exists()  # refused before any run directory or engine exists
