@@ -176,3 +176,61 @@ def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path:
     assert [row["step"] for row in split] == [0, 1]
     assert stable[1][1] == stable[0][1]
     assert stable[0][1]["train/num_loss_tokens"] > 0
+
+
+@pytest.mark.parametrize("environment", ["calculator", "guess_number"])
+def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, tokenizer, environment) -> None:
+    from sharpen.environments import EpisodeLimits
+    from sharpen.environments.calculator import CalculatorEnvironment
+    from sharpen.environments.guess_number import GuessNumberEnvironment
+    from sharpen.rollout.episodes import generate_groups
+
+    sync = WeightSync(probe_ids=tokenizer.encode("Turn by turn."), tolerance=TOLERANCE, verify=True)
+    sync(trainer, engine, version=7)  # the trainer and the engine hold the same weights
+    if environment == "calculator":
+        make, examples = (
+            CalculatorEnvironment,
+            [
+                Example(
+                    task_key="mul/0",
+                    prompt=(Message(role="user", content="Use the calculate tool to compute 123 * 45."),),
+                    answer="5535",
+                )
+            ],
+        )
+    else:
+        make, examples = GuessNumberEnvironment, GuessNumberEnvironment.make_tasks(1, seed=0, low=1, high=100)
+    [group] = generate_groups(
+        engine,
+        examples,
+        tokenizer=tokenizer,
+        sampling=SamplingParams(max_new_tokens=48),
+        num_samples=4,
+        seed=0,
+        make_environment=make,
+        limits=EpisodeLimits(max_turns=3, max_tokens=400),
+    )
+    for rollout in group.rollouts:
+        episode = rollout.episode
+        assert episode is not None and episode.environment == environment and episode.turns
+        mask = rollout.loss_mask or [True] * len(rollout.completion_ids)
+        assert len(mask) == len(rollout.completion_ids) == len(rollout.completion_logprobs) == len(rollout.versions)
+        # the completion is [turn 0 tokens][observation 0 tokens][turn 1 tokens]... in that order
+        segments = [length for turn in episode.turns for length in (turn.num_action_tokens, len(turn.observation_ids))]
+        assert sum(segments) == len(rollout.completion_ids)
+        position = 0
+        for turn in episode.turns:
+            assert all(mask[position : position + turn.num_action_tokens])
+            position += turn.num_action_tokens
+            assert rollout.completion_ids[position : position + len(turn.observation_ids)] == turn.observation_ids
+            assert not any(mask[position : position + len(turn.observation_ids)])
+            position += len(turn.observation_ids)
+        assert set(rollout.versions) == {7}
+        # the engine's logprobs of every generated token, in its multi-turn context, are the trainer's
+        recomputed = trainer.compute_logprobs(rollout.prompt_ids + rollout.completion_ids)[
+            len(rollout.prompt_ids) - 1 :
+        ]
+        generated = [(r, e) for r, e, m in zip(recomputed, rollout.completion_logprobs, mask, strict=True) if m]
+        assert _mean_abs([r for r, _ in generated], [e for _, e in generated]) < TOLERANCE
+    if environment == "guess_number":  # feedback comes after every wrong guess: these episodes are multi-turn
+        assert any(len(r.episode.turns) > 1 for r in group.rollouts if r.episode is not None)
