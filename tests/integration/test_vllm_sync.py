@@ -7,11 +7,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from test_tiny_loop import is_volatile
 
 from sharpen.config.schema import TrainerConfig, VllmEngineConfig
 from sharpen.orchestration.phases import WeightSync, assign_advantages
 from sharpen.rollout.engines import EngineError
-from sharpen.rollout.weight_sync import WeightSyncError, write_weights_file
+from sharpen.rollout.weight_sync import WeightSyncError
+from sharpen.rollout.weight_sync.buckets import SharedMemorySlot
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.types import (
     Example,
@@ -125,23 +127,26 @@ def test_a_sync_that_does_nothing_fails_loudly(engine, trainer, tokenizer) -> No
     sync(trainer, engine, version=6)  # the real engine passes the same check
 
 
-def test_a_corrupted_weights_file_is_rejected(engine, trainer, monkeypatch: pytest.MonkeyPatch) -> None:
-    import sharpen.rollout.engines.vllm as vllm_engine
+def test_a_corrupted_bucket_is_rejected_and_a_good_sync_then_restores_the_engine(
+    engine, trainer, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fill = SharedMemorySlot.fill
 
-    def write_then_corrupt(weights):
-        sent = write_weights_file(weights)
-        with open(sent.path, "r+b") as handle:  # flip one byte of tensor data, keep the recorded checksum
-            handle.seek(-1000, 2)
-            byte = handle.read(1)
-            handle.seek(-1000, 2)
-            handle.write(bytes([byte[0] ^ 0xFF]))
-        return sent
+    def fill_then_corrupt(self, tensors, *, sync_id, version, index):
+        manifest = fill(self, tensors, sync_id=sync_id, version=version, index=index)
+        if index == 1:  # flip one bit of tensor data after the checksum was taken
+            self.buffer[manifest.num_bytes // 2] = self.buffer[manifest.num_bytes // 2] ^ 1
+        return manifest
 
-    monkeypatch.setattr(vllm_engine, "write_weights_file", write_then_corrupt)
+    monkeypatch.setattr(SharedMemorySlot, "fill", fill_then_corrupt)
     version = engine.policy_version
-    with pytest.raises(EngineError, match="rejected weights version 9: checksum"):
+    with pytest.raises(EngineError, match=r"rejected weights version 9: worker 0: bucket 1 .* is corrupted"):
         engine.load_weights(trainer.named_weights(), version=9)
-    assert engine.policy_version == version  # nothing was loaded, and the engine does not claim the new version
+    assert engine.policy_version == version  # the engine does not claim the new version
+    monkeypatch.undo()
+    sync = WeightSync(probe_ids=tokenizer.encode("Back to normal."), tolerance=TOLERANCE, verify=True)
+    metrics = sync(trainer, engine, version=10)  # the next sync is whole again, and the probe check proves it
+    assert metrics["sync/num_buckets"] >= 2 and metrics["sync/probe_mismatch_mean"] < TOLERANCE
 
 
 def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path: Path, tmp_path: Path) -> None:
@@ -168,11 +173,10 @@ def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path:
             ],
         )
 
-    volatile = ("time/", "throughput/", "memory/", "sync/seconds", "sync/write", "sync/load")
     full = read_jsonl(run_local(config("full", 2), engine=engine) / "metrics.jsonl")
     run_local(config("split", 1), engine=engine)
     split = read_jsonl(run_local(config("split", 2), resume=True, engine=engine) / "metrics.jsonl")
-    stable = [[{k: v for k, v in row.items() if not k.startswith(volatile)} for row in rows] for rows in (full, split)]
+    stable = [[{k: v for k, v in row.items() if not is_volatile(k)} for row in rows] for rows in (full, split)]
     assert [row["step"] for row in split] == [0, 1]
     assert stable[1][1] == stable[0][1]
     assert stable[0][1]["train/num_loss_tokens"] > 0

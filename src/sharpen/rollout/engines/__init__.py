@@ -24,11 +24,13 @@ def build_engine(
     device: str = "cpu",
     encode: Callable[[str], list[int]] | None = None,
     eos_token_id: int | None = None,
+    bucket_bytes: int = 128 << 20,
 ) -> InferenceEngine:
+    """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process."""
     if isinstance(config, VllmEngineConfig):
         from sharpen.rollout.engines.vllm import VllmEngine
 
-        return VllmEngine(config, model_path=model_path, dtype=dtype, seed=seed)
+        return VllmEngine(config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes)
     if isinstance(config, HfEngineConfig):
         from sharpen.rollout.engines.hf import HfEngine
 

@@ -2,8 +2,9 @@
 the same code on a GPU.
 
 Prompts go in as token ids and the sampled tokens' logprobs come back in vLLM's ``processed_logprobs`` mode
-(after temperature and top-p), which is the behaviour policy the trainer's ratio needs. Weights arrive as a
-safetensors file in shared memory, loaded by the worker extension in `rollout/weight_sync/vllm_receiver.py`.
+(after temperature and top-p), which is the behaviour policy the trainer's ratio needs. Weights arrive in
+shared-memory buckets (`rollout/weight_sync/streaming.py`), loaded by the worker extension in
+`rollout/weight_sync/vllm_receiver.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sharpen.config.schema import VllmEngineConfig
 from sharpen.rollout.engines.base import EngineError
-from sharpen.rollout.weight_sync.files import write_weights_file
+from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
+from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
@@ -38,7 +40,9 @@ def _prepare_cpu_environment() -> None:
 
 
 class VllmEngine:
-    def __init__(self, config: VllmEngineConfig, *, model_path: Path, dtype: str, seed: int) -> None:
+    def __init__(
+        self, config: VllmEngineConfig, *, model_path: Path, dtype: str, seed: int, bucket_bytes: int = 128 << 20
+    ) -> None:
         _prepare_cpu_environment()
         from vllm import LLM
 
@@ -56,6 +60,8 @@ class VllmEngine:
         )
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
+        self.bucket_bytes = bucket_bytes
+        self.sender: BucketedSender | None = None  # its shared-memory slots are made on the first sync
 
     def _sampling_params(self, params: SamplingParams) -> Any:
         from vllm import SamplingParams as VllmSamplingParams
@@ -107,29 +113,53 @@ class VllmEngine:
         return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
-        started = time.perf_counter()
-        sent = write_weights_file(weights)
-        written = time.perf_counter()
+        """Stream the weights in buckets through shared memory into every worker; each verifies every bucket and
+        reports the version and checksum it loaded, and any refusal raises `EngineError`."""
+        if self.sender is None:
+            self.sender = BucketedSender(bucket_bytes=self.bucket_bytes)
         try:
-            replies = self.llm.collective_rpc("sharpen_load_weights_file", args=(str(sent.path), sent.checksum))
-        finally:
-            sent.path.unlink(missing_ok=True)
-        for rank, reply in enumerate(replies):
-            if not reply.get("ok"):
-                raise EngineError(f"vLLM worker {rank} rejected weights version {version}: {reply.get('error')}")
+            report = self.sender.send(weights, version=version, target=_RpcTarget(self.llm))
+        except BucketError as error:
+            raise EngineError(f"vLLM rejected weights version {version}: {error}") from error
         self.llm.reset_prefix_cache()  # cached KV entries were computed with the old weights
         self.policy_version = version
-        done = time.perf_counter()
-        return {
-            "sync/num_tensors": float(sent.num_tensors),
-            "sync/write_seconds": written - started,
-            "sync/load_seconds": done - written,
-            "sync/gib": sent.num_bytes / 2**30,
-        }
+        return report.metrics()
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         engine = getattr(self.llm, "llm_engine", None)
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):
             shutdown()
         del self.llm
+
+
+class _RpcTarget:
+    """The sync protocol as collective RPCs to every vLLM worker; a worker's refusal becomes a `BucketError`."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def _call(self, method: str, *args: Any) -> list[dict[str, Any]]:
+        replies = self.llm.collective_rpc(method, args=args)
+        for rank, reply in enumerate(replies):
+            if not reply.get("ok"):
+                raise BucketError(f"worker {rank}: {reply.get('error')}")
+        return replies
+
+    def begin(self, sync_id: str, version: int) -> None:
+        self._call("sharpen_begin_sync", sync_id, version)
+
+    def load(self, manifest: BucketManifest) -> None:
+        self._call("sharpen_load_bucket", manifest.to_dict())
+
+    def abort(self, sync_id: str) -> None:
+        self.llm.collective_rpc("sharpen_abort_sync", args=(sync_id,))
+
+    def finish(self, sync_id: str, num_buckets: int, checksum: str) -> dict[str, Any]:
+        replies = self._call("sharpen_finish_sync", sync_id, num_buckets, checksum)
+        agreed = [(r.get("version"), r.get("num_buckets"), r.get("checksum")) for r in replies]
+        if any(fields != agreed[0] for fields in agreed):
+            raise BucketError(f"workers disagree about the sync: {replies}")
+        return max(replies, key=lambda reply: reply.get("load_seconds", 0.0))  # the slowest worker's timings
