@@ -10,7 +10,8 @@ def user_error_message(error: BaseException) -> str | None:
     from sharpen.cli.models import PullError
     from sharpen.data import DataError
     from sharpen.environments.registry import EnvironmentLoadError
+    from sharpen.monitoring import TrackingSetupError
 
-    if isinstance(error, DataError | PullError | EnvironmentLoadError):
+    if isinstance(error, DataError | PullError | EnvironmentLoadError | TrackingSetupError):
         return str(error)
     return None

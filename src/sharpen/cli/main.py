@@ -1,4 +1,4 @@
-"""`sharpen train | config | replay | models`: the entry point.
+"""`sharpen train | eval | config | replay | models`: the entry point.
 
 Start-up imports only argparse, pydantic and the config schemas, so `sharpen --help` and config errors answer
 in well under a second. User errors (bad recipe, missing model, bad data) print one line and exit 2.
@@ -12,7 +12,11 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from sharpen.config import ConfigError, dump_config, load_config
+from pydantic import ValidationError
+
+from sharpen.config import ConfigError, SharpenConfig, dump_config, load_config
+from sharpen.config.evaluation import EvalConfig
+from sharpen.config.loader import format_validation_error
 from sharpen.config.models import KNOWN_MODELS, ModelNotFoundError
 
 EXIT_USER_ERROR = 2
@@ -33,6 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_arguments(train)
     train.add_argument(
         "--resume", action="store_true", help="continue the run in its run directory from its last checkpoint"
+    )
+
+    evaluation = commands.add_parser(
+        "eval", help="sample a recipe's model (model.path) on its tasks and report pass@k, maj@k and mean@k"
+    )
+    _add_recipe_arguments(evaluation)
+    evaluation.add_argument("--num-samples", type=int, default=None, metavar="N", help="samples per task")
+    evaluation.add_argument(
+        "--ks", default=None, metavar="K,K", help="comma-separated k values, e.g. 1,5 (each at most --num-samples)"
+    )
+    evaluation.add_argument("--num-tasks", type=int, default=None, metavar="N", help="evaluate the first N tasks")
+    evaluation.add_argument(
+        "--output", default=None, metavar="FILE.json", help="where to write the report (default: run_dir/eval.json)"
     )
 
     config = commands.add_parser("config", help="print the resolved config of a recipe (or every key with its help)")
@@ -87,10 +104,52 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
     config = load_config(recipe, overrides)
+    if args.command == "eval":
+        return _eval(config, args)
     from sharpen.orchestration.local import run_local
 
     run_dir = run_local(config, resume=args.resume)
     print(f"run directory: {run_dir}")
+    return 0
+
+
+def _eval_config(config: SharpenConfig, args: argparse.Namespace) -> EvalConfig:
+    """The recipe's evaluation section with the command line's flags applied (validated together: ks <=
+    num_samples)."""
+    settings = config.evaluation.model_dump()
+    if args.num_samples is not None:
+        settings["num_samples"] = args.num_samples
+    if args.num_tasks is not None:
+        settings["num_tasks"] = args.num_tasks
+    if args.ks is not None:
+        try:
+            settings["ks"] = [int(k) for k in args.ks.split(",")]
+        except ValueError:
+            raise ConfigError(f"--ks {args.ks!r}: expected comma-separated integers, e.g. --ks 1,5") from None
+    try:
+        return EvalConfig.model_validate(settings)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error).replace("\n", "; ")) from None
+
+
+def _eval(config: SharpenConfig, args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    eval_config = _eval_config(config, args)
+    output = Path(args.output) if args.output else Path(config.run.output_dir) / config.run.name / "eval.json"
+    from sharpen.orchestration.evaluate import run_eval
+
+    report = run_eval(config, eval_config)
+    if sys.stdout.isatty():
+        from rich.console import Console
+
+        Console().print(report.to_rich())
+    else:
+        print(report.to_text())
+    print(report.summary_line())
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(report.to_json())
+    print(f"report: {output}")
     return 0
 
 

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
+from sharpen.config.evaluation import EvalConfig
 from sharpen.config.section import Section
 
 
@@ -237,6 +238,9 @@ class TrainerConfig(Section):
 
 
 class WeightSyncConfig(Section):
+    bucket_mb: int = Field(default=128, ge=1)
+    """Size (MiB) at which a weight-sync bucket is closed, at the next layer boundary. The sender keeps two buckets
+    in shared memory and fills one while the engine loads the other."""
     verify: bool = True
     """After every sync, compare the engine's logprobs on a fixed probe with the trainer's; fail on a mismatch."""
     tolerance: float = Field(default=1e-3, gt=0.0)
@@ -253,6 +257,20 @@ class MonitoringConfig(Section):
     """Write TensorBoard event files into ``run_dir/tensorboard``."""
     num_recorded_rollouts: int = Field(default=4, ge=0)
     """Rollouts per step written to ``run_dir/rollouts.jsonl``."""
+    wandb: bool = False
+    """Log metrics and the resolved config to Weights & Biases, into ``run_dir/wandb`` (needs
+    ``pip install 'sharpen[tracking]'``)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """``offline``: no account or network, upload later with ``wandb sync run_dir/wandb/offline-run-*``;
+    ``online``: stream to W&B (needs ``WANDB_API_KEY`` or ``wandb login``; never prompts)."""
+    wandb_project: str = "sharpen"
+    """W&B project the run belongs to; the run is named after the run directory."""
+    mlflow: bool = False
+    """Log metrics and the resolved config (as params) to MLflow (needs ``pip install 'sharpen[tracking]'``)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI, e.g. ``http://host:5000`` (None: a SQLite store in ``run_dir/mlflow``)."""
+    timeline: bool = True
+    """Write a Chrome-trace timeline of the run's phases to ``run_dir/timeline.json`` (open it in Perfetto)."""
 
 
 ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium")
@@ -269,6 +287,8 @@ class SharpenConfig(Section):
     environment: EnvironmentConfig = Field(default_factory=SingleTurnEnvironmentConfig)
     """What the episodes run in: single-turn prompts (the default), tool use, games."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    evaluation: EvalConfig = Field(default_factory=EvalConfig)
+    """`sharpen eval` and periodic evaluation during training (every_steps)."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
 

@@ -1,4 +1,5 @@
-"""Monitoring: metric sinks (JSONL, TensorBoard, console progress), the rollout recorder, and phase timers.
+"""Monitoring: metric sinks (JSONL, TensorBoard, W&B, MLflow, console progress), the rollout recorder, phase timers
+and the run timeline.
 
 Owns how a run reports itself. Imports only `sharpen.types` and `sharpen.config` from sharpen; never drives the run.
 """
@@ -16,23 +17,44 @@ from sharpen.monitoring.sinks import (
     read_jsonl,
     truncate_jsonl_after,
 )
+from sharpen.monitoring.timeline import TIMELINE_FILE_NAME, Timeline, build_timeline, read_timeline
 from sharpen.monitoring.timing import PhaseTimer, peak_memory_metrics
+from sharpen.monitoring.tracking import (
+    MLFLOW_DIR_NAME,
+    WANDB_DIR_NAME,
+    MlflowSink,
+    TrackingSetupError,
+    WandbSink,
+    flatten_params,
+    mlflow_metric_name,
+)
 
 __all__ = [
     "DEFAULT_PROGRESS_KEYS",
     "METRICS_FILE_NAME",
+    "MLFLOW_DIR_NAME",
     "ROLLOUTS_FILE_NAME",
     "TENSORBOARD_DIR_NAME",
+    "TIMELINE_FILE_NAME",
+    "WANDB_DIR_NAME",
     "JsonlSink",
     "MetricSink",
+    "MlflowSink",
     "MultiSink",
     "PhaseTimer",
     "ProgressDisplay",
     "RolloutRecorder",
     "TensorBoardSink",
+    "Timeline",
+    "TrackingSetupError",
+    "WandbSink",
     "build_sinks",
+    "build_timeline",
+    "flatten_params",
+    "mlflow_metric_name",
     "peak_memory_metrics",
     "read_jsonl",
+    "read_timeline",
     "rollout_record",
     "truncate_jsonl_after",
 ]

@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from sharpen.config.schema import MonitoringConfig
 from sharpen.monitoring.progress import ProgressDisplay
+from sharpen.monitoring.tracking import MlflowSink, WandbSink
 
 METRICS_FILE_NAME = "metrics.jsonl"
 TENSORBOARD_DIR_NAME = "tensorboard"
@@ -137,14 +138,47 @@ class MultiSink:
             sink.close()
 
 
-def build_sinks(config: MonitoringConfig, run_dir: Path, *, num_steps: int, resume_from_step: int | None) -> MetricSink:
-    """The sinks of one run: ``run_dir/metrics.jsonl`` always, TensorBoard and the progress display as configured.
+def build_sinks(
+    config: MonitoringConfig,
+    run_dir: Path,
+    *,
+    num_steps: int,
+    resume_from_step: int | None,
+    run_config: dict[str, Any] | None = None,
+) -> MetricSink:
+    """The sinks of one run: ``run_dir/metrics.jsonl`` always; TensorBoard, W&B, MLflow and the progress display
+    as configured. ``run_config`` (the resolved config as a dict) becomes the W&B config and the MLflow params.
 
-    The progress display is always there; ``config.progress = False`` turns it into one plain line per step.
+    The progress display is always there; ``config.progress = False`` turns it into one plain line per step. W&B and
+    MLflow continue the interrupted run's tracker run on resume but cannot drop its later steps (see
+    `sharpen.monitoring.tracking`).
     """
     run_dir = Path(run_dir)
     sinks: list[MetricSink] = [JsonlSink(run_dir / METRICS_FILE_NAME, resume_from_step=resume_from_step)]
-    if config.tensorboard:
-        sinks.append(TensorBoardSink(run_dir / TENSORBOARD_DIR_NAME, resume_from_step=resume_from_step))
+    try:
+        if config.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / TENSORBOARD_DIR_NAME, resume_from_step=resume_from_step))
+        if config.wandb:
+            sinks.append(
+                WandbSink(
+                    run_dir,
+                    project=config.wandb_project,
+                    mode=config.wandb_mode,
+                    run_config=run_config,
+                    resume_from_step=resume_from_step,
+                )
+            )
+        if config.mlflow:
+            sinks.append(
+                MlflowSink(
+                    run_dir,
+                    tracking_uri=config.mlflow_tracking_uri,
+                    run_config=run_config,
+                    resume_from_step=resume_from_step,
+                )
+            )
+    except BaseException:
+        MultiSink(sinks).close()  # a tracker that failed to start must not leave the others' runs open
+        raise
     sinks.append(ProgressDisplay(num_steps, enabled=config.progress, resume_from_step=resume_from_step))
     return MultiSink(sinks)

@@ -14,7 +14,7 @@ from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples
 from sharpen.environments import EnvironmentFactory
 from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
-from sharpen.monitoring import RolloutRecorder, build_sinks
+from sharpen.monitoring import RolloutRecorder, build_sinks, build_timeline
 from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
 from sharpen.orchestration.loop import Components, run_loop
 from sharpen.orchestration.phases import WeightSync
@@ -62,6 +62,7 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
         device=device,
         encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
         eos_token_id=tokenizer.eos_token_id,
+        bucket_bytes=config.weight_sync.bucket_mb << 20,
     )
 
 
@@ -117,7 +118,15 @@ def build_components(
         trainer=trainer,
         sampler=ExampleSampler(examples, seed=config.run.seed),
         rubric=reward_fn or Rubric(config.reward),
-        sink=build_sinks(config.monitoring, run_dir, num_steps=config.run.num_steps, resume_from_step=resume_from_step),
+        sink=build_sinks(
+            config.monitoring,
+            run_dir,
+            num_steps=config.run.num_steps,
+            resume_from_step=resume_from_step,
+            run_config=config.model_dump(mode="json"),
+        ),
+        timeline=build_timeline(config.monitoring, run_dir),
+        eval_examples=examples[: config.evaluation.num_tasks] if config.evaluation.every_steps else [],
         recorder=RolloutRecorder(
             run_dir / "rollouts.jsonl",
             num_per_step=config.monitoring.num_recorded_rollouts,
@@ -176,6 +185,8 @@ def run_local(
     finally:
         c.sink.close()
         c.recorder.close()
+        if c.timeline is not None:
+            c.timeline.close()
         if engine is None:
             c.engine.close()
     return run_dir

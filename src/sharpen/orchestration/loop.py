@@ -13,7 +13,8 @@ from typing import Any
 from sharpen.config.schema import SharpenConfig
 from sharpen.data import ExampleSampler
 from sharpen.environments import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
-from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, peak_memory_metrics
+from sharpen.evaluation import eval_sampling, evaluate
+from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, Timeline, peak_memory_metrics
 from sharpen.orchestration.checkpoint import save_checkpoint
 from sharpen.orchestration.filters import DynamicSamplingBuffer, overlong_filter
 from sharpen.orchestration.phases import (
@@ -27,7 +28,7 @@ from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import generate_groups
 from sharpen.trainer import Trainer
-from sharpen.types import RolloutGroup, SamplingParams, TrainBatch
+from sharpen.types import Example, RolloutGroup, SamplingParams, TrainBatch
 
 
 @dataclass(kw_only=True)
@@ -45,6 +46,10 @@ class Components:
     make_environment: EnvironmentFactory = SingleTurnEnvironment
     episode_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     sandbox: Any = None
+    timeline: Timeline | None = None
+    eval_examples: list[Example] = field(default_factory=list[Example])
+    """Tasks of the periodic evaluation (evaluation.every_steps)."""
+    """Where phases are recorded as a Chrome-trace timeline (None: off)."""
     """The sandbox pool of environments that run code (None when the environment needs none)."""
 
 
@@ -55,7 +60,7 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
         temperature=config.rollout.temperature,
         top_p=config.rollout.top_p,
     )
-    timer = PhaseTimer()
+    timer = PhaseTimer(timeline=c.timeline)
     for step in range(start_step, config.run.num_steps):
         groups, sampling_metrics = collect_groups(c, step=step, sampling=sampling, timer=timer)
         with timer.phase("score"):
@@ -83,6 +88,11 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
             "policy/version": float(c.engine.policy_version),
             **peak_memory_metrics(),
         }
+        every = config.evaluation.every_steps
+        if every and ((step + 1) % every == 0 or step + 1 == config.run.num_steps):
+            with timer.phase("evaluate"):
+                metrics.update(evaluate_policy(c))
+            metrics.update(timer.pop_metrics())
         c.sink.log(metrics, step=step)
         c.recorder.record(step, rollouts)
         is_last = step + 1 == config.run.num_steps
@@ -123,6 +133,27 @@ def collect_groups(
     assert buffer is not None
     metrics = buffer.metrics()
     return buffer.take(), metrics
+
+
+def evaluate_policy(c: Components) -> dict[str, float]:
+    """Periodic evaluation of the engine's current weights (just synced) on ``c.eval_examples``: ``eval/*``."""
+    config, evaluation = c.config, c.config.evaluation
+    report = evaluate(
+        c.engine,
+        c.eval_examples,
+        tokenizer=c.tokenizer,
+        rubric=c.rubric,
+        sampling=eval_sampling(config),
+        num_samples=evaluation.num_samples,
+        ks=evaluation.ks,
+        seed=config.run.seed,
+        make_environment=c.make_environment,
+        limits=c.episode_limits,
+        answer_format=config.reward.answer_format,
+        prompts_per_batch=evaluation.prompts_per_batch,
+        sandbox=c.sandbox,
+    )
+    return report.to_metrics()
 
 
 def episode_options(c: Components) -> dict[str, Any]:

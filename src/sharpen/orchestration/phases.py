@@ -17,6 +17,7 @@ import torch
 from sharpen.config.schema import AlgorithmConfig, RewardConfig
 from sharpen.orchestration.filters import is_informative, shape_overlong_reward
 from sharpen.rewards import RewardFn
+from sharpen.rewards.scoring import score_rollout
 from sharpen.rollout.weight_sync import ProbeCheck, verify_probe
 from sharpen.trainer.algorithms import compute_grpo_advantages
 from sharpen.trainer.algorithms.estimators import (
@@ -26,7 +27,7 @@ from sharpen.trainer.algorithms.estimators import (
     compute_remax_advantages,
     compute_rloo_advantages,
 )
-from sharpen.types import Example, RewardResult, RewardStatus, Rollout, RolloutGroup
+from sharpen.types import Rollout, RolloutGroup
 
 if TYPE_CHECKING:
     from sharpen.rollout.engines import InferenceEngine
@@ -36,8 +37,8 @@ if TYPE_CHECKING:
 def score_groups(
     rubric: RewardFn, groups: list[RolloutGroup], *, config: RewardConfig | None = None, max_new_tokens: int = 0
 ) -> None:
-    """Reward every rollout; with ``config.overlong_buffer_tokens`` also apply DAPO's soft overlong punishment
-    (logged as the ``overlong_penalty`` component)."""
+    """Reward every rollout (`score_rollout`, which evaluation shares); with ``config.overlong_buffer_tokens``
+    also apply DAPO's soft overlong punishment (logged as the ``overlong_penalty`` component)."""
     shaping = config is not None and config.overlong_buffer_tokens > 0
     for group in groups:
         for rollout in group.rollouts:
@@ -53,25 +54,6 @@ def score_groups(
                 reward.components["overlong_penalty"] = reward.score - shaped
                 reward.score = shaped
             rollout.reward = reward
-
-
-def score_rollout(rubric: RewardFn, example: Example, rollout: Rollout) -> RewardResult:
-    """The environment's own reward when it gave one, else the rubric's verdict on the final turn's text. An
-    episode that the environment broke (it raised, or ran out of its wall clock) abstains: the policy is not to
-    blame for it."""
-    episode = rollout.episode
-    if episode is None:
-        return rubric(example, rollout.completion_text)
-    verifier = f"environment:{episode.environment}"
-    if episode.stop_reason == "environment_error":
-        return RewardResult(score=None, status=RewardStatus.INFRA_ERROR, verifier=verifier)
-    if episode.stop_reason == "wall_clock":
-        return RewardResult(score=None, status=RewardStatus.TIMEOUT, verifier=verifier)
-    score = episode.env_reward
-    if score is None:
-        return rubric(example, rollout.completion_text)
-    status = RewardStatus.OK if score >= 1.0 else RewardStatus.WRONG
-    return RewardResult(score=score, status=status, components={"environment": score}, verifier=verifier)
 
 
 def add_kl_penalties(trainer: Trainer, groups: list[RolloutGroup]) -> None:

@@ -1,0 +1,84 @@
+"""Configuration of the sandbox that runs untrusted, model-written code (`sharpen.environments.sandbox`).
+
+Pydantic only, like the rest of `sharpen.config`: a field's docstring is its help text. The section is mounted in
+the run schema by the environments that execute code; this module does not know them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from sharpen.config.schema import Section
+
+_SANDBOX_PATHS = ("/home/sandbox", "/tmp", "/proc", "/dev")
+
+
+class SandboxConfig(Section):
+    """Where and under which limits untrusted code runs. Every limit applies to one execution."""
+
+    backend: Literal["auto", "bwrap", "unshare", "process"] = "auto"
+    """Isolation mechanism: bubblewrap (strong: own user, mount, pid, network and IPC namespaces, a minimal
+    read-only filesystem), unshare (medium: own namespaces but the host filesystem stays visible, read-only by
+    permissions), a plain process with rlimits (weak: no isolation beyond a non-root uid). "auto" picks the strongest
+    that works on this host, checked by running a trivial command in each."""
+    wall_seconds: float = Field(default=10.0, gt=0.0)
+    """Wall-clock limit; at the limit every process of the execution is killed and the status is "timeout"."""
+    cpu_seconds: int = Field(default=10, ge=1)
+    """CPU-time limit of each process (RLIMIT_CPU); reaching it ends the process (status "timeout")."""
+    memory_mb: int = Field(default=512, ge=32)
+    """Memory of one execution in MiB. Where a memory cgroup can be made it holds all processes of the execution
+    together, files in its tmpfs included (exceeding it is "oom"), and RLIMIT_AS caps each process's address space at
+    twice this value (address space runs ahead of resident memory). Without a memory cgroup, RLIMIT_AS alone caps
+    each process at this value and running out shows as the program's own error."""
+    file_size_mb: int = Field(default=16, ge=1)
+    """Largest file a process may write (RLIMIT_FSIZE)."""
+    max_open_files: int = Field(default=64, ge=16)
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+    max_processes: int = Field(default=32, ge=1)
+    """Processes and threads of the execution together, held by a pids cgroup (RLIMIT_NPROC does not bind root);
+    the sandbox's own helper processes are not counted."""
+    max_output_bytes: int = Field(default=1 << 20, ge=1)
+    """Bytes kept of stdout and of stderr each. An execution that writes more is killed (status "killed",
+    is_output_truncated)."""
+    max_concurrency: int = Field(default=2, ge=1)
+    """Executions a SandboxPool runs at once (and warm workers it keeps)."""
+    prepare_ahead: bool = True
+    """While one execution runs, set up the sandbox of the next (bwrap): its namespaces, mounts and cgroups are
+    then ready when it is needed, which nearly halves the cost of a cold execution. An idle Sandbox holds one
+    prepared sandbox (two sleeping processes) that has run nothing."""
+    warm_workers: bool = False
+    """SandboxPool keeps long-lived sandboxed workers that fork per job (~4 ms instead of ~20 ms per execution).
+    Jobs run by one worker share that worker's sandbox, one after another; see the sandbox package docstring."""
+    allow_weak_isolation: bool = False
+    """Accept the plain-process backend (weak isolation). Without it, a host where only that backend works raises
+    SandboxUnavailable instead of running untrusted code almost unprotected."""
+    extra_ro_binds: list[str] = Field(default_factory=list[str])
+    """Host paths made visible read-only inside the sandbox, as "SRC" (same path inside) or "SRC:DEST" (e.g. a
+    site-packages directory). Honoured by the bwrap backend; the others see the host filesystem anyway."""
+    python_executable: str = "/usr/bin/python3"
+    """Interpreter of run_python: the system Python (not the project's virtual environment), started with
+    ``-E -s -S`` so that no environment variable, user or site directory shapes it."""
+    work_root: str | None = None
+    """Host directory under which each execution gets a fresh work directory (None: /dev/shm when present, so that
+    files written by the code count against its memory cgroup and never fill a disk; else the system temp dir)."""
+
+    @field_validator("extra_ro_binds")
+    @classmethod
+    def _check_binds(cls, binds: list[str]) -> list[str]:
+        for bind in binds:
+            source, _, dest = bind.partition(":")
+            dest = dest or source
+            if not (source.startswith("/") and dest.startswith("/")):
+                raise ValueError(f"extra_ro_binds entry {bind!r}: SRC and DEST must be absolute paths")
+            if any(dest == path or dest.startswith(path + "/") for path in _SANDBOX_PATHS) or dest == "/":
+                raise ValueError(f"extra_ro_binds entry {bind!r}: DEST may not cover the sandbox's own {dest}")
+        return binds
+
+    @field_validator("python_executable", "work_root")
+    @classmethod
+    def _check_absolute(cls, path: str | None) -> str | None:
+        if path is not None and not path.startswith("/"):
+            raise ValueError(f"{path!r} must be an absolute path")
+        return path

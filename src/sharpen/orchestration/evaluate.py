@@ -1,0 +1,73 @@
+"""`sharpen eval`'s runtime: build a recipe's tokenizer, engine, environment and rubric, and evaluate its model.
+
+Owns the wiring only, with `local.py`'s builders so an evaluated model is sampled and scored as in training; the
+evaluation itself is `sharpen.evaluation.evaluate`. No trainer is built: the model is ``model.path`` as it is on
+disk (a pulled model, or a run's exported ``run_dir/model``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sharpen.config import SharpenConfig
+from sharpen.config.evaluation import EvalConfig
+from sharpen.config.loader import ConfigError
+from sharpen.config.models import resolve_model_path
+from sharpen.environments.registry import build_environment_factory, episode_limits
+from sharpen.evaluation import EvalReport, eval_sampling, evaluate
+from sharpen.orchestration.local import build_run_engine, load_run_examples, load_tokenizer
+from sharpen.rewards import RewardFn, Rubric
+from sharpen.rollout.engines import InferenceEngine
+from sharpen.trainer.backends.single_device import resolve_device
+
+
+def run_eval(
+    config: SharpenConfig,
+    eval_config: EvalConfig,
+    *,
+    reward_fn: RewardFn | None = None,
+    engine: InferenceEngine | None = None,
+) -> EvalReport:
+    """Evaluate ``model.path`` on the first ``eval_config.num_tasks`` tasks of the recipe's data.
+
+    ``reward_fn`` replaces the configured rubric; ``engine`` reuses an engine the caller owns (not closed here).
+    """
+    _check_model_path(config.model.path)
+    model_path = resolve_model_path(config.model.path)  # user errors first: before anything slow is loaded
+    make_environment = build_environment_factory(config.environment)
+    examples = load_run_examples(config)
+    if eval_config.num_tasks is not None:
+        if eval_config.num_tasks > len(examples):
+            raise ConfigError(f"num_tasks = {eval_config.num_tasks}, but the recipe's data has {len(examples)} tasks")
+        examples = examples[: eval_config.num_tasks]
+    tokenizer = load_tokenizer(model_path)
+    device = str(resolve_device(config.trainer.device))
+    live_engine = engine or build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=device)
+    try:
+        return evaluate(
+            live_engine,
+            examples,
+            tokenizer=tokenizer,
+            rubric=reward_fn or Rubric(config.reward),
+            sampling=eval_sampling(config, eval_config),
+            num_samples=eval_config.num_samples,
+            ks=eval_config.ks,
+            seed=config.run.seed,
+            make_environment=make_environment,
+            limits=episode_limits(config.environment),
+            answer_format=config.reward.answer_format,
+            prompts_per_batch=eval_config.prompts_per_batch,
+        )
+    finally:
+        if engine is None:
+            live_engine.close()
+
+
+def _check_model_path(path: str) -> None:
+    """A run's checkpoint folder holds trainer state, not a loadable model: say what to evaluate instead."""
+    folder = Path(path).expanduser()
+    if (folder / "state.json").is_file() and not (folder / "config.json").is_file():
+        raise ConfigError(
+            f"model.path: {path!r} is a training checkpoint (trainer state), not a HF model folder; "
+            "evaluate the run's exported model (run_dir/model) instead"
+        )
