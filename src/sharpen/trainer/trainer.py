@@ -33,9 +33,11 @@ from sharpen.trainer.algorithms.policy_losses import (
     pg_per_token,
     ppo_clip_per_token,
 )
-from sharpen.trainer.backends import ReferencePolicy, SingleDeviceBackend, ValueModel
+from sharpen.trainer.backends import ReferencePolicy, ValueModel
+from sharpen.trainer.backends.base import TrainerBackend
 from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.packing import MicroBatch, pack_micro_batch, split_micro_batches
+from sharpen.trainer.sharding import split_rollouts_by_tokens
 from sharpen.types import Rollout, TrainBatch
 
 
@@ -89,7 +91,7 @@ class Trainer:
         self,
         config: TrainerConfig,
         *,
-        backend: SingleDeviceBackend,
+        backend: TrainerBackend,
         pad_token_id: int,
         temperature: float = 1.0,
         max_new_tokens: int | None = None,
@@ -101,6 +103,8 @@ class Trainer:
             raise ValueError("trainer.algorithm.kl_coef > 0 needs a reference policy")
         if (algorithm.advantage == "gae") != (critic is not None):
             raise ValueError('a critic (ValueModel) is needed exactly when trainer.algorithm.advantage = "gae"')
+        if critic is not None and backend.num_ranks > 1:
+            raise ValueError('advantage = "gae" (a critic) runs on one device only; the critic is not sharded')
         if (
             algorithm.loss_aggregation == "seq_mean_token_sum_norm"
             and (algorithm.aggregation_constant or max_new_tokens) is None
@@ -121,8 +125,13 @@ class Trainer:
         rollouts = [r for r in batch.rollouts if r.advantage is not None and r.num_loss_tokens]
         if not rollouts:
             return {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
+        size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
+        mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
         needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1
-        old_logprobs = self._old_logprobs(rollouts) if needs_old else None
+        old_logprobs = None
+        if needs_old:
+            local = [r for mini_batch in mini_batches for r in self._local_share(mini_batch)]
+            old_logprobs = self._old_logprobs(local, filler=rollouts[:1])
         critic_step = None
         if self.critic is not None:
             critic_step = CriticStep(
@@ -132,8 +141,6 @@ class Trainer:
                 micro_batch_size=self.config.micro_batch_size,
                 pad_token_id=self.pad_token_id,
             )
-        size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
-        mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
         for _ in range(algorithm.num_epochs):
@@ -143,6 +150,7 @@ class Trainer:
                 if critic_step is not None:
                     critic_step.clip_and_step(self.config.max_grad_norm)
         kl_coef = self.kl_controller.coef
+        sums = self.backend.all_reduce_sum(sums)  # every rank's share of the step; identity on one device
         num_tokens = sums.pop("num_tokens")
         loss = sums.pop("loss_total") / len(grad_norms)  # the mean over optimizer steps of each mini-batch's loss
         metrics = {f"train/{name}": value / num_tokens for name, value in sums.items() if not name.startswith("off")}
@@ -173,18 +181,20 @@ class Trainer:
         critic_step: CriticStep | None,
         sums: dict[str, float],
     ) -> None:
-        """Forward/backward every micro-batch of one mini-batch, accumulating gradients and metric sums."""
+        """Forward/backward this rank's micro-batches of one mini-batch, accumulating gradients and metric sums.
+        The normaliser comes from the whole mini-batch (every rank has it), so the ranks' gradients sum to the
+        single-device gradient."""
         algorithm = self.config.algorithm
         lengths = torch.tensor([r.num_loss_tokens for r in rollouts])
         normalizer = aggregation_normalizer(
             algorithm.loss_aggregation, torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
         )
-        for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
+        for chunk, is_filler in self._lockstep_chunks(self._local_share(rollouts), filler=rollouts[:1]):
             micro = pack_micro_batch(
                 chunk,
                 pad_token_id=self.pad_token_id,
                 device=self.backend.device,
-                old_logprobs=[old_logprobs[id(r)] for r in chunk] if old_logprobs is not None else None,
+                old_logprobs=None if old_logprobs is None or is_filler else [old_logprobs[id(r)] for r in chunk],
                 **(critic_step.pack_inputs(chunk) if critic_step is not None else {}),
             )
             scores = self.backend.score_tokens(
@@ -196,8 +206,10 @@ class Trainer:
                 entropy_requires_grad=algorithm.entropy_coef > 0,
             )
             old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
-            loss = self._micro_batch_loss(micro, scores.logprobs, old, scores.entropy, normalizer, sums)
-            loss.backward()
+            loss = self._micro_batch_loss(
+                micro, scores.logprobs, old, scores.entropy, normalizer, defaultdict(float) if is_filler else sums
+            )
+            (loss * 0.0 if is_filler else loss).backward()  # a filler pass only keeps the ranks' collectives in step
             if critic_step is not None:
                 value_loss = critic_step.micro_batch_loss(
                     micro, mode=algorithm.loss_aggregation, normalizer=normalizer, constant_length=self.constant_length
@@ -255,28 +267,53 @@ class Trainer:
                 sums[name] += value * num_tokens  # token-weighted mean over micro-batches
         return loss
 
+    def _local_share(self, rollouts: list[Rollout]) -> list[Rollout]:
+        """This rank's share of a mini-batch (all of it on one device)."""
+        if self.backend.num_ranks == 1:
+            return rollouts
+        return split_rollouts_by_tokens(rollouts, self.backend.num_ranks)[self.backend.rank]
+
+    def _lockstep_chunks(self, rollouts: list[Rollout], *, filler: list[Rollout]) -> list[tuple[list[Rollout], bool]]:
+        """``rollouts``' micro-batches, then ``filler`` passes up to the most micro-batches any rank has: with a
+        sharded backend every forward/backward is collective. Pairs of (micro-batch, is_filler)."""
+        chunks = split_micro_batches(rollouts, self.config.micro_batch_size)
+        num_passes = self.backend.all_reduce_max(len(chunks))
+        return [(chunk, False) for chunk in chunks] + [(filler, True)] * (num_passes - len(chunks))
+
     @torch.no_grad()
     def _score_completions(
-        self, rollouts: list[Rollout], score: Callable[[MicroBatch], torch.Tensor]
+        self,
+        rollouts: list[Rollout],
+        score: Callable[[MicroBatch], torch.Tensor],
+        *,
+        filler: list[Rollout] | None = None,
     ) -> dict[int, list[float]]:
         """``score(micro)`` ([batch, seq - 1]) on every rollout's completion tokens, keyed by rollout id, without
-        gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder are packed."""
+        gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder are packed.
+        ``filler``: when ``score`` runs the (possibly sharded) policy, pad to the ranks' most micro-batches."""
         scored: dict[int, list[float]] = {}
-        for chunk in split_micro_batches(rollouts, self.config.micro_batch_size):
+        if filler is None:
+            chunks = [(chunk, False) for chunk in split_micro_batches(rollouts, self.config.micro_batch_size)]
+        else:
+            chunks = self._lockstep_chunks(rollouts, filler=filler)
+        for chunk, is_filler in chunks:
             placeholders = [replace(r, advantage=0.0) for r in chunk]
             micro = pack_micro_batch(placeholders, pad_token_id=self.pad_token_id, device=self.backend.device)
             values = score(micro)
+            if is_filler:
+                continue
             for row, rollout in enumerate(chunk):
                 scored[id(rollout)] = values[row][micro.loss_mask[row]].tolist()
         return scored
 
-    def _old_logprobs(self, rollouts: list[Rollout]) -> dict[int, list[float]]:
+    def _old_logprobs(self, rollouts: list[Rollout], *, filler: list[Rollout]) -> dict[int, list[float]]:
         """The policy's logprobs of every completion token before this step's first update, keyed by rollout id."""
         return self._score_completions(
             rollouts,
             lambda micro: self.backend.token_logprobs(
                 micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
             ),
+            filler=filler,
         )
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
@@ -318,7 +355,8 @@ class Trainer:
         self.backend.save(folder)
         if self.critic is not None:
             self.critic.save(folder / "critic")
-        (folder / "trainer.json").write_text(json.dumps({"kl_coef": self.kl_controller.coef}))
+        if self.backend.rank == 0:
+            (folder / "trainer.json").write_text(json.dumps({"kl_coef": self.kl_controller.coef}))
 
     def load_checkpoint(self, folder: Path) -> None:
         self.backend.load(folder)

@@ -76,6 +76,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class SingleDeviceBackend:
+    rank = 0  # one process: the data-parallel collectives are identities
+    num_ranks = 1
+
     def __init__(self, config: TrainerConfig, *, model_path: Path, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -134,6 +137,12 @@ class SingleDeviceBackend:
                 with_entropy=with_entropy,
                 entropy_requires_grad=entropy_requires_grad,
             )
+
+    def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        return dict(values)
+
+    def all_reduce_max(self, value: int) -> int:
+        return value
 
     def clip_and_step(self) -> float:
         """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm."""

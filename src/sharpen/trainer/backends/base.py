@@ -1,0 +1,60 @@
+"""The `TrainerBackend` contract: what the `Trainer` needs from wherever the parameters live.
+
+Owns only the protocol. `SingleDeviceBackend` (one process) and `FSDP2Backend` (one process per rank, sharded)
+implement it; on one device the data-parallel collectives are identities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from sharpen.trainer.backends.single_device import TokenScores
+
+
+class TrainerBackend(Protocol):
+    device: torch.device
+    rank: int
+    num_ranks: int
+
+    def score_tokens(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+        with_entropy: bool = False,
+        entropy_requires_grad: bool = False,
+    ) -> TokenScores: ...
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+    ) -> torch.Tensor: ...
+
+    def clip_and_step(self) -> float: ...
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum metric sums over ranks (a name missing on a rank counts as 0)."""
+        ...
+
+    def all_reduce_max(self, value: int) -> int: ...
+
+    def save(self, folder: Path) -> None: ...
+
+    def load(self, folder: Path) -> None: ...
+
+    def export(self, folder: Path) -> None: ...

@@ -1,0 +1,319 @@
+"""Data-parallel training with FSDP2: each rank holds a shard of every parameter, gradient and optimizer state.
+
+Owns the sharded model, its optimizer and their persistence, behind the methods of `SingleDeviceBackend`
+(`score_tokens`, `token_logprobs`, `clip_and_step`, `named_weights`, `save`/`load`/`export`, `device`), plus the
+few collectives a data-parallel trainer needs (`all_reduce_sum`, `all_reduce_max`). Every method that touches
+parameters is collective: all ranks call it, in the same order, or the job hangs.
+
+It does not start processes, split batches (`trainer.sharding`) or know what a loss is. Gradients are *summed*
+over ranks (not averaged): each rank divides its loss by the whole step's normaliser, so the sum is the
+single-process gradient. The reference policy and the critic are not sharded here.
+
+Layout: ``fully_shard`` on each decoder layer and on a root that wraps the HF model. The root's forward is the
+whole `score_tokens` computation (decoder, then the LM head on the selected positions only), so FSDP's root hooks
+run around both halves; a tied LM head is the embedding's parameter and lives in the root's group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import Counter
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from sharpen.config.schema import TrainerConfig
+from sharpen.trainer.backends.single_device import TokenScores, bf16_autocast, score_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10)) -> torch.device:
+    """Join the process group that the standard launcher variables describe (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``, optional ``LOCAL_RANK``, as torchrun sets them); returns this rank's device.
+
+    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank, ``cuda:LOCAL_RANK``); None picks nccl when CUDA
+    is available. ``timeout`` bounds every collective, so a rank that died makes the others fail instead of hang.
+    Idempotent: a second call returns the device without re-initialising."""
+    missing = [name for name in _ENV_VARS if name not in os.environ]
+    if missing:
+        raise ValueError(f"init_distributed needs the launcher's variables; missing {', '.join(missing)}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (CUDA), got {backend!r}")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def _rank_device(name: str) -> torch.device:
+    """The config's device for this rank: "auto"/"cuda" mean ``cuda:LOCAL_RANK`` (when available)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device
+
+
+class _ScoringRoot(nn.Module):
+    """The FSDP root. Its forward is `score_tokens`, which calls the decoder and the LM head separately: as the
+    root's forward, FSDP unshards the embedding, final norm and LM head before it and registers the gradient
+    reduction after it. Outputs are a tuple (FSDP hooks the backward through tensors in pytrees, not dataclasses)."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        temperature: float,
+        with_entropy: bool,
+        entropy_requires_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        scores = score_tokens(
+            self.model,
+            input_ids,
+            attention_mask,
+            target_mask,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+        )
+        return scores.logprobs, scores.entropy
+
+
+class FSDP2Backend:
+    """One rank of an FSDP2 data-parallel policy. Build it on every rank after `init_distributed`; ``mesh``: the
+    1-D data-parallel mesh (default: every rank of the process group).
+
+    Every rank reads the full HF checkpoint onto the CPU (after ``torch.manual_seed(seed)``, so any weight the
+    checkpoint lacks is the same everywhere), then ``fully_shard`` keeps only this rank's slice on ``device``. Host
+    memory thus holds one full copy per rank of a node while the model is sharded; a model too large for that
+    needs loading on rank 0 alone and broadcasting the shards (``set_model_state_dict`` with
+    ``broadcast_from_rank0``), which this backend does not do yet. Mixed precision: with
+    ``config.bf16_autocast`` the unsharded (computing) parameters are bfloat16 while the sharded master weights
+    and AdamW state keep ``dtype``; gradients are reduced in float32. Because the compute dtype is fixed when the
+    model is sharded, ``use_autocast=False`` still computes with bfloat16 parameters (then only autocast's
+    float32 ops are turned off): a weight-sync probe under bf16 needs a bf16-sized tolerance.
+    """
+
+    def __init__(
+        self, config: TrainerConfig, *, model_path: Path, dtype: str, mesh: DeviceMesh | None = None, seed: int = 0
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if not dist.is_initialized():
+            raise ValueError("FSDP2Backend needs a process group: call init_distributed() on every rank first")
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.model_path = Path(model_path)
+        self.device = _rank_device(config.device)
+        expected = "nccl" if self.device.type == "cuda" else "gloo"
+        if dist.get_backend() != expected:
+            raise ValueError(f"device {self.device} needs a {expected} process group, not {dist.get_backend()}")
+        self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
+        self._group = self.mesh.get_group()  # the data-parallel ranks (a 1-D mesh)
+        self.rank, self.num_ranks = self.mesh.get_local_rank(), self.mesh.size()
+        torch.manual_seed(seed)
+        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        self.model.config.use_cache = False
+        if config.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model.train()
+        policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if config.bf16_autocast else None, reduce_dtype=torch.float32
+        )
+        for layer in cast(nn.ModuleList, self.model.get_decoder().layers):
+            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
+        self._root = _ScoringRoot(self.model)
+        self._fsdp_root = fully_shard(self._root, mesh=self.mesh, mp_policy=policy)  # the same object
+        for module in self._root.modules():
+            if isinstance(module, FSDPModule):
+                # Sum, not mean: each rank's loss is already divided by the whole step's normaliser. Forcing
+                # plain SUM also avoids PREMUL_SUM, which gloo lacks.
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+        )
+
+    def token_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+    ) -> torch.Tensor:
+        """Logprob of each next token where ``target_mask`` is set (see `score_tokens`); [batch, seq - 1]."""
+        return self.score_tokens(
+            input_ids, attention_mask, target_mask, temperature=temperature, use_autocast=use_autocast
+        ).logprobs
+
+    def score_tokens(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+        with_entropy: bool = False,
+        entropy_requires_grad: bool = False,
+    ) -> TokenScores:
+        """This rank's rows only; collective (every rank must call it, also with a zero-weighted filler batch)."""
+        with bf16_autocast(self.device, enabled=use_autocast and self.config.bf16_autocast):
+            logprobs, entropy = self._root(
+                input_ids, attention_mask, target_mask, temperature, with_entropy, entropy_requires_grad
+            )
+        return TokenScores(logprobs=logprobs, entropy=entropy)
+
+    def clip_and_step(self) -> float:
+        """Clip to the global gradient norm (over all shards), step, clear gradients; returns the pre-clip norm."""
+        parameters = [p for p in self.model.parameters() if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
+        if isinstance(total_norm, DTensor):
+            total_norm = total_norm.full_tensor()  # the per-shard partial norms, reduced over the ranks
+        torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, total_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(total_norm)
+
+    def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Each name's sum over the ranks (a name a rank lacks counts 0 there); collective. The single-device
+        backend's version returns ``values``."""
+        names_per_rank: list[list[str] | None] = [None] * self.num_ranks
+        dist.all_gather_object(names_per_rank, sorted(values), group=self._group)
+        names = sorted({name for names in names_per_rank for name in names or ()})
+        summed = torch.tensor([values.get(name, 0.0) for name in names], dtype=torch.float64, device=self.device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=self._group)
+        return dict(zip(names, summed.tolist(), strict=True))
+
+    def all_reduce_max(self, value: int) -> int:
+        """The largest ``value`` over the ranks (e.g. the number of micro-batches every rank must run); collective."""
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+        return int(tensor.item())
+
+    @torch.no_grad()
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors in HF naming, one at a time, gathered from the shards; collective (every rank must consume
+        the whole iterator in step). Every rank receives each tensor; only rank 0 needs to keep them (an engine
+        sender), the others drop each one, so no rank holds more than one gathered tensor beyond what it keeps.
+
+        A tied output embedding is left out, as in `SingleDeviceBackend.named_weights`."""
+        for name, tensor in self._sharded_weights().items():
+            yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+    def _sharded_weights(self) -> dict[str, torch.Tensor]:
+        """The HF-named state dict as this rank's DTensor shards (no copies), without a tied ``lm_head.weight``."""
+        # After a forward without backward the root still holds its gathered (compute-dtype) parameters; free them
+        # (FSDP's state-dict hook would return the shards either way).
+        self._fsdp_root.reshard()
+        is_tied = getattr(self.model.config, "tie_word_embeddings", False)
+        return {name: t for name, t in self.model.state_dict().items() if not (is_tied and name == "lm_head.weight")}
+
+    def save(self, folder: Path) -> None:
+        """A sharded checkpoint (model and AdamW state, each rank writing its shards) with torch.distributed.checkpoint.
+        ``folder`` must be one path every rank can write to (a shared filesystem across nodes); collective."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import save
+
+        self._fsdp_root.reshard()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(folder))
+
+    def load(self, folder: Path) -> None:
+        """Resume from `save`'s folder (the same number of ranks or another: DCP reshards); collective."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load
+
+        self._fsdp_root.reshard()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        load(state, checkpoint_id=Path(folder))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def export(self, folder: Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+        """A HF folder (config, safetensors, tokenizer) that transformers and vLLM load, written by rank 0 alone
+        from the gathered weights, one safetensors shard (at most ``max_shard_bytes``) in memory at a time;
+        collective. Several shards get HF's ``model.safetensors.index.json``."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        is_writer = self.rank == 0
+        # full sizes from the DTensors' global shapes: nothing is gathered to plan the files
+        sizes = {name: tensor.numel() * tensor.dtype.itemsize for name, tensor in self._sharded_weights().items()}
+        files = _plan_shards(sizes, max_shard_bytes)
+        remaining = Counter(files.values())  # weights still to gather per file
+        shard: dict[str, torch.Tensor] = {}
+        if is_writer:
+            folder.mkdir(parents=True, exist_ok=True)
+        for name, tensor in self.named_weights():
+            if not is_writer:
+                continue
+            shard[name] = tensor.contiguous().cpu()
+            remaining[files[name]] -= 1
+            if not remaining[files[name]]:
+                save_file(shard, str(folder / files[name]), metadata={"format": "pt"})
+                shard = {}
+        if is_writer:
+            self._write_metadata(folder, files, sizes)
+        dist.barrier(group=self._group)  # the folder is complete when any rank returns
+
+    def _write_metadata(self, folder: Path, files: dict[str, str], sizes: dict[str, int]) -> None:
+        self.model.config.save_pretrained(folder)
+        if len(set(files.values())) > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": files}
+            (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        for name in (*_TOKENIZER_FILES, "generation_config.json"):
+            if (self.model_path / name).is_file():
+                shutil.copy2(self.model_path / name, folder / name)
+
+
+def _plan_shards(sizes: dict[str, int], max_bytes: int) -> dict[str, str]:
+    """Each weight's safetensors file: consecutive weights fill a shard up to ``max_bytes`` (a larger weight gets
+    one alone); a single shard is ``model.safetensors``, several are HF's ``model-0000i-of-0000n.safetensors``."""
+    groups: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if groups[-1] and used + size > max_bytes:
+            groups.append([])
+            used = 0
+        groups[-1].append(name)
+        used += size
+    if len(groups) == 1:
+        return dict.fromkeys(groups[0], "model.safetensors")
+    return {
+        name: f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i, group in enumerate(groups) for name in group
+    }
