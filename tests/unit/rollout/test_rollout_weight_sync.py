@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from sharpen.rollout.weight_sync import WeightSyncError, verify_probe, write_weights_file
-from sharpen.rollout.weight_sync.files import tensor_checksum
+from sharpen.rollout.weight_sync import WeightSyncError, verify_probe
 
 _PROBE = [-1.0, -2.0, -0.5, -3.0]
 
@@ -85,52 +81,3 @@ def test_probe_of_different_lengths_fails():
         verify_probe(
             engine=_PROBE[:3], trainer=_PROBE, previous_engine=None, previous_trainer=None, tolerance=1.0, version=1
         )
-
-
-@pytest.fixture
-def weights():
-    generator = torch.Generator().manual_seed(0)
-    return {
-        "model.layers.0.weight": torch.randn(4, 3, generator=generator),
-        "model.norm.weight": torch.randn(3, generator=generator).to(torch.bfloat16),
-        "model.scale": torch.tensor(0.5),  # 0-dim tensors exist in some architectures
-    }
-
-
-def test_weights_file_round_trips_and_its_checksum_matches(weights):
-    sent = write_weights_file(weights.items())
-    try:
-        assert sent.num_tensors == 3
-        assert sent.num_bytes == 4 * 3 * 4 + 3 * 2 + 4
-        with safe_open(str(sent.path), framework="pt") as handle:
-            assert handle.metadata()["checksum"] == sent.checksum
-        received = load_file(str(sent.path))
-        assert all(torch.equal(received[name], tensor) for name, tensor in weights.items())
-        assert tensor_checksum(sorted(received.items())) == sent.checksum  # what the receiver checks
-    finally:
-        sent.path.unlink()
-
-
-def test_checksum_catches_a_flipped_byte(weights):
-    sent = write_weights_file(weights.items())
-    try:
-        with safe_open(str(sent.path), framework="pt") as handle:
-            metadata = handle.metadata()
-        state = load_file(str(sent.path))
-        corrupted = state["model.layers.0.weight"].clone()
-        corrupted.view(torch.uint8)[0, 5] ^= 0x01  # one bit of one float
-        assert not torch.equal(corrupted, state["model.layers.0.weight"])
-        state["model.layers.0.weight"] = corrupted
-        save_file(state, str(sent.path), metadata=metadata)  # the sender's checksum, now wrong
-
-        received = load_file(str(sent.path))
-        assert tensor_checksum(sorted(received.items())) != sent.checksum
-    finally:
-        sent.path.unlink()
-
-
-def test_checksum_covers_names_and_order():
-    a, b = torch.ones(2), torch.zeros(2)
-    assert tensor_checksum([("a", a), ("b", b)]) != tensor_checksum([("b", a), ("a", b)])
-    assert tensor_checksum([("a", a), ("b", b)]) != tensor_checksum([("b", b), ("a", a)])
-    assert tensor_checksum([("a", a)]) == tensor_checksum([("a", a.clone())])

@@ -1,13 +1,25 @@
 """Weight sync: moving the trainer's full tensors into engines, and checking that they arrived.
 
-Sender half (`files.write_weights_file`): full tensors -> one safetensors file in shared memory, with a checksum.
-Receiver half (`vllm_receiver.VllmWeightReceiver`): a vLLM worker extension that loads such a file in place.
+Format (`buckets`): tensors packed into shared-memory buckets with a manifest and an xxh3 checksum each.
+Protocol (`streaming`): `BucketedSender` streams buckets (filling the next while the receiver loads the current);
+`BucketReceiver` verifies them (checksum, order, count) and hands the tensors to an engine's loader.
+vLLM's half (`vllm_receiver.VllmWeightReceiver`): a worker extension that loads buckets in one layerwise reload.
 Verification (`verify.verify_probe`): engine and trainer logprobs on a fixed probe must agree after every sync,
 and a sync that left the engine unchanged while the trainer changed fails loudly.
-Bucketed transports (Ray object store, torch.distributed) arrive with the scale-out issue.
+Not built yet: Ray object store and torch.distributed broadcast transports for engines on other nodes.
 """
 
-from sharpen.rollout.weight_sync.files import WeightsFile, write_weights_file
+from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
+from sharpen.rollout.weight_sync.streaming import BucketedSender, BucketReceiver, SyncReport
 from sharpen.rollout.weight_sync.verify import ProbeCheck, WeightSyncError, verify_probe
 
-__all__ = ["ProbeCheck", "WeightSyncError", "WeightsFile", "verify_probe", "write_weights_file"]
+__all__ = [
+    "BucketError",
+    "BucketManifest",
+    "BucketReceiver",
+    "BucketedSender",
+    "ProbeCheck",
+    "SyncReport",
+    "WeightSyncError",
+    "verify_probe",
+]
