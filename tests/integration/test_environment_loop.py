@@ -9,7 +9,11 @@ import pytest
 from test_tiny_loop import tiny_config, vowel_reward
 
 from sharpen.cli.main import main
-from sharpen.config.environments import CalculatorEnvironmentConfig, GuessNumberEnvironmentConfig
+from sharpen.config.environments import (
+    CalculatorEnvironmentConfig,
+    GuessNumberEnvironmentConfig,
+    PythonEnvironmentConfig,
+)
 from sharpen.config.schema import EnvironmentTasksDataConfig, ScriptedEngineConfig
 from sharpen.monitoring import read_jsonl
 from sharpen.orchestration.local import run_local
@@ -62,3 +66,23 @@ def test_a_game_that_makes_its_own_tasks_rewards_from_the_environment(tiny_model
     assert 0.0 < row["reward/mean"] <= 1.0
     recorded = read_jsonl(run_dir / "rollouts.jsonl")
     assert {r["reward"]["verifier"] for r in recorded} == {"environment:guess_number"}
+
+
+@pytest.mark.slow
+def test_grpo_on_the_python_environment_runs_code_in_the_sandbox(tiny_model_path: Path, tmp_path: Path, capsys) -> None:
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(3 + 4)"}}</tool_call>'
+    config = tiny_config(tiny_model_path, tmp_path, name="python", num_steps=2, **{"weight_sync.verify": "false"})
+    config.rollout.engine = ScriptedEngineConfig(completions=[call, "<answer>7</answer>", "aeiou"])
+    config.environment = PythonEnvironmentConfig(max_turns=3)
+    config.rollout.max_new_tokens = 40
+    config.monitoring.num_recorded_rollouts = 8
+    run_dir = run_local(config, reward_fn=vowel_reward)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert len(rows) == 2 and all(row["reward/num_abstained"] == 0 for row in rows)
+    recorded = read_jsonl(run_dir / "rollouts.jsonl")
+    tool_turns = [r for r in recorded if r["loss_mask"] is not None]
+    assert tool_turns and {r["episode"]["sandbox_backend"] for r in recorded} == {"bwrap"}
+    step_1 = [r for r in recorded if r["step"] == 1]
+    index = next(i for i, r in enumerate(step_1) if r["loss_mask"] is not None)
+    assert main(["replay", str(run_dir), "--step", "1", "--index", str(index)]) == 0  # the program runs again
+    assert "reproduced" in capsys.readouterr().out

@@ -10,8 +10,9 @@ def user_error_message(error: BaseException) -> str | None:
     from sharpen.cli.models import PullError
     from sharpen.data import DataError
     from sharpen.environments.registry import EnvironmentLoadError
+    from sharpen.environments.sandbox import SandboxUnavailable
     from sharpen.monitoring import TrackingSetupError
 
-    if isinstance(error, DataError | PullError | EnvironmentLoadError | TrackingSetupError):
+    if isinstance(error, DataError | PullError | EnvironmentLoadError | TrackingSetupError | SandboxUnavailable):
         return str(error)
     return None

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
+from sharpen.config.sandbox import SandboxConfig
 from sharpen.config.section import Section
 
 
@@ -42,6 +43,12 @@ class ToolSection(EpisodeLimitsSection):
 
 class CalculatorEnvironmentConfig(ToolSection):
     type: Literal["calculator"] = "calculator"
+
+
+class PythonEnvironmentConfig(ToolSection):
+    type: Literal["python"] = "python"
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Where the policy's programs run (isolation, limits, concurrency)."""
 
 
 class GuessNumberEnvironmentConfig(EpisodeLimitsSection):
@@ -85,6 +92,7 @@ class CustomEnvironmentConfig(EpisodeLimitsSection):
 EnvironmentConfig = Annotated[
     SingleTurnEnvironmentConfig
     | CalculatorEnvironmentConfig
+    | PythonEnvironmentConfig
     | GuessNumberEnvironmentConfig
     | GymnasiumEnvironmentConfig
     | CustomEnvironmentConfig,

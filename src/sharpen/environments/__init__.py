@@ -7,6 +7,7 @@ engine or the trainer. The episode loop that drives it is `sharpen.rollout.episo
 from sharpen.environments.base import (
     Environment,
     EnvironmentFactory,
+    EnvironmentInfraError,
     EpisodeContext,
     EpisodeLimits,
     SingleTurnEnvironment,
@@ -16,6 +17,7 @@ from sharpen.environments.base import (
 __all__ = [
     "Environment",
     "EnvironmentFactory",
+    "EnvironmentInfraError",
     "EpisodeContext",
     "EpisodeLimits",
     "SingleTurnEnvironment",

@@ -16,6 +16,12 @@ from typing import Any, Protocol, runtime_checkable
 from sharpen.types import Example, Message
 
 
+class EnvironmentInfraError(RuntimeError):
+    """Raised by an environment or a tool when a fault is not the policy's (a sandbox that failed, a service that is
+    down). Tools' other exceptions are shown to the policy as error messages; this one ends the episode, which then
+    abstains (status infra_error) instead of being scored."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class EpisodeLimits:
     """What the episode loop enforces on every episode."""

@@ -19,12 +19,15 @@ from sharpen.config.environments import (
     EnvironmentConfig,
     GuessNumberEnvironmentConfig,
     GymnasiumEnvironmentConfig,
+    PythonEnvironmentConfig,
     SingleTurnEnvironmentConfig,
 )
 from sharpen.environments.base import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
 from sharpen.environments.calculator import CalculatorEnvironment
 from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
+from sharpen.environments.python_tool import PythonEnvironment
+from sharpen.environments.sandbox import SandboxPool
 from sharpen.types import Example
 
 
@@ -36,6 +39,13 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
         case CalculatorEnvironmentConfig():
             return partial(
                 CalculatorEnvironment,
+                parser=config.tool_parser,
+                max_tool_calls=config.max_tool_calls,
+                max_output_chars=config.max_output_chars,
+            )
+        case PythonEnvironmentConfig():
+            return partial(
+                PythonEnvironment,
                 parser=config.tool_parser,
                 max_tool_calls=config.max_tool_calls,
                 max_output_chars=config.max_output_chars,
@@ -52,6 +62,14 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
                 action_names=config.action_names,
                 instructions=config.instructions,
             )
+
+
+def build_sandbox(config: EnvironmentConfig) -> SandboxPool | None:
+    """The sandbox pool of environments that run code (probed now: a host without the isolation the config asks for
+    fails here, before anything slow starts), else None. The caller closes it."""
+    if isinstance(config, PythonEnvironmentConfig):
+        return SandboxPool(config.sandbox)
+    return None
 
 
 def episode_limits(config: EnvironmentConfig) -> EpisodeLimits:

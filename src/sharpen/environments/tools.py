@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, Union, get_args, get_origin, get_type_hints
 
+from sharpen.environments.base import EnvironmentInfraError
+
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array"}
 _JSON_TYPES[dict] = "object"
 
@@ -137,8 +139,9 @@ def _argument_docs(doc: str) -> dict[str, str]:
 
 async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall, *, max_chars: int) -> str:
     """Run ``call`` against ``tools`` and return what the policy sees: the result as text, or an error message
-    (unknown tool, bad arguments, the tool raised). Sync tools run in a thread, so a slow one does not block the
-    other episodes. Output is capped at ``max_chars``."""
+    (unknown tool, bad arguments, the tool raised); an `EnvironmentInfraError` is not the policy's fault and
+    propagates. Sync tools run in a thread, so a slow one does not block the other episodes. Output is capped at
+    ``max_chars``."""
     function = tools.get(call.name)
     if function is None:
         return f"error: unknown tool {call.name!r} (available: {', '.join(sorted(tools))})"
@@ -150,6 +153,8 @@ async def call_tool(tools: dict[str, Callable[..., Any]], call: ToolCall, *, max
             result = await function(**call.arguments)
         else:
             result = await asyncio.to_thread(function, **call.arguments)
+    except EnvironmentInfraError:
+        raise  # not the policy's fault: the episode ends and abstains
     except Exception as error:  # a tool failing on the policy's input is feedback for the policy, not a crash
         return f"error: {type(error).__name__}: {error}"
     text = result if isinstance(result, str) else json.dumps(result)

@@ -13,7 +13,7 @@ from sharpen.config import SharpenConfig
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
-from sharpen.environments.registry import build_environment_factory, episode_limits
+from sharpen.environments.registry import build_environment_factory, build_sandbox, episode_limits
 from sharpen.evaluation import EvalReport, eval_sampling, evaluate
 from sharpen.orchestration.local import build_run_engine, load_run_examples, load_tokenizer
 from sharpen.rewards import RewardFn, Rubric
@@ -42,6 +42,7 @@ def run_eval(
         examples = examples[: eval_config.num_tasks]
     tokenizer = load_tokenizer(model_path)
     device = str(resolve_device(config.trainer.device))
+    sandbox = build_sandbox(config.environment)
     live_engine = engine or build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=device)
     try:
         return evaluate(
@@ -57,8 +58,11 @@ def run_eval(
             limits=episode_limits(config.environment),
             answer_format=config.reward.answer_format,
             prompts_per_batch=eval_config.prompts_per_batch,
+            sandbox=sandbox,
         )
     finally:
+        if sandbox is not None:
+            sandbox.close()
         if engine is None:
             live_engine.close()
 

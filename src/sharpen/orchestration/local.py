@@ -13,7 +13,8 @@ from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples
 from sharpen.environments import EnvironmentFactory
-from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
+from sharpen.environments.registry import build_environment_factory, build_sandbox, environment_tasks, episode_limits
+from sharpen.environments.sandbox import SandboxPool
 from sharpen.monitoring import RolloutRecorder, build_sinks, build_timeline
 from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
 from sharpen.orchestration.loop import Components, run_loop
@@ -158,6 +159,24 @@ def run_local(
     resolve_model_path(config.model.path)
     make_environment = build_environment_factory(config.environment)
     examples = load_run_examples(config)
+    sandbox = build_sandbox(config.environment)  # probes the host's isolation now
+    try:
+        return _run(config, resume, examples, make_environment, sandbox, reward_fn=reward_fn, engine=engine)
+    finally:
+        if sandbox is not None:
+            sandbox.close()
+
+
+def _run(
+    config: SharpenConfig,
+    resume: bool,
+    examples: list[Example],
+    make_environment: EnvironmentFactory,
+    sandbox: SandboxPool | None,
+    *,
+    reward_fn: RewardFn | None,
+    engine: InferenceEngine | None,
+) -> Path:
     run_dir, checkpoint = prepare_run_dir(config, resume=resume)
     (run_dir / "config.toml").write_text(dump_config(config))
     next_step = 0
@@ -172,6 +191,7 @@ def run_local(
         engine=engine,
         make_environment=make_environment,
     )
+    c.sandbox = sandbox
     try:
         if checkpoint is not None:
             next_step = load_checkpoint(checkpoint, trainer=c.trainer, sampler=c.sampler)

@@ -13,7 +13,7 @@ from pathlib import Path
 from sharpen.config import load_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
-from sharpen.environments.registry import build_environment_factory, episode_limits
+from sharpen.environments.registry import build_environment_factory, build_sandbox, episode_limits
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME
 from sharpen.orchestration.local import load_run_examples
 from sharpen.rollout.replay import ReplayReport, replay_episode
@@ -40,11 +40,17 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
-    report = replay_episode(
-        record,
-        examples[record["task_key"]],
-        build_environment_factory(config.environment)(),
-        tokenizer=tokenizer,
-        limits=episode_limits(config.environment),
-    )
+    sandbox = build_sandbox(config.environment)
+    try:
+        report = replay_episode(
+            record,
+            examples[record["task_key"]],
+            build_environment_factory(config.environment)(),
+            tokenizer=tokenizer,
+            limits=episode_limits(config.environment),
+            sandbox=sandbox,
+        )
+    finally:
+        if sandbox is not None:
+            sandbox.close()
     return record, report

@@ -167,7 +167,7 @@ def _new_episode(
         environment=environment.name,
         environment_version=environment.version,
         seed=context.seed,
-        sandbox_backend=None if sandbox is None else str(sandbox.backend),
+        sandbox_backend=None if sandbox is None else str(sandbox.report.backend),
     )
     return _Episode(
         example_index=example_index,

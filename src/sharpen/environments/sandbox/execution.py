@@ -1,0 +1,88 @@
+"""What every execution shares, cold or warm: the fixed plan, checks and writing of the input files, in-memory
+files for stdin, and turning the facts of a finished execution into an ExecutionResult.
+
+The life of one cold execution is in launch.py, of a warm job in warm.py; this module runs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from sharpen.environments.sandbox.backends import SANDBOX_GID, SANDBOX_UID, Backend, Limits
+from sharpen.environments.sandbox.capture import Captured
+from sharpen.environments.sandbox.cgroups import ControllerDir
+from sharpen.environments.sandbox.result import ExecutionResult, ProcessOutcome, classify
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ExecutionPlan:
+    """Everything about how to execute that stays fixed for a Sandbox."""
+
+    backend: Backend
+    limits: Limits
+    cgroup_dirs: list[ControllerDir]
+    runs_dir: Path
+    wall_seconds: float
+    max_processes: int
+    memory_bytes: int
+    max_output_bytes: int
+
+
+def check_file_names(files: Mapping[str, str | bytes]) -> None:
+    """Raise ValueError for a name that would not land inside the work dir."""
+    for name in files:
+        path = PurePosixPath(name)
+        if not name or "\0" in name or path.is_absolute() or ".." in path.parts or str(path) in ("", "."):
+            raise ValueError(f"file name {name!r} must be a relative path inside the work dir (no '..')")
+
+
+def write_files(work_dir: Path, files: Mapping[str, str | bytes]) -> None:
+    """Write ``files`` into the (fresh, empty) work dir, owned by the sandbox uid when we are root."""
+    is_root = os.geteuid() == 0
+    for name, content in files.items():
+        path = work_dir / name
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True)
+            if is_root:
+                for parent in path.relative_to(work_dir).parents:
+                    os.chown(work_dir / parent, SANDBOX_UID, SANDBOX_GID)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        if is_root:
+            os.chown(path, SANDBOX_UID, SANDBOX_GID)
+
+
+def memfd(name: str, data: bytes) -> int:
+    """An anonymous in-memory file holding ``data``, positioned at its start (stdin, a seccomp program)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fill_memfd(fd, data)
+    return fd
+
+
+def fill_memfd(fd: int, data: bytes) -> None:
+    """Replace the content of ``fd`` and rewind it (the rewind is seen by every holder of the descriptor)."""
+    os.ftruncate(fd, 0)
+    with open(fd, "wb", closefd=False) as file:
+        file.write(data)
+    os.lseek(fd, 0, os.SEEK_SET)
+
+
+def build_result(
+    outcome: ProcessOutcome, captured: Captured | None, *, backend: str, wall_limit: float, wall_seconds: float
+) -> ExecutionResult:
+    status, detail = classify(outcome, wall_seconds=wall_limit)
+    streams = (captured.stdout, captured.stderr) if captured is not None else ()
+    stdout, stderr = (stream.data.decode(errors="replace") for stream in streams) if streams else ("", "")
+    return ExecutionResult(
+        status=status,
+        exit_code=outcome.exit_code,
+        signal=outcome.signal,
+        stdout=stdout,
+        stderr=stderr,
+        wall_seconds=wall_seconds,
+        is_output_truncated=any(stream.is_truncated for stream in streams),
+        backend=backend,
+        detail=detail,
+    )
