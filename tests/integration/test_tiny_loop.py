@@ -4,6 +4,7 @@ contents, verified weight sync, exported model, and exact resume."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,32 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path
     # Steps after the interruption are bit-identical (deterministic CPU kernels, seeded sampling, same data order).
     assert split_rows[2:] == full_rows[2:]
     assert full_rows[3]["reward/mean"] != full_rows[2]["reward/mean"]  # the compared steps carry real signal
+
+
+@pytest.mark.slow
+def test_a_nan_in_training_skips_the_step_dumps_the_batch_and_the_run_goes_on(
+    tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sharpen.trainer import SingleDeviceBackend
+
+    score_tokens = SingleDeviceBackend.score_tokens
+    training_calls = []
+
+    def nan_in_step_1(self, *args, **kwargs):
+        scores = score_tokens(self, *args, **kwargs)
+        if kwargs.get("with_entropy"):  # the training passes (2 micro-batches a step)
+            training_calls.append(1)
+            if len(training_calls) in (3, 4):
+                scores.logprobs = scores.logprobs * float("nan")
+        return scores
+
+    monkeypatch.setattr(SingleDeviceBackend, "score_tokens", nan_in_step_1)
+    run_dir = run_local(tiny_config(tiny_model_path, tmp_path, name="nan", num_steps=3), reward_fn=vowel_reward)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1, 2]  # the run went on
+    assert [row["train/num_nonfinite_updates"] for row in rows] == [0.0, 1.0, 0.0]
+    assert [row["health/num_nonfinite_steps"] for row in rows] == [0.0, 1.0, 1.0]
+    assert math.isnan(rows[1]["train/grad_norm"]) and math.isfinite(rows[2]["train/grad_norm"])
+    assert rows[1]["sync/probe_trainer_delta"] == 0.0  # the skipped step left the weights as they were
+    dumped = read_jsonl(run_dir / "nonfinite" / "step_1.jsonl")
+    assert len(dumped) == 8 and all(record["step"] == 1 for record in dumped)

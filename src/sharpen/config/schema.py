@@ -269,6 +269,11 @@ class MonitoringConfig(Section):
     """Log metrics and the resolved config (as params) to MLflow (needs ``pip install 'sharpen[tracking]'``)."""
     mlflow_tracking_uri: str | None = None
     """MLflow tracking URI, e.g. ``http://host:5000`` (None: a SQLite store in ``run_dir/mlflow``)."""
+    grad_norm_spike_factor: float = Field(default=5.0, gt=1.0)
+    """A step's gradient norm above this multiple of the median of the last grad_norm_spike_window steps is
+    flagged (``health/grad_norm_spike``, and a warning)."""
+    grad_norm_spike_window: int = Field(default=20, ge=1)
+    """Steps in the running median of the gradient-norm spike check."""
     timeline: bool = True
     """Write a Chrome-trace timeline of the run's phases to ``run_dir/timeline.json`` (open it in Perfetto)."""
 

@@ -4,6 +4,7 @@ and the run timeline.
 Owns how a run reports itself. Imports only `sharpen.types` and `sharpen.config` from sharpen; never drives the run.
 """
 
+from sharpen.monitoring.health import NONFINITE_DIR_NAME, RunHealth
 from sharpen.monitoring.progress import DEFAULT_PROGRESS_KEYS, ProgressDisplay
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME, RolloutRecorder, rollout_record
 from sharpen.monitoring.sinks import (
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_PROGRESS_KEYS",
     "METRICS_FILE_NAME",
     "MLFLOW_DIR_NAME",
+    "NONFINITE_DIR_NAME",
     "ROLLOUTS_FILE_NAME",
     "TENSORBOARD_DIR_NAME",
     "TIMELINE_FILE_NAME",
@@ -44,6 +46,7 @@ __all__ = [
     "PhaseTimer",
     "ProgressDisplay",
     "RolloutRecorder",
+    "RunHealth",
     "TensorBoardSink",
     "Timeline",
     "TrackingSetupError",

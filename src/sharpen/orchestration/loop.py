@@ -14,7 +14,7 @@ from sharpen.config.schema import SharpenConfig
 from sharpen.data import ExampleSampler
 from sharpen.environments import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
 from sharpen.evaluation import eval_sampling, evaluate
-from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, Timeline, peak_memory_metrics
+from sharpen.monitoring import MetricSink, PhaseTimer, RolloutRecorder, RunHealth, Timeline, peak_memory_metrics
 from sharpen.orchestration.checkpoint import save_checkpoint
 from sharpen.orchestration.filters import DynamicSamplingBuffer, overlong_filter
 from sharpen.orchestration.phases import (
@@ -61,6 +61,11 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
         top_p=config.rollout.top_p,
     )
     timer = PhaseTimer(timeline=c.timeline)
+    health = RunHealth(
+        c.run_dir,
+        spike_factor=config.monitoring.grad_norm_spike_factor,
+        spike_window=config.monitoring.grad_norm_spike_window,
+    )
     for step in range(start_step, config.run.num_steps):
         groups, sampling_metrics = collect_groups(c, step=step, sampling=sampling, timer=timer)
         with timer.phase("score"):
@@ -71,6 +76,7 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
         trained = overlong_filter(rollouts) if config.trainer.algorithm.mask_truncated else rollouts
         with timer.phase("train"):
             train_metrics = c.trainer.step(TrainBatch(rollouts=trained, step=step))
+        health_metrics = health.check(step, trained, train_metrics)
         with timer.phase("sync"):
             sync_metrics = c.weight_sync(c.trainer, c.engine, version=step + 1)
 
@@ -81,6 +87,7 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
             **reward_metrics(groups),
             **sampling_metrics,
             **train_metrics,
+            **health_metrics,
             **sync_metrics,
             **times,
             "time/step": step_seconds,

@@ -158,15 +158,17 @@ class Trainer:
         metrics.update({name: value / num_tokens for name, value in sums.items() if name.startswith("off")})
         if algorithm.kl_in_reward:
             metrics["train/kl"] = self.reward_kl
-        if algorithm.kl_coef > 0:
+        if algorithm.kl_coef > 0 and math.isfinite(metrics["train/kl"]):
             self.kl_controller.update(metrics["train/kl"], len(rollouts))
-        grad_norm = sum(grad_norms) / len(grad_norms)
+        # a non-finite gradient norm means the backend skipped that optimizer step (NaN/Inf guard)
+        finite = [norm for norm in grad_norms if math.isfinite(norm)]
         metrics.update(
             {
-                "train/grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
+                "train/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
                 "train/num_loss_tokens": num_tokens / algorithm.num_epochs,
                 "train/num_sequences": float(len(rollouts)),
-                "train/num_optimizer_steps": float(len(grad_norms)),
+                "train/num_optimizer_steps": float(len(finite)),
+                "train/num_nonfinite_updates": float(len(grad_norms) - len(finite)),
                 "train/kl_coef": kl_coef,
             }
         )

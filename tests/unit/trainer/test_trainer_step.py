@@ -112,6 +112,7 @@ def test_step_changes_weights_and_returns_finite_metrics(model_dir):
         "train/num_loss_tokens",
         "train/num_sequences",
         "train/num_optimizer_steps",
+        "train/num_nonfinite_updates",
         "train/kl_coef",
         "offpolicy/kl_k1",
         "offpolicy/kl_k3",
@@ -239,3 +240,27 @@ def test_kl_penalties_are_minus_coef_times_k1_of_engine_against_the_reference(mo
     for rollout, row in zip(rollouts, penalties, strict=True):
         assert len(row) == len(rollout.completion_ids)
         assert row == pytest.approx([-0.5 * 0.25] * len(row), abs=1e-5)
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step_and_training_goes_on(model_dir, monkeypatch):
+    trainer = _trainer(model_dir)
+    before = {name: tensor.clone() for name, tensor in trainer.backend.named_weights()}
+    exp_avg_before = [s["exp_avg"].clone() for s in trainer.backend.optimizer.state.values()]  # empty: no step yet
+    score_tokens = trainer.backend.score_tokens
+
+    def poisoned(*args, **kwargs):
+        scores = score_tokens(*args, **kwargs)
+        scores.logprobs = scores.logprobs * float("nan")  # NaN logprobs -> NaN loss -> NaN gradient
+        return scores
+
+    monkeypatch.setattr(trainer.backend, "score_tokens", poisoned)
+    metrics = trainer.step(TrainBatch(rollouts=_rollouts(0), step=0))
+    assert metrics["train/num_nonfinite_updates"] == 1.0 and metrics["train/num_optimizer_steps"] == 0.0
+    assert math.isnan(metrics["train/grad_norm"])
+    after = dict(trainer.backend.named_weights())
+    assert all(torch.equal(before[name], after[name]) for name in before)  # nothing moved
+    assert [s["exp_avg"] for s in trainer.backend.optimizer.state.values()] == exp_avg_before  # AdamW untouched
+    monkeypatch.undo()
+    healthy = trainer.step(TrainBatch(rollouts=_rollouts(1), step=1))
+    assert healthy["train/num_nonfinite_updates"] == 0.0 and math.isfinite(healthy["train/grad_norm"])
+    assert any(not torch.equal(before[n], t) for n, t in trainer.backend.named_weights())

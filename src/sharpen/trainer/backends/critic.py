@@ -82,7 +82,8 @@ class ValueModel:
     def clip_and_step(self, max_grad_norm: float) -> float:
         """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.network.parameters(), max_grad_norm)
-        self.optimizer.step()
+        if torch.isfinite(grad_norm):  # a non-finite gradient skips the step (see SingleDeviceBackend)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 

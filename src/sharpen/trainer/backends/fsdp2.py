@@ -204,8 +204,9 @@ class FSDP2Backend:
         total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
         if isinstance(total_norm, DTensor):
             total_norm = total_norm.full_tensor()  # the per-shard partial norms, reduced over the ranks
-        torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, total_norm)
-        self.optimizer.step()
+        if torch.isfinite(total_norm):  # the global norm: every rank skips a non-finite step together
+            torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, total_norm)
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(total_norm)
 

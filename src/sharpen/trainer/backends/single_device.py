@@ -145,9 +145,12 @@ class SingleDeviceBackend:
         return value
 
     def clip_and_step(self) -> float:
-        """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm."""
+        """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm.
+        A non-finite norm (a NaN or Inf anywhere in the gradient) skips the optimizer step: one NaN would poison
+        AdamW's moments for good. The caller sees the norm and counts the skip."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        self.optimizer.step()
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
