@@ -54,6 +54,7 @@ class RewardStatus(StrEnum):
     FORMAT_ERROR = "format_error"
     TIMEOUT = "timeout"
     INFRA_ERROR = "infra_error"
+    JUDGE_UNPARSEABLE = "judge_unparseable"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +66,12 @@ class RewardResult:
     components: dict[str, float] = field(default_factory=dict[str, float])
     """Named parts of the score (e.g. ``correct``, ``format``), also logged as metrics."""
     verifier: str = ""
+    verifier_version: str = ""
+    hack_flags: list[str] = field(default_factory=list[str])
+    """Names of the reward-hacking signs seen in this rollout (e.g. ``exit_before_asserts``, ``conftest_created``);
+    what happens to a flagged rollout is the hack-monitor policy's decision (screen or penalise)."""
+    cache_key: str = ""
+    """Identifies the verdict's inputs (verifier, version, task, response) for caching; empty when not cached."""
 
 
 @dataclass(kw_only=True, slots=True)
