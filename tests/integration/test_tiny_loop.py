@@ -128,3 +128,41 @@ def test_a_nan_in_training_skips_the_step_dumps_the_batch_and_the_run_goes_on(
     assert rows[1]["sync/probe_trainer_delta"] == 0.0  # the skipped step left the weights as they were
     dumped = read_jsonl(run_dir / "nonfinite" / "step_1.jsonl")
     assert len(dumped) == 8 and all(record["step"] == 1 for record in dumped)
+
+
+class _FlakyRewardWorker:
+    """Raises on every third call and reports an infrastructure error on every fifth; flags the first scored
+    rollout of each step (8 calls) as a hack."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+        self.flagged_windows: set[int] = set()
+
+    def __call__(self, example: Example, completion: str) -> RewardResult:
+        self.num_calls += 1
+        if self.num_calls % 3 == 0:
+            raise ConnectionError("reward worker went away")
+        if self.num_calls % 5 == 0:
+            return RewardResult(score=None, status=RewardStatus.INFRA_ERROR, verifier="flaky")
+        result = vowel_reward(example, completion)
+        window = (self.num_calls - 1) // 8
+        if window not in self.flagged_windows:
+            self.flagged_windows.add(window)
+            result.hack_flags = ["exit_before_asserts"]
+        return result
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_worker_fails_intermittently_completes_and_abstains(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    run_dir = run_local(
+        tiny_config(tiny_model_path, tmp_path, name="flaky", num_steps=3), reward_fn=_FlakyRewardWorker()
+    )
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    for row in rows:  # 8 rollouts a step: failures abstain (never 0) and are counted; the rest trains
+        assert row["reward/num_abstained"] >= 2 and row["reward/status_infra_error"] > 0
+        assert row["hack/num_screened"] == 1 and row["hack/flag_exit_before_asserts"] == 1 / 8
+        trained = 8 - row["reward/num_abstained"] - row["hack/num_screened"]
+        assert row["train/num_sequences"] == trained

@@ -182,7 +182,23 @@ def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path:
     assert stable[0][1]["train/num_loss_tokens"] > 0
 
 
-@pytest.mark.parametrize("environment", ["calculator", "guess_number"])
+class _OneWordChat:
+    """Asks for one word, then for another: short turns that end on the end-of-turn token, so every episode of it
+    is multi-turn whatever the weights (unless a turn rambles to the token limit)."""
+
+    name = "one_word_chat"
+    version = "1"
+
+    async def reset(self, example, ctx):
+        return [Message(role="user", content="Reply with one word: a colour.")]
+
+    async def step(self, action):
+        from sharpen.environments import StepResult
+
+        return StepResult(observation=[Message(role="user", content="Now reply with one word: an animal.")])
+
+
+@pytest.mark.parametrize("environment", ["calculator", "guess_number", "one_word_chat"])
 def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, tokenizer, environment) -> None:
     from sharpen.environments import EpisodeLimits
     from sharpen.environments.calculator import CalculatorEnvironment
@@ -202,17 +218,19 @@ def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, t
                 )
             ],
         )
-    else:
+    elif environment == "guess_number":
         make, examples = GuessNumberEnvironment, GuessNumberEnvironment.make_tasks(1, seed=0, low=1, high=100)
+    else:
+        make, examples = _OneWordChat, [Example(task_key="chat/0", prompt=(Message(role="user", content="-"),))]
     [group] = generate_groups(
         engine,
         examples,
         tokenizer=tokenizer,
-        sampling=SamplingParams(max_new_tokens=48),
+        sampling=SamplingParams(max_new_tokens=128),
         num_samples=4,
         seed=0,
         make_environment=make,
-        limits=EpisodeLimits(max_turns=3, max_tokens=400),
+        limits=EpisodeLimits(max_turns=3, max_tokens=700),
     )
     for rollout in group.rollouts:
         episode = rollout.episode
@@ -236,5 +254,11 @@ def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, t
         ]
         generated = [(r, e) for r, e, m in zip(recomputed, rollout.completion_logprobs, mask, strict=True) if m]
         assert _mean_abs([r for r, _ in generated], [e for _, e in generated]) < TOLERANCE
-    if environment == "guess_number":  # feedback comes after every wrong guess: these episodes are multi-turn
-        assert any(len(r.episode.turns) > 1 for r in group.rollouts if r.episode is not None)
+    for rollout in group.rollouts:  # an episode ends after one turn only when the model allows it
+        assert rollout.episode is not None
+        if len(rollout.episode.turns) == 1:
+            assert rollout.episode.stop_reason in ("terminated", "length", "max_tokens")
+    multi_turn = sum(len(r.episode.turns) > 1 for r in group.rollouts if r.episode is not None)
+    print(f"{environment}: {multi_turn} of {len(group.rollouts)} episodes took more than one turn")
+    if environment == "one_word_chat":
+        assert multi_turn >= 3  # measured 4 of 4 (SmolLM2, float32)

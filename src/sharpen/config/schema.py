@@ -87,6 +87,12 @@ class RewardConfig(Section):
     -overlong_penalty at the limit (0: off)."""
     overlong_penalty: float = Field(default=1.0, ge=0.0)
     """The largest overlong punishment."""
+    hack_policy: Literal["screen", "penalise"] = "screen"
+    """What happens to a rollout whose reward carries hack flags (exit before asserts, a conftest, a judge canary):
+    ``screen`` leaves it out of the gradient and counts it (``hack/num_screened``); ``penalise`` scores it
+    -hack_penalty before the advantages."""
+    hack_penalty: float = Field(default=1.0, ge=0.0)
+    """The score of a flagged rollout under hack_policy = "penalise"."""
 
 
 class VllmEngineConfig(Section):

@@ -25,6 +25,7 @@ from sharpen.orchestration.phases import (
     score_groups,
 )
 from sharpen.rewards import RewardFn
+from sharpen.rewards.hack_monitor import hack_metrics, penalise_flagged, screen_flagged
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import generate_groups
 from sharpen.trainer import Trainer
@@ -68,11 +69,14 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
     )
     for step in range(start_step, config.run.num_steps):
         groups, sampling_metrics = collect_groups(c, step=step, sampling=sampling, timer=timer)
+        rollouts = [r for g in groups for r in g.rollouts]
         with timer.phase("score"):
             if config.trainer.algorithm.kl_in_reward:
                 add_kl_penalties(c.trainer, groups)
+            if config.reward.hack_policy == "penalise":
+                penalise_flagged(rollouts, penalty=config.reward.hack_penalty)
             assign_advantages(groups, config.trainer.algorithm)
-        rollouts = [r for g in groups for r in g.rollouts]
+            num_screened = screen_flagged(rollouts) if config.reward.hack_policy == "screen" else 0
         trained = overlong_filter(rollouts) if config.trainer.algorithm.mask_truncated else rollouts
         with timer.phase("train"):
             train_metrics = c.trainer.step(TrainBatch(rollouts=trained, step=step))
@@ -85,6 +89,8 @@ def run_loop(c: Components, *, start_step: int = 0) -> None:
         step_seconds = sum(times.values())
         metrics = {
             **reward_metrics(groups),
+            **hack_metrics(rollouts),
+            "hack/num_screened": float(num_screened),
             **sampling_metrics,
             **train_metrics,
             **health_metrics,

@@ -7,8 +7,12 @@ shape rewards for training (overlong penalties, KL terms) and does not aggregate
 
 from __future__ import annotations
 
+import logging
+
 from sharpen.rewards.base import RewardFn
 from sharpen.types import Example, RewardResult, RewardStatus, Rollout
+
+logger = logging.getLogger(__name__)
 
 
 def score_rollout(rubric: RewardFn, example: Example, rollout: Rollout) -> RewardResult:
@@ -17,7 +21,7 @@ def score_rollout(rubric: RewardFn, example: Example, rollout: Rollout) -> Rewar
     blame for it."""
     episode = rollout.episode
     if episode is None:
-        return rubric(example, rollout.completion_text)
+        return _judge(rubric, example, rollout.completion_text)
     verifier = f"environment:{episode.environment}"
     if episode.stop_reason == "environment_error":
         return RewardResult(score=None, status=RewardStatus.INFRA_ERROR, verifier=verifier)
@@ -25,6 +29,16 @@ def score_rollout(rubric: RewardFn, example: Example, rollout: Rollout) -> Rewar
         return RewardResult(score=None, status=RewardStatus.TIMEOUT, verifier=verifier)
     score = episode.env_reward
     if score is None:
-        return rubric(example, rollout.completion_text)
+        return _judge(rubric, example, rollout.completion_text)
     status = RewardStatus.OK if score >= 1.0 else RewardStatus.WRONG
     return RewardResult(score=score, status=status, components={"environment": score}, verifier=verifier)
+
+
+def _judge(rubric: RewardFn, example: Example, completion: str) -> RewardResult:
+    """The reward function's verdict; one that raises (a reward worker or a service that failed) abstains with
+    ``infra_error`` instead of stopping the run or scoring 0."""
+    try:
+        return rubric(example, completion)
+    except Exception as error:  # fault tolerance: a failing scorer must not stop a long run
+        logger.warning("reward function failed on %s; abstaining: %r", example.task_key, error)
+        return RewardResult(score=None, status=RewardStatus.INFRA_ERROR, verifier=type(rubric).__name__)
