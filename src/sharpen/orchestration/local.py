@@ -4,6 +4,7 @@ processes), wire them into `Components`, and run the loop; handles the run direc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,14 +13,16 @@ from sharpen.config import SharpenConfig, dump_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples
+from sharpen.data.humaneval import humaneval_examples
 from sharpen.environments import EnvironmentFactory
 from sharpen.environments.registry import build_environment_factory, build_sandbox, environment_tasks, episode_limits
-from sharpen.environments.sandbox import SandboxPool
+from sharpen.environments.sandbox import Sandbox, SandboxPool
 from sharpen.monitoring import RolloutRecorder, build_sinks, build_timeline
 from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
 from sharpen.orchestration.loop import Components, run_loop
 from sharpen.orchestration.phases import WeightSync
 from sharpen.rewards import RewardFn, Rubric
+from sharpen.rewards.code_tests import HumanEvalReward, pytest_ro_binds
 from sharpen.rollout.engines import InferenceEngine, build_engine
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
 from sharpen.types import Example
@@ -31,7 +34,20 @@ def load_run_examples(config: SharpenConfig) -> list[Example]:
     """The run's tasks: from its data source, or made by its environment (``data.type = "environment"``)."""
     if config.data.type == "environment":
         return environment_tasks(config.environment, size=config.data.size, seed=config.run.seed)
+    if config.data.type == "humaneval":
+        return humaneval_examples(config.data.limit)
     return load_examples(config.data, seed=config.run.seed)
+
+
+def build_reward_fn(config: SharpenConfig, stack: contextlib.ExitStack) -> RewardFn:
+    """The run's reward function: HumanEval's own tests in a sandbox for HumanEval data, else the `Rubric`.
+    Anything it opens (the sandbox) is closed with ``stack``."""
+    if config.data.type == "humaneval":
+        sandbox_config = config.reward.sandbox.model_copy(
+            update={"extra_ro_binds": [*config.reward.sandbox.extra_ro_binds, *pytest_ro_binds()]}
+        )
+        return HumanEvalReward(stack.enter_context(Sandbox(sandbox_config)))
+    return Rubric(config.reward)
 
 
 def prepare_run_dir(config: SharpenConfig, *, resume: bool) -> tuple[Path, Path | None]:
@@ -73,7 +89,7 @@ def build_components(
     *,
     examples: list[Example],
     resume_from_step: int | None,
-    reward_fn: RewardFn | None = None,
+    reward_fn: RewardFn,
     engine: InferenceEngine | None = None,
     make_environment: EnvironmentFactory | None = None,
 ) -> Components:
@@ -118,7 +134,7 @@ def build_components(
         engine=engine,
         trainer=trainer,
         sampler=ExampleSampler(examples, seed=config.run.seed),
-        rubric=reward_fn or Rubric(config.reward),
+        rubric=reward_fn,
         sink=build_sinks(
             config.monitoring,
             run_dir,
@@ -159,12 +175,12 @@ def run_local(
     resolve_model_path(config.model.path)
     make_environment = build_environment_factory(config.environment)
     examples = load_run_examples(config)
-    sandbox = build_sandbox(config.environment)  # probes the host's isolation now
-    try:
-        return _run(config, resume, examples, make_environment, sandbox, reward_fn=reward_fn, engine=engine)
-    finally:
+    with contextlib.ExitStack() as stack:
+        sandbox = build_sandbox(config.environment)  # probes the host's isolation now
         if sandbox is not None:
-            sandbox.close()
+            stack.callback(sandbox.close)
+        reward_fn = reward_fn or build_reward_fn(config, stack)
+        return _run(config, resume, examples, make_environment, sandbox, reward_fn=reward_fn, engine=engine)
 
 
 def _run(
@@ -174,7 +190,7 @@ def _run(
     make_environment: EnvironmentFactory,
     sandbox: SandboxPool | None,
     *,
-    reward_fn: RewardFn | None,
+    reward_fn: RewardFn,
     engine: InferenceEngine | None,
 ) -> Path:
     run_dir, checkpoint = prepare_run_dir(config, resume=resume)

@@ -4,6 +4,7 @@ JSON report it writes, and its user errors (one line, exit 2, before anything he
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,22 @@ def test_eval_of_a_training_checkpoint_says_what_to_evaluate(tmp_path, capsys):
     assert main(["eval", f"model.path={json.dumps(str(checkpoint))}"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert "is a training checkpoint" in err and "run_dir/model" in err
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make system-deps)")
+def test_eval_on_humaneval_runs_each_problems_tests_in_the_sandbox(tiny_model_path, tmp_path, capsys):
+    output = tmp_path / "humaneval.json"
+    args = [
+        "eval",
+        str(Path(__file__).parents[3] / "recipes" / "eval" / "humaneval.toml"),
+        f"model.path={json.dumps(str(tiny_model_path))}",
+        f"run.output_dir={json.dumps(str(tmp_path / 'runs'))}",
+        'rollout.engine.type="hf"',
+        "rollout.max_new_tokens=8",
+        "data.limit=2",
+    ]
+    assert main([*args, "--num-samples", "2", "--ks", "1,2", "--output", str(output)]) == 0
+    assert "pass@1 = 0.000 over 4 samples (2 tasks x 2" in capsys.readouterr().out  # random tokens never pass
+    report = json.loads(output.read_text())
+    assert [task["task_key"] for task in report["tasks"]] == ["HumanEval/0", "HumanEval/1"]
+    assert report["num_abstained"] == 0 and sum(report["status_counts"].values()) == 4

@@ -149,3 +149,13 @@ def test_a_typed_section_without_type_means_its_default_implementation(tmp_path)
     assert load_config(recipe).data.size == 10
     message = _error(None, ["data.type=csv"])
     assert message.startswith("data: ") and "'reasoning_gym', 'jsonl'" in message
+
+
+def test_the_evaluation_recipes_are_valid():
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).parents[3] / "recipes" / "eval").glob("*.toml"))
+    assert recipes
+    for recipe in recipes:
+        config = load_config(recipe, [])
+        assert config.evaluation.num_samples >= max(config.evaluation.ks)
