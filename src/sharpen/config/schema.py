@@ -60,6 +60,9 @@ class JsonlDataConfig(Section):
     """Field holding the prompt: a string (one user message) or a list of {role, content} messages."""
     answer_field: str = "answer"
     """Field holding the reference answer."""
+    verifier: Literal["exact_match", "math"] = "exact_match"
+    """How an extracted answer is checked against the reference: equal up to whitespace, case and number format,
+    or mathematically equivalent (math-verify: fractions, LaTeX, sets, intervals; run in a process pool)."""
     system_prompt: str | None = None
     """System prompt prepended to every example (None: the default answer-format instruction)."""
 

@@ -179,6 +179,7 @@ def _example_from_record(record: dict[str, Any], config: JsonlDataConfig, *, tas
         raise DataError(f"{where}: field {config.answer_field!r} must be a string or a number, got {answer!r:.40}")
     metadata = {key: value for key, value in record.items() if key not in (config.prompt_field, config.answer_field)}
     metadata["source"] = "jsonl"
+    metadata["verifier"] = config.verifier
     return Example(
         task_key=task_key,
         prompt=_with_system_prompt(config.system_prompt, messages),

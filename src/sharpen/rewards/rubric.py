@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from sharpen.config.schema import RewardConfig
 from sharpen.rewards.answers import extract_answer
+from sharpen.rewards.math_verify import MathVerifyVerifier
 from sharpen.rewards.verifiers import ExactMatchVerifier, ReasoningGymVerifier, Verifier
 from sharpen.types import Example, RewardResult, RewardStatus
 
@@ -19,8 +20,14 @@ logger = logging.getLogger(__name__)
 
 
 def default_verifiers() -> dict[str, Verifier]:
-    """One verifier per ``Example.metadata["source"]`` that `sharpen.data.load_examples` writes."""
-    return {"reasoning_gym": ReasoningGymVerifier(), "jsonl": ExactMatchVerifier()}
+    """One verifier per name that `sharpen.data.load_examples` writes: ``metadata["verifier"]`` when the data
+    names one (JSONL's ``data.verifier``), else ``metadata["source"]``. The math pool starts on its first use."""
+    return {
+        "reasoning_gym": ReasoningGymVerifier(),
+        "jsonl": ExactMatchVerifier(),
+        "exact_match": ExactMatchVerifier(),
+        "math": MathVerifyVerifier(),
+    }
 
 
 class Rubric:
@@ -46,7 +53,7 @@ class Rubric:
         return self._result(correct=correct, is_formatted=True, status=status, verifier=verifier)
 
     def _verifier_for(self, example: Example) -> Verifier:
-        source = example.metadata.get("source")
+        source = example.metadata.get("verifier", example.metadata.get("source"))
         if source not in self._verifiers:
             raise ValueError(
                 f"Rubric: example {example.task_key} has metadata source {source!r}; "

@@ -97,7 +97,7 @@ def test_jsonl_string_and_message_prompts(tmp_path):
         Message(role="user", content="What is 2+2?"),
     )
     assert examples[0].answer == "4"
-    assert examples[0].metadata == {"difficulty": "easy", "source": "jsonl"}
+    assert examples[0].metadata == {"difficulty": "easy", "source": "jsonl", "verifier": "exact_match"}
     assert examples[1].prompt[1] == Message(role="user", content="Say hi")
     assert [m.content for m in examples[2].prompt] == ["Own.", "x"]  # the file's system message is kept
 

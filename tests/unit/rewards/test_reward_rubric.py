@@ -91,3 +91,17 @@ def test_unknown_source_is_a_clear_error():
     example = Example(task_key="t/0", prompt=(), answer="1", metadata={"source": "hf"})
     with pytest.raises(ValueError, match="metadata source 'hf'; no verifier for it"):
         Rubric(RewardConfig())(example, "<answer>1</answer>")
+
+
+def test_jsonl_data_can_ask_for_math_equivalence(tmp_path):
+    from sharpen.config.schema import JsonlDataConfig
+
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"prompt": "Half of one?", "answer": "\\\\frac{1}{2}"}\n')
+    [example] = load_examples(JsonlDataConfig(path=str(path), verifier="math"), seed=0)
+    assert example.metadata["verifier"] == "math"
+    rubric = Rubric(RewardConfig())
+    assert rubric(example, "<answer>0.5</answer>").score == 1.0  # equivalent, not equal
+    assert rubric(example, "<answer>0.25</answer>").status == RewardStatus.WRONG
+    [exact] = load_examples(JsonlDataConfig(path=str(path)), seed=0)
+    assert rubric(exact, "<answer>0.5</answer>").score == 0.0  # the default is exact match
