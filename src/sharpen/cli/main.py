@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -55,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="print the resolved config of a recipe (or every key with its help)")
     _add_recipe_arguments(config)
     config.add_argument("--keys", action="store_true", help="list every config key with its type, default and help")
+
+    inspect = commands.add_parser("inspect", help="a run's health: progress, reward trend, time per phase, warnings")
+    inspect.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
 
     replay = commands.add_parser(
         "replay", help="re-run a recorded episode's environment side and check that it reproduces"
@@ -105,6 +109,14 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "replay":
         return _replay(args)
+    if args.command == "inspect":
+        from sharpen.monitoring.inspect import inspect_run
+
+        try:
+            print(inspect_run(Path(args.run_dir)).to_text())
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        return 0
     if args.command == "serve-rm":
         return _serve_rm(args)
     recipe, overrides = _split_overrides(args.recipe, args.overrides)
@@ -120,9 +132,9 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(recipe, overrides)
     if args.command == "eval":
         return _eval(config, args)
-    from sharpen.orchestration.local import run_local
+    from sharpen.orchestration.runtime import run
 
-    run_dir = run_local(config, resume=args.resume)
+    run_dir = run(config, resume=args.resume)
     print(f"run directory: {run_dir}")
     return 0
 

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
+from sharpen.config.runtime import RuntimeConfig
 from sharpen.config.sandbox import SandboxConfig
 from sharpen.config.section import Section
 
@@ -305,6 +306,8 @@ class SharpenConfig(Section):
     """A whole run."""
 
     run: RunConfig = Field(default_factory=RunConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    """Where the trainer and the engine run: this process ("local") or Ray actors ("ray")."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=ReasoningGymDataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)

@@ -83,18 +83,9 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
     )
 
 
-def build_components(
-    config: SharpenConfig,
-    run_dir: Path,
-    *,
-    examples: list[Example],
-    resume_from_step: int | None,
-    reward_fn: RewardFn,
-    engine: InferenceEngine | None = None,
-    make_environment: EnvironmentFactory | None = None,
-) -> Components:
-    model_path = resolve_model_path(config.model.path)
-    tokenizer = load_tokenizer(model_path)
+def build_trainer(config: SharpenConfig, *, model_path: Path, tokenizer: Any) -> Trainer:
+    """The recipe's trainer on one device: policy backend, and the reference policy and critic when the
+    algorithm needs them."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     backend = SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
     reference = None
@@ -117,7 +108,7 @@ def build_components(
             betas=config.trainer.betas,
             weight_decay=config.trainer.weight_decay,
         )
-    trainer = Trainer(
+    return Trainer(
         config.trainer,
         backend=backend,
         pad_token_id=pad_token_id,
@@ -126,7 +117,25 @@ def build_components(
         reference=reference,
         critic=critic,
     )
-    engine = engine or build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=str(backend.device))
+
+
+def build_components(
+    config: SharpenConfig,
+    run_dir: Path,
+    *,
+    examples: list[Example],
+    resume_from_step: int | None,
+    reward_fn: RewardFn,
+    engine: InferenceEngine | None = None,
+    make_environment: EnvironmentFactory | None = None,
+    trainer: Trainer | None = None,
+) -> Components:
+    model_path = resolve_model_path(config.model.path)
+    tokenizer = load_tokenizer(model_path)
+    trainer = trainer or build_trainer(config, model_path=model_path, tokenizer=tokenizer)
+    engine = engine or build_run_engine(
+        config, model_path=model_path, tokenizer=tokenizer, device=str(trainer.backend.device)
+    )
     return Components(
         config=config,
         run_dir=run_dir,
@@ -165,11 +174,13 @@ def run_local(
     resume: bool = False,
     reward_fn: RewardFn | None = None,
     engine: InferenceEngine | None = None,
+    trainer: Trainer | None = None,
 ) -> Path:
     """Run (or resume) a recipe in this process; returns the run directory.
 
     ``reward_fn`` replaces the configured rubric (any callable ``(example, completion) -> RewardResult``);
-    ``engine`` reuses an engine the caller owns (it is not closed here), e.g. one engine for a test session.
+    ``engine`` reuses an engine the caller owns (it is not closed here), e.g. one engine for a test session;
+    ``trainer`` likewise (the Ray runtime passes proxies of its actors as both).
     """
     # user errors first: before any folder or slow component exists
     resolve_model_path(config.model.path)
@@ -180,7 +191,9 @@ def run_local(
         if sandbox is not None:
             stack.callback(sandbox.close)
         reward_fn = reward_fn or build_reward_fn(config, stack)
-        return _run(config, resume, examples, make_environment, sandbox, reward_fn=reward_fn, engine=engine)
+        return _run(
+            config, resume, examples, make_environment, sandbox, reward_fn=reward_fn, engine=engine, trainer=trainer
+        )
 
 
 def _run(
@@ -192,6 +205,7 @@ def _run(
     *,
     reward_fn: RewardFn,
     engine: InferenceEngine | None,
+    trainer: Trainer | None = None,
 ) -> Path:
     run_dir, checkpoint = prepare_run_dir(config, resume=resume)
     (run_dir / "config.toml").write_text(dump_config(config))
@@ -206,6 +220,7 @@ def _run(
         reward_fn=reward_fn,
         engine=engine,
         make_environment=make_environment,
+        trainer=trainer,
     )
     c.sandbox = sandbox
     try:

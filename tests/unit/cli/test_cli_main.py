@@ -148,6 +148,8 @@ def test_cli_surface_is_frozen():
         "eval --ks",
         "eval --num-tasks",
         "eval --output",
+        "inspect",
+        "inspect run_dir",
         "replay",
         "replay run_dir",
         "replay --step",

@@ -1,0 +1,46 @@
+"""Configuration of the runtime that drives the loop: one process ("local") or actors on a Ray cluster ("ray").
+
+Pydantic only, like the rest of `sharpen.config`: a field's docstring is its help text. The loop is the same in
+both runtimes; this section only says where the trainer and the engine live and how long a call to them may take.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from sharpen.config.section import Section
+
+
+class RuntimeConfig(Section):
+    """Where the components run. "ray" puts the trainer and the engine in one Ray actor each; the loop, the
+    sampler, the environments and the rewards stay in the driver process."""
+
+    type: Literal["local", "ray"] = "local"
+    """"local": every component in this process. "ray": the trainer and the engine as Ray actors."""
+    address: str | None = None
+    """Address of a running Ray cluster ("auto", "ray://host:10001", "host:6379"); None starts a local Ray instance
+    (stopped at the end of the run). Ignored by the local runtime."""
+    num_cpus: int | None = Field(default=None, ge=1)
+    """CPUs of the local Ray instance (None: all of this machine's); only when address is None."""
+    trainer_cpus: float = Field(default=0.5, gt=0.0)
+    """CPUs reserved for the trainer actor (fractions allowed; leave room on small machines: an actor waiting
+    for CPUs never starts)."""
+    engine_cpus: float = Field(default=0.5, gt=0.0)
+    """CPUs reserved for the engine actor (fractions allowed)."""
+    trainer_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs reserved for the trainer actor (Ray sets its CUDA_VISIBLE_DEVICES). Not yet exercised on a GPU."""
+    engine_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs reserved for the engine actor. Not yet exercised on a GPU."""
+    call_timeout_s: float = Field(default=600.0, gt=0.0)
+    """Longest wait for any call to an actor (a generate, a training step, a weight sync); past it the run stops
+    with an error naming the actor and the call."""
+    start_timeout_s: float = Field(default=1800.0, gt=0.0)
+    """Longest wait for an actor to start and build its component (loading a model, starting vLLM)."""
+
+    @model_validator(mode="after")
+    def _check_local_instance(self) -> RuntimeConfig:
+        if self.num_cpus is not None and self.address is not None:
+            raise ValueError("runtime.num_cpus sizes a local Ray instance; leave it unset with runtime.address")
+        return self

@@ -1,0 +1,133 @@
+"""Driver-side stand-ins for the trainer and engine actors: objects with the methods the loop calls, each call
+forwarded to the actor and awaited with a timeout.
+
+Owns the one place where a Ray failure becomes a run error (`ActorCallError`, naming the actor and the call) and
+the hand-off of weights between the two actors: `TrainerProxy.named_weights()` returns a `RemoteWeights` handle
+instead of tensors, and `EngineProxy.load_weights` has the trainer actor put its tensors into the object store and
+the engine actor take them from there, so the tensors never pass through the driver. It does not start or place
+actors (`runtime.py`) and holds no component state: the actors own their trainer and engine.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ActorCallError(RuntimeError):
+    """A call to a Ray actor timed out or the actor died; the message names the actor and the call."""
+
+
+def wait_for(ref: Any, *, actor: str, call: str, timeout_s: float) -> Any:
+    """The result of one actor call, or one clear error: the run cannot go on without its trainer or engine."""
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except GetTimeoutError as error:
+        raise ActorCallError(f"ray actor {actor!r} did not answer {call}() within {timeout_s:g} s") from error
+    except RayActorError as error:
+        raise ActorCallError(f"ray actor {actor!r} died during {call}(): {error}") from error
+
+
+class RemoteWeights:
+    """The trainer actor's current weights, not yet fetched. An `EngineProxy` moves them actor to actor; any other
+    consumer (an engine in the driver) iterates them like ``Trainer.named_weights()``, fetching them once."""
+
+    def __init__(self, trainer: TrainerProxy) -> None:
+        self.trainer = trainer
+
+    def put(self) -> Any:
+        """An ObjectRef of ``{name: tensor}``, put into the object store by the trainer actor itself."""
+        (ref,) = self.trainer.call("put_weights")  # wrapped in a list so Ray hands back the ref, not the dict
+        return ref
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        weights = wait_for(self.put(), actor=self.trainer.name, call="named_weights", timeout_s=self.trainer.timeout_s)
+        return iter(weights.items())
+
+
+class ActorProxy:
+    """Forwarding of method calls to one actor, each awaited for at most ``timeout_s``. The actor's constructor
+    (which loads a model) has its own, longer limit ``start_timeout_s``; the proxy is ready when it returns."""
+
+    def __init__(self, actor: Any, *, name: str, timeout_s: float, start_timeout_s: float) -> None:
+        self.actor = actor
+        self.name = name
+        self.timeout_s = timeout_s
+        # `__ray_ready__` is the no-op method Ray adds to every actor: it answers once the constructor is done.
+        wait_for(actor.__ray_ready__.remote(), actor=name, call="__init__", timeout_s=start_timeout_s)
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        ref = getattr(self.actor, method).remote(*args, **kwargs)
+        return wait_for(ref, actor=self.name, call=method, timeout_s=self.timeout_s)
+
+    def kill(self) -> None:
+        """Stop the actor at once (a hung call included); safe to repeat."""
+        ray.kill(self.actor, no_restart=True)
+
+    def close(self) -> None:
+        """Let the component release what it holds (engine worker processes), then stop the actor."""
+        try:
+            self.call("close")
+        finally:
+            self.kill()
+
+
+class TrainerProxy(ActorProxy):
+    """The `Trainer` methods the loop, the phases and checkpointing call. Paths must be visible to the actor
+    (one node, or a shared filesystem)."""
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.call("step", batch)
+
+    def compute_logprobs(self, token_ids: list[int]) -> list[float]:
+        return self.call("compute_logprobs", token_ids)
+
+    def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
+        return self.call("kl_penalties", rollouts)
+
+    def named_weights(self) -> RemoteWeights:
+        return RemoteWeights(self)
+
+    def save_checkpoint(self, folder: Path) -> None:
+        self.call("save_checkpoint", folder)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self.call("load_checkpoint", folder)
+
+    def export(self, folder: Path) -> None:
+        self.call("export", folder)
+
+
+class EngineProxy(ActorProxy):
+    """An `InferenceEngine` whose engine lives in an actor. ``policy_version`` mirrors the actor's: it is read
+    once at start and changes only through `load_weights`."""
+
+    def __init__(self, actor: Any, *, name: str, timeout_s: float, start_timeout_s: float) -> None:
+        super().__init__(actor, name=name, timeout_s=timeout_s, start_timeout_s=start_timeout_s)
+        self.policy_version: PolicyVersion = self.call("get_policy_version")
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        return self.call("generate", prompts, params)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.call("score", token_ids)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
+        started = time.perf_counter()
+        # Weights of a trainer actor go actor to actor; tensors already in the driver are put from here.
+        ref = weights.put() if isinstance(weights, RemoteWeights) else ray.put(dict(weights))
+        put_seconds = time.perf_counter() - started
+        # A top-level ObjectRef argument reaches the actor as the dict it refers to.
+        metrics: dict[str, float] = self.call("load_weights", ref, version=version)
+        self.policy_version = version
+        return {**metrics, "sync/put_seconds": put_seconds}
