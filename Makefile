@@ -23,10 +23,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-# bubblewrap isolates untrusted model code (environments/sandbox); a Debian package, so it needs apt (root).
+# Debian packages, so they need apt (root): bubblewrap isolates untrusted model code (environments/sandbox);
+# chromium renders the dashboard in its headless browser test.
+SYSTEM_PACKAGES := bubblewrap chromium
 system-deps:
-	@command -v bwrap >/dev/null || apt-get install -y bubblewrap || (apt-get update && apt-get install -y bubblewrap) \
-		|| { echo "sharpen: could not install bubblewrap (apt-get as root); install it and rerun" >&2; exit 1; }
+	@command -v bwrap >/dev/null && command -v chromium >/dev/null || apt-get install -y $(SYSTEM_PACKAGES) \
+		|| (apt-get update && apt-get install -y $(SYSTEM_PACKAGES)) \
+		|| { echo "sharpen: could not install $(SYSTEM_PACKAGES) (apt-get as root); install them and rerun" >&2; exit 1; }
 
 demo: install system-deps
 	$(BIN)/sharpen models pull smollm2-135m-instruct

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from test_tiny_loop import stable, tiny_config, vowel_reward
 
 from sharpen.config.runtime import RuntimeConfig
@@ -60,9 +61,20 @@ def wait_for_free_cpus(expected: float) -> float:
 
 
 def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(tiny_model_path: Path, tmp_path: Path) -> None:
-    local = run(tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3), reward_fn=vowel_reward)
+    # One torch thread in both runs: the actors get OMP_NUM_THREADS=1 from Ray, and a different thread count in the
+    # driver would change float summation order (differences of ~1e-8 seen in the loss).
+    threads = {"trainer.num_threads": "1"}
+    previous_threads = torch.get_num_threads()
+    try:
+        local = run(
+            tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **threads), reward_fn=vowel_reward
+        )
+    finally:
+        torch.set_num_threads(previous_threads)  # the local run set it for this whole process
     remote = run(
-        tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3), runtime=RAY_RUNTIME, reward_fn=vowel_reward
+        tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3, **threads),
+        runtime=RAY_RUNTIME,
+        reward_fn=vowel_reward,
     )
 
     local_rows, ray_rows = read_jsonl(local / "metrics.jsonl"), read_jsonl(remote / "metrics.jsonl")

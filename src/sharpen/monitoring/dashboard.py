@@ -1,0 +1,240 @@
+"""`sharpen dashboard`: a local web page over a folder of run directories.
+
+Owns a read-only, standard-library HTTP server and its JSON API: ``GET /`` the page (``dashboard_static/``),
+``GET /api/runs`` (the sub-folders of ``runs_dir`` that hold metrics.jsonl), ``GET /api/runs/<name>/metrics``,
+``GET /api/runs/<name>/rollouts?step=N`` (the recorded rollouts of step N, default the last one, each with
+``completion_tokens``: the text of every completion token when the run's tokenizer loads, else null) and
+``GET /api/runs/<name>/eval`` (eval.json). A run name is one folder name: anything that could leave ``runs_dir``
+(``..``, a slash, an absolute path) is answered 400. Does not write to a run, compute metrics or need a GPU; the
+tokenizer is the only heavy import, loaded lazily and once per run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import threading
+import tomllib
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from sharpen.config.models import ModelNotFoundError, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+METRICS_FILE_NAME = "metrics.jsonl"  # as in monitoring.sinks; not imported so the page needs no tensorboard
+ROLLOUTS_FILE_NAME = "rollouts.jsonl"
+EVAL_FILE_NAME = "eval.json"
+
+TokenDecoder = Callable[[list[int]], list[str]]
+"""Token ids -> the text of each token, one string per id."""
+
+
+class _BadRequest(ValueError):
+    pass
+
+
+class _NotFound(ValueError):
+    pass
+
+
+def read_complete_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSONL file, without a torn last line: a live run may be mid-write while the page reads."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")[:-1]  # the piece after the last newline is empty or a torn write
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _finite(value: Any) -> Any:
+    """NaN and infinities as null: the browser's JSON.parse rejects Python's ``NaN``/``Infinity``."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
+
+
+def load_run_decoder(run_dir: Path) -> TokenDecoder | None:
+    """The run's tokenizer (config.toml -> model.path) as a decoder, or None when there is none to load here.
+
+    Falling back is intended: a dashboard often runs on a laptop without the run's model, and token ids still
+    show everything the colouring needs.
+    """
+    config_path = run_dir / "config.toml"
+    if not config_path.is_file():
+        return None
+    model_path = tomllib.loads(config_path.read_text(encoding="utf-8")).get("model", {}).get("path")
+    if not isinstance(model_path, str):
+        return None
+    try:
+        folder = resolve_model_path(model_path)
+    except ModelNotFoundError:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as error:  # a model folder without tokenizer files
+        logger.warning("dashboard: no tokenizer for %s (%s); showing token ids", run_dir.name, error)
+        return None
+    return lambda ids: [tokenizer.decode([token_id]) for token_id in ids]
+
+
+class RunStore:
+    """Reads run directories under ``runs_dir``; every name is checked to stay inside it."""
+
+    def __init__(self, runs_dir: Path, *, load_decoder: Callable[[Path], TokenDecoder | None] = load_run_decoder):
+        self.runs_dir = Path(runs_dir).resolve()
+        self._load_decoder = load_decoder
+        self._decoders: dict[str, TokenDecoder | None] = {}
+        self._lock = threading.Lock()  # requests run on threads; load each tokenizer once
+
+    def run_dir(self, name: str) -> Path:
+        if not name or name in {".", ".."} or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
+            raise _BadRequest(f"run name {name!r} must be one folder name inside the runs directory")
+        path = (self.runs_dir / name).resolve()
+        if path.parent != self.runs_dir:  # a symlink pointing elsewhere
+            raise _BadRequest(f"run {name!r} resolves outside the runs directory")
+        if not (path / METRICS_FILE_NAME).is_file():
+            raise _NotFound(f"no run {name!r} (a folder with {METRICS_FILE_NAME}) in {self.runs_dir}")
+        return path
+
+    def runs(self) -> list[dict[str, Any]]:
+        found = sorted(path for path in self.runs_dir.iterdir() if (path / METRICS_FILE_NAME).is_file())
+        return [
+            {
+                "name": path.name,
+                "has_rollouts": (path / ROLLOUTS_FILE_NAME).is_file(),
+                "has_eval": (path / EVAL_FILE_NAME).is_file(),
+            }
+            for path in found
+        ]
+
+    def metrics(self, name: str) -> list[dict[str, Any]]:
+        return read_complete_jsonl(self.run_dir(name) / METRICS_FILE_NAME)
+
+    def rollouts(self, name: str, step: int | None) -> dict[str, Any]:
+        path = self.run_dir(name) / ROLLOUTS_FILE_NAME
+        records = read_complete_jsonl(path) if path.is_file() else []
+        steps = sorted({record["step"] for record in records})
+        if step is None and steps:
+            step = steps[-1]
+        chosen = [record for record in records if record["step"] == step]
+        decoder = self._decoder(name) if chosen else None
+        for record in chosen:
+            record["completion_tokens"] = None if decoder is None else decoder(record["completion_ids"])
+        return {"step": step, "steps": steps, "records": chosen}
+
+    def evaluation(self, name: str) -> dict[str, Any]:
+        path = self.run_dir(name) / EVAL_FILE_NAME
+        if not path.is_file():
+            raise _NotFound(f"run {name!r} has no {EVAL_FILE_NAME} (write one with `sharpen eval`)")
+        return json.loads(path.read_text(encoding="utf-8"))
+
+    def _decoder(self, name: str) -> TokenDecoder | None:
+        with self._lock:
+            if name not in self._decoders:
+                self._decoders[name] = self._load_decoder(self.run_dir(name))
+            return self._decoders[name]
+
+
+def page_html() -> bytes:
+    return (resources.files("sharpen.monitoring") / "dashboard_static" / "dashboard.html").read_bytes()
+
+
+def route(store: RunStore, raw_path: str) -> Any:
+    """The JSON payload of one API request; raises _BadRequest / _NotFound."""
+    url = urlsplit(raw_path)
+    # split before unquoting, so an encoded slash (%2F) stays inside one segment and is rejected as a name
+    parts = [unquote(part) for part in url.path.strip("/").split("/")]
+    if parts == ["api", "runs"]:
+        return store.runs()
+    if len(parts) != 4 or parts[:2] != ["api", "runs"]:
+        raise _NotFound(f"unknown path {url.path!r}")
+    name, what = parts[2], parts[3]
+    if what == "metrics":
+        return store.metrics(name)
+    if what == "eval":
+        return store.evaluation(name)
+    if what == "rollouts":
+        step_text = parse_qs(url.query).get("step", [""])[0]
+        if step_text and not step_text.isdigit():
+            raise _BadRequest(f"step must be a non-negative integer, got {step_text!r}")
+        return store.rollouts(name, int(step_text) if step_text else None)
+    raise _NotFound(f"unknown path {url.path!r}; a run has metrics, rollouts and eval")
+
+
+def _make_handler(store: RunStore) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if urlsplit(self.path).path in {"", "/", "/index.html"}:
+                return self._send(200, page_html(), "text/html; charset=utf-8")
+            try:
+                payload, status = route(store, self.path), 200
+            except _BadRequest as error:
+                payload, status = {"error": str(error)}, 400
+            except _NotFound as error:
+                payload, status = {"error": str(error)}, 404
+            body = json.dumps(_finite(payload)).encode()
+            self._send(status, body, "application/json")
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("Cache-Control", "no-store")  # a live run changes under the page
+            self.end_headers()
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the browser navigated away
+                self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            logger.debug("%s " + format, self.address_string(), *args)
+
+    return Handler
+
+
+class DashboardServer:
+    """Serves the page and API for ``runs_dir`` on ``host:port`` (port 0 picks a free one)."""
+
+    def __init__(
+        self,
+        runs_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8765,
+        load_decoder: Callable[[Path], TokenDecoder | None] = load_run_decoder,
+    ) -> None:
+        if not Path(runs_dir).is_dir():
+            raise ValueError(f"dashboard: runs directory {str(runs_dir)!r} is not a folder")
+        self.store = RunStore(Path(runs_dir), load_decoder=load_decoder)
+        self._http = ThreadingHTTPServer((host, port), _make_handler(self.store))
+        self._http.daemon_threads = True
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._http.server_address[:2]
+        return f"http://{host}:{port}/"
+
+    def start(self) -> DashboardServer:
+        """Serve on a background thread (tests, notebooks)."""
+        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), daemon=True, name="dashboard")
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._http.serve_forever(0.2)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._http.shutdown()
+            self._thread.join()
+        self._http.server_close()

@@ -1,0 +1,161 @@
+"""`sharpen dashboard`: the JSON API over a folder of runs, names that would leave it are rejected, and the page
+renders curves and coloured tokens in a real (headless) browser."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from sharpen.cli.main import EXIT_USER_ERROR, main
+from sharpen.monitoring.dashboard import DashboardServer
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def _rollout(step: int, sample_index: int, advantage: float) -> dict:
+    return {
+        "step": step,
+        "task_key": "t0",
+        "task_hash": "h0",
+        "sample_index": sample_index,
+        "prompt": [{"role": "user", "content": "1 + 1?"}],
+        "prompt_ids": [1, 2, 3],
+        "completion_text": "2 ok",
+        "completion_ids": [10, 11, 12],
+        "completion_logprobs": [-0.1, -2.5, float("-inf")],
+        "versions": [step, step, step],
+        "reward": {"score": 1.0, "status": "ok", "components": {}, "verifier": "exact"},
+        "advantage": advantage,
+        "is_truncated": False,
+        "loss_mask": [1, 0, 1],
+        "episode": None,
+    }
+
+
+@pytest.fixture
+def runs_dir(tmp_path: Path) -> Path:
+    runs = tmp_path / "runs"
+    for name, slope in [("alpha", 0.1), ("beta", 0.05)]:
+        run = runs / name
+        run.mkdir(parents=True)
+        rows = [{"step": s, "reward/mean": slope * s, "loss": 1.0 / (s + 1)} for s in range(5)]
+        rows[2]["loss"] = float("nan")  # a non-finite metric must still be valid JSON for the browser
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (runs / "alpha" / "rollouts.jsonl").write_text(
+        "".join(
+            json.dumps(record) + "\n" for record in [_rollout(3, 0, 0.5), _rollout(4, 0, 0.7), _rollout(4, 1, -0.7)]
+        )
+        + '{"step": 5, "torn'  # a live run mid-write
+    )
+    report = {"num_tasks": 2, "num_samples": 4, "ks": [1], "pass_at_k": {"1": 0.5}, "maj_at_k": {"1": 0.5}}
+    (runs / "alpha" / "eval.json").write_text(json.dumps({**report, "mean_at_k": {"1": 0.5}, "status_counts": {}}))
+    (runs / "not-a-run").mkdir()
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "metrics.jsonl").write_text('{"step": 0}\n')
+    return runs
+
+
+@pytest.fixture
+def server(runs_dir: Path):
+    decoded = {10: "Two", 11: "\n", 12: "!"}
+    server = DashboardServer(runs_dir, port=0, load_decoder=lambda run_dir: lambda ids: [decoded[i] for i in ids])
+    server.start()
+    yield server
+    server.close()
+
+
+def _get(server: DashboardServer, path: str) -> tuple[int, object]:
+    try:
+        with urllib.request.urlopen(server.url.rstrip("/") + path, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_the_api_lists_runs_and_serves_their_files(server):
+    assert _get(server, "/api/runs") == (
+        200,
+        [
+            {"name": "alpha", "has_rollouts": True, "has_eval": True},
+            {"name": "beta", "has_rollouts": False, "has_eval": False},
+        ],
+    )
+    status, rows = _get(server, "/api/runs/beta/metrics")
+    assert status == 200 and [row["step"] for row in rows] == [0, 1, 2, 3, 4]
+    assert rows[2]["loss"] is None and rows[4]["reward/mean"] == pytest.approx(0.2)
+
+    status, last = _get(server, "/api/runs/alpha/rollouts")
+    assert status == 200 and last["step"] == 4 and last["steps"] == [3, 4]
+    assert [r["sample_index"] for r in last["records"]] == [0, 1]
+    assert last["records"][0]["completion_tokens"] == ["Two", "\n", "!"]
+    assert last["records"][0]["completion_logprobs"][2] is None
+    assert [r["advantage"] for r in _get(server, "/api/runs/alpha/rollouts?step=3")[1]["records"]] == [0.5]
+    assert _get(server, "/api/runs/beta/rollouts")[1] == {"step": None, "steps": [], "records": []}
+
+    assert _get(server, "/api/runs/alpha/eval")[1]["pass_at_k"] == {"1": 0.5}
+    assert _get(server, "/api/runs/beta/eval")[0] == 404
+    assert _get(server, "/api/runs/not-a-run/metrics")[0] == 404
+    assert _get(server, "/api/runs/alpha/rollouts?step=x")[0] == 400
+
+
+@pytest.mark.parametrize(
+    "name", ["..", "%2E%2E", "..%2Fsecret", "%2Fetc", "%2Ftmp%2Fsecret", "..%5Csecret", "%00", "."]
+)
+def test_a_run_name_cannot_leave_the_runs_directory(server, name):
+    status, payload = _get(server, f"/api/runs/{name}/metrics")
+    assert status == 400, payload
+    assert "runs directory" in payload["error"]
+
+
+def test_a_symlink_out_of_the_runs_directory_is_rejected(server, runs_dir):
+    (runs_dir / "link").symlink_to(runs_dir.parent / "secret")
+    assert _get(server, "/api/runs/link/metrics")[0] == 400
+
+
+def test_without_a_tokenizer_tokens_are_ids(runs_dir):
+    server = DashboardServer(runs_dir, port=0).start()  # the fake runs have no config.toml
+    try:
+        assert _get(server, "/api/runs/alpha/rollouts")[1]["records"][0]["completion_tokens"] is None
+    finally:
+        server.close()
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless check needs Debian chromium at /usr/bin/chromium")
+def test_the_page_renders_curves_and_coloured_tokens_in_a_browser(server, tmp_path):
+    flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
+    flags += [f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,900"]
+    dom = subprocess.run(
+        [str(CHROMIUM), *flags, "--dump-dom", server.url], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    assert 'data-ready="1"' in dom, dom[-2000:]
+    assert 'id="status"></div>' in dom, "the page reported an error"
+    for run in ["alpha", "beta"]:
+        assert f'class="run-line" data-run="{run}" d="M' in dom
+    assert dom.count('class="token') == 6  # two rollouts of step 4, three tokens each
+    assert 'class="token env"' in dom  # the environment-appended token of the loss mask
+    # coloured by logprob (the default): a likely token green, an unlikely one red (browsers report rgb())
+    assert 'title="id 10 · logprob -0.100 · version 4" style="background: rgb(180, 242, 166);"' in dom
+    assert 'style="background: rgb(242, 179, 166);"' in dom
+    assert "<td>alpha</td>" in dom and "<th>pass@1</th>" in dom
+
+    screenshot = tmp_path / "dashboard.png"
+    subprocess.run(
+        [str(CHROMIUM), *flags, f"--screenshot={screenshot}", server.url], capture_output=True, timeout=60, check=True
+    )
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and screenshot.stat().st_size > 10_000
+
+
+def test_the_cli_reports_a_missing_runs_directory_in_one_line(tmp_path, capsys):
+    assert main(["dashboard", str(tmp_path / "missing")]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.startswith("sharpen: dashboard: runs directory ")
+
+
+def test_the_cli_reports_a_taken_port_in_one_line(server, runs_dir, capsys):
+    port = server.url.rstrip("/").rsplit(":", 1)[1]
+    assert main(["dashboard", str(runs_dir), "--port", port]) == EXIT_USER_ERROR
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
