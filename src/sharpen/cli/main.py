@@ -1,4 +1,4 @@
-"""`sharpen train | eval | config | replay | models | serve-rm`: the entry point.
+"""`sharpen train | eval | config | inspect | dashboard | replay | serve-rm | models`: the entry point.
 
 Start-up imports only argparse, pydantic and the config schemas, so `sharpen --help` and config errors answer
 in well under a second. User errors (bad recipe, missing model, bad data) print one line and exit 2.
