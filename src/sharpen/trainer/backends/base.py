@@ -58,3 +58,21 @@ class TrainerBackend(Protocol):
     def load(self, folder: Path) -> None: ...
 
     def export(self, folder: Path) -> None: ...
+
+
+class ScoresTokenLogprobs:
+    """`TrainerBackend.token_logprobs` for a backend that has `score_tokens` (both backends share it)."""
+
+    def token_logprobs(
+        self: TrainerBackend,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+    ) -> torch.Tensor:
+        """Logprob of each next token where ``target_mask`` is set (see `score_tokens`); [batch, seq - 1]."""
+        return self.score_tokens(
+            input_ids, attention_mask, target_mask, temperature=temperature, use_autocast=use_autocast
+        ).logprobs

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
+from sharpen.trainer.backends.base import ScoresTokenLogprobs
 from sharpen.trainer.backends.single_device import TokenScores, bf16_autocast, score_tokens
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class _ScoringRoot(nn.Module):
         return scores.logprobs, scores.entropy
 
 
-class FSDP2Backend:
+class FSDP2Backend(ScoresTokenLogprobs):
     """One rank of an FSDP2 data-parallel policy. Build it on every rank after `init_distributed`; ``mesh``: the
     1-D data-parallel mesh (default: every rank of the process group).
 
@@ -165,20 +166,6 @@ class FSDP2Backend:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
         )
-
-    def token_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        target_mask: torch.Tensor,
-        *,
-        temperature: float,
-        use_autocast: bool = True,
-    ) -> torch.Tensor:
-        """Logprob of each next token where ``target_mask`` is set (see `score_tokens`); [batch, seq - 1]."""
-        return self.score_tokens(
-            input_ids, attention_mask, target_mask, temperature=temperature, use_autocast=use_autocast
-        ).logprobs
 
     def score_tokens(
         self,

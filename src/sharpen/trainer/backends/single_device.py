@@ -18,6 +18,7 @@ from torch import nn
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.algorithms.kl import entropy_from_logits
+from sharpen.trainer.backends.base import ScoresTokenLogprobs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,7 +76,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-class SingleDeviceBackend:
+class SingleDeviceBackend(ScoresTokenLogprobs):
     rank = 0  # one process: the data-parallel collectives are identities
     num_ranks = 1
 
@@ -100,20 +101,6 @@ class SingleDeviceBackend:
             betas=config.betas,
             weight_decay=config.weight_decay,
         )
-
-    def token_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        target_mask: torch.Tensor,
-        *,
-        temperature: float,
-        use_autocast: bool = True,
-    ) -> torch.Tensor:
-        """Logprob of each next token where ``target_mask`` is set (see `score_tokens`); [batch, seq - 1]."""
-        return self.score_tokens(
-            input_ids, attention_mask, target_mask, temperature=temperature, use_autocast=use_autocast
-        ).logprobs
 
     def score_tokens(
         self,
