@@ -46,3 +46,29 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
         if (smollm2_path / name).is_file():
             shutil.copy2(smollm2_path / name, folder / name)
     return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A 2-layer random Llama reward model (one label) with SmolLM2's tokenizer and chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    folder = tmp_path_factory.mktemp("tiny-rm")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        num_labels=1,
+        pad_token_id=2,
+    )
+    LlamaForSequenceClassification(config).save_pretrained(folder)
+    for name in _TOKENIZER_FILES:
+        if (smollm2_path / name).is_file():
+            shutil.copy2(smollm2_path / name, folder / name)
+    return folder

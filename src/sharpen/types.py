@@ -208,6 +208,9 @@ class Completion:
     logprobs: list[float]
     text: str = ""
     finish_reason: Literal["stop", "length"] = "stop"
+    versions: list[PolicyVersion] | None = None
+    """Policy version of each token when they differ (weights updated while it was generated); None: all were
+    made by the engine's ``policy_version`` at the end of the call."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

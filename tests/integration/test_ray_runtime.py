@@ -1,48 +1,35 @@
 """The Ray runtime runs the same loop as the embedded one: same metrics at a fixed seed, verified weight sync
-between actors, and one clear error when an actor hangs or dies."""
+between actors, the actors' own spans on the run's timeline, and one clear error when an actor hangs or dies."""
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from test_async import comparable
 from test_tiny_loop import stable, tiny_config, vowel_reward
 
 from sharpen.config.runtime import RuntimeConfig
-from sharpen.monitoring import read_jsonl
+from sharpen.monitoring import read_jsonl, read_timeline
 from sharpen.orchestration.runtime import run
 from sharpen.types import Completion, SamplingParams
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
 
 RAY_RUNTIME = RuntimeConfig(type="ray", trainer_cpus=0.5, engine_cpus=0.5, call_timeout_s=120)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance() -> Iterator[None]:
-    """One local Ray instance for the module, two CPUs; the actors take half a CPU each so nothing starves."""
-    saved = {name: os.environ.get(name) for name in ("RAY_AUTH_MODE", "PYTHONPATH")}
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    # Ray workers do not inherit pytest's sys.path; the fake engine below must be importable in its actor.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent), saved["PYTHONPATH"]) if p)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 class SleepyEngine:
     """An engine actor that never finishes a generate: the stand-in for a hung vLLM."""
+
+    def invoke(self, method: str, *args: object) -> tuple[object, list]:
+        """How the proxies call an actor (`SpanRecordingActor.invoke`), without spans."""
+        return getattr(self, method)(*args), []
 
     def get_policy_version(self) -> int:
         return 0
@@ -87,7 +74,51 @@ def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(tiny_model_
     assert ray_rows[-1]["sync/probe_trainer_delta"] > 1e-4  # the weights moved and the engine followed
     assert (remote / "config.toml").is_file()
     assert (remote / "checkpoints").is_dir()
+    assert_actor_spans_on_the_timeline(remote / "timeline.json")
     assert wait_for_free_cpus(2.0) == 2.0  # both actors are gone; Ray itself belongs to the fixture
+
+
+def test_async_mode_on_ray_actors_trains_like_async_mode_locally(tiny_model_path: Path, tmp_path: Path) -> None:
+    # pinned weight updates make an async run reproducible, so the two runtimes must agree exactly
+    options = {"trainer.num_threads": "1", "rollout.mode": '"async"', "rollout.max_staleness": "1"}
+    previous_threads = torch.get_num_threads()
+    try:
+        local = run(
+            tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **options), reward_fn=vowel_reward
+        )
+    finally:
+        torch.set_num_threads(previous_threads)
+    remote = run(
+        tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3, **options),
+        runtime=RAY_RUNTIME,
+        reward_fn=vowel_reward,
+    )
+    local_rows, ray_rows = read_jsonl(local / "metrics.jsonl"), read_jsonl(remote / "metrics.jsonl")
+    assert comparable(ray_rows) == comparable(local_rows)
+    assert [row["async/staleness_max"] for row in ray_rows] == [0.0, 1.0, 1.0]
+    loads = [row["sync/probe_mismatch_mean"] for row in ray_rows if "sync/probe_mismatch_mean" in row]
+    assert loads and max(loads) < 1e-4  # versions loaded actor to actor by the producer, and checked
+    assert wait_for_free_cpus(2.0) == 2.0
+
+
+def assert_actor_spans_on_the_timeline(path: Path) -> None:
+    """Each actor's work is on the driver's timeline under the actor's own pid and process name, on the same clock
+    as the driver's phases."""
+    events = read_timeline(path)
+    pids = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    driver, trainer, engine = pids["orchestrator"], pids["trainer actor"], pids["engine actor"]
+    assert driver == os.getpid() and len({driver, trainer, engine}) == 3
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {pid: {e["name"] for e in spans if e["pid"] == pid} for pid in (trainer, engine)}
+    assert {"start", "step", "compute_logprobs", "put_weights"} <= names[trainer]
+    assert {"start", "generate", "score", "load_weights"} <= names[engine]
+    # Clocks line up across processes: every trainer step lies inside one of the driver's train phases.
+    trains = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == driver and e["name"] == "train"]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == trainer and e["name"] == "step"]
+    slack = 50e3  # microseconds: the two processes anchored their clocks to the wall clock separately
+    assert len(steps) == len(trains) == 3
+    for (start, end), (train_start, train_end) in zip(steps, trains, strict=True):
+        assert train_start - slack <= start and end <= train_end + slack
 
 
 def test_a_hung_or_dead_actor_stops_the_run_with_one_clear_error() -> None:

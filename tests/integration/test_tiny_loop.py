@@ -58,7 +58,12 @@ def stable(rows: list[dict]) -> list[dict]:
 def test_tiny_run_writes_everything_and_syncs(tiny_model_path: Path, tmp_path: Path) -> None:
     evaluation = {"evaluation.every_steps": "2", "evaluation.num_tasks": "2", "evaluation.num_samples": "2"}
     config = tiny_config(
-        tiny_model_path, tmp_path, name="full", num_steps=3, **evaluation, **{"evaluation.ks": "[1, 2]"}
+        tiny_model_path,
+        tmp_path,
+        name="full",
+        num_steps=3,
+        **evaluation,
+        **{"evaluation.ks": "[1, 2]", "monitoring.parity_probe_every": "2"},
     )
     run_dir = run_local(config, reward_fn=vowel_reward)
 
@@ -76,6 +81,9 @@ def test_tiny_run_writes_everything_and_syncs(tiny_model_path: Path, tmp_path: P
     # periodic evaluation after steps 2 and 3 (every 2 steps, and the last), with the rubric of the run
     assert ["eval/pass@2" in row for row in rows] == [False, True, True]
     assert all(0.0 <= rows[i]["eval/mean@1"] <= 1.0 and rows[i]["time/evaluate"] > 0 for i in (1, 2))
+    # the parity probe (the run's first prompts with greedy completions) after step 2 only
+    assert ["parity/k3" in row for row in rows] == [False, True, False]
+    assert rows[1]["parity/mean_abs_diff"] < 1e-4 and rows[1]["parity/num_tokens"] > 0
     events = read_timeline(run_dir / "timeline.json")
     assert {"generate", "train", "sync", "evaluate"} <= {e["name"] for e in events if e.get("ph") == "X"}
 

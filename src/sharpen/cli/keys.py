@@ -34,12 +34,16 @@ def _type_name(annotation: Any) -> str:
 def _walk(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
     for name, field in model.model_fields.items():
         key = f"{prefix}{name}"
-        sections = _sections(field.annotation)
+        is_list = typing.get_origin(field.annotation) is list  # an array of tables, e.g. [[reward.components]]
+        sections = _sections(typing.get_args(field.annotation)[0] if is_list else field.annotation)
         if sections:
+            if is_list and field.description:
+                lines.append(f"  {key}: list = []")
+                lines.append(f"      {' '.join(field.description.split())}")
             for section in sections:
                 tag = section.model_fields.get("type")
                 variant = f" (type = {tag.default!r})" if tag is not None and len(sections) > 1 else ""
-                lines.append(f"[{key}]{variant}")
+                lines.append(f"[[{key}]]{variant}" if is_list else f"[{key}]{variant}")
                 _walk(section, f"{key}.", lines)
             continue
         if field.default is not PydanticUndefined:

@@ -211,15 +211,9 @@ def _serve_rm(args: argparse.Namespace) -> int:
 
     if not Path(args.model_path).is_dir():
         raise ConfigError(f"serve-rm: model path {args.model_path!r} is not a folder")
-    import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
     from sharpen.rewards.rm_server import RewardModelScorer, RewardModelServer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForSequenceClassification.from_pretrained(args.model_path, dtype="auto").to(device)
-    tokenizer = AutoTokenizer.from_pretrained(args.model_path)
-    scorer = RewardModelScorer(model=model, tokenizer=tokenizer, max_length=args.max_length)
+    scorer = RewardModelScorer.from_pretrained(args.model_path, max_length=args.max_length)
     server = RewardModelServer(
         scorer,
         host=args.host,

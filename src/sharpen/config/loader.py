@@ -14,6 +14,8 @@ from typing import Any, cast, get_args
 
 from pydantic import BaseModel, ValidationError
 
+from sharpen.config.environments import EnvironmentConfig
+from sharpen.config.rewards import RewardComponentConfig
 from sharpen.config.schema import DataConfig, EngineConfig, SharpenConfig
 
 
@@ -63,12 +65,17 @@ def _known_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]
 def format_validation_error(error: ValidationError) -> str:
     lines: list[str] = []
     for item in error.errors():
-        loc = tuple(part for part in item["loc"] if not (isinstance(part, str) and part in _UNION_TAGS))
+        # a tag is dropped where pydantic inserts it, after a section's name; the first part is a section's name
+        loc = tuple(
+            part for i, part in enumerate(item["loc"]) if not (i and isinstance(part, str) and part in _UNION_TAGS)
+        )
         key = ".".join(str(part) for part in loc) or "<config>"
         if item["type"] == "extra_forbidden":
             hint = difflib.get_close_matches(str(loc[-1]), _known_keys(SharpenConfig, loc), n=1)
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
             lines.append(f"{key}: unknown key{suggestion}")
+        elif item["type"] == "union_tag_not_found":
+            lines.append(f"{key}: missing key 'type' (it chooses the implementation)")
         elif item["type"] == "value_error":
             lines.append(f"{key}: {item['msg'].removeprefix('Value error, ')}" if loc else item["msg"][13:])
         else:
@@ -85,7 +92,7 @@ def _discriminator_tags(*unions: object) -> set[str]:
     return tags
 
 
-_UNION_TAGS = _discriminator_tags(DataConfig, EngineConfig)
+_UNION_TAGS = _discriminator_tags(DataConfig, EngineConfig, EnvironmentConfig, RewardComponentConfig)
 
 
 def fill_default_types(data: dict[str, Any], model: type[BaseModel] = SharpenConfig) -> dict[str, Any]:

@@ -21,7 +21,7 @@ class RuntimeConfig(Section):
     """"local": every component in this process. "ray": the trainer and the engine as Ray actors."""
     address: str | None = None
     """Address of a running Ray cluster ("auto", "ray://host:10001", "host:6379"); None starts a local Ray instance
-    (stopped at the end of the run). Ignored by the local runtime."""
+    (stopped at the end of the run). The local runtime uses Ray only for reward models with backend = "ray"."""
     num_cpus: int | None = Field(default=None, ge=1)
     """CPUs of the local Ray instance (None: all of this machine's); only when address is None."""
     trainer_cpus: float = Field(default=0.5, gt=0.0)

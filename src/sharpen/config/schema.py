@@ -13,8 +13,8 @@ from pydantic import Field, model_validator
 
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
+from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
-from sharpen.config.sandbox import SandboxConfig
 from sharpen.config.section import Section
 
 
@@ -87,29 +87,6 @@ DataConfig = Annotated[
 ]
 
 
-class RewardConfig(Section):
-    answer_format: Literal["answer_tag", "last_line", "last_number"] = "answer_tag"
-    """Where the final answer is read from: ``<answer>...</answer>`` (the last such tag), the last non-empty line,
-    or the last number in the text."""
-    format_weight: float = Field(default=0.0, ge=0.0)
-    """Weight of the format component (the answer was found where it was asked for); 0 logs it only."""
-    correct_weight: float = Field(default=1.0, ge=0.0)
-    """Weight of the correctness component."""
-    overlong_buffer_tokens: int = Field(default=0, ge=0)
-    """DAPO soft overlong punishment: the last N tokens before rollout.max_new_tokens lower the reward linearly, to
-    -overlong_penalty at the limit (0: off)."""
-    overlong_penalty: float = Field(default=1.0, ge=0.0)
-    """The largest overlong punishment."""
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    """Where code-test rewards (HumanEval) run the policy's programs."""
-    hack_policy: Literal["screen", "penalise"] = "screen"
-    """What happens to a rollout whose reward carries hack flags (exit before asserts, a conftest, a judge canary):
-    ``screen`` leaves it out of the gradient and counts it (``hack/num_screened``); ``penalise`` scores it
-    -hack_penalty before the advantages."""
-    hack_penalty: float = Field(default=1.0, ge=0.0)
-    """The score of a flagged rollout under hack_policy = "penalise"."""
-
-
 class VllmEngineConfig(Section):
     type: Literal["vllm"] = "vllm"
     gpu_memory_utilization: float = Field(default=0.2, gt=0.0, le=1.0)
@@ -151,6 +128,28 @@ class RolloutConfig(Section):
     """Cap on generation batches per step under dynamic sampling; at the cap the step trains on what it has."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling threshold (1: off). Below 1 the behaviour policy is truncated; the mismatch shows in metrics."""
+    mode: Literal["sync", "async"] = "sync"
+    """``sync``: generate, then train, then sync weights, one after the other. ``async``: a producer generates the
+    next batches while the trainer trains, within ``max_staleness`` (docs/async.md)."""
+    max_staleness: int = Field(default=1, ge=0)
+    """Async mode: the batch trained at step s is admitted to generation only once the trainer holds version
+    s - max_staleness, so no trained token is more than max_staleness versions old (0 reproduces sync mode)."""
+    weight_updates: Literal["between_batches", "in_flight", "abort"] = "between_batches"
+    """Async mode: when the engine takes new weights. ``between_batches``: a batch is generated entirely by version
+    s - max_staleness (reproducible run to run); ``in_flight``: newer weights are loaded between chunks of
+    ``update_chunk_tokens`` and a completion may span versions (per-token versions); ``abort``: like in_flight, but
+    a completion still running when new weights arrive is regenerated from its start with them."""
+    update_chunk_tokens: int = Field(default=32, ge=1)
+    """Async mode with in_flight or abort updates: tokens generated between two checks for newer weights."""
+
+    @model_validator(mode="after")
+    def _check_async(self) -> RolloutConfig:
+        if self.mode == "sync" and self.weight_updates != "between_batches":
+            raise ValueError(
+                f'rollout.weight_updates = "{self.weight_updates}" needs rollout.mode = "async" (in sync mode weights '
+                "are always updated between batches)"
+            )
+        return self
 
 
 class AlgorithmConfig(Section):
@@ -297,6 +296,15 @@ class MonitoringConfig(Section):
     """Steps in the running median of the gradient-norm spike check."""
     timeline: bool = True
     """Write a Chrome-trace timeline of the run's phases to ``run_dir/timeline.json`` (open it in Perfetto)."""
+    parity_probe_every: int = Field(default=10, ge=0)
+    """Every this many steps, compare the engine's logprobs with the trainer's on a fixed probe set and log the
+    mismatch (``parity/mean_abs_diff``, ``parity/max_abs_diff``, ``parity/k3``); 0: off. Reports, never stops the
+    run (the per-sync check of weight_sync.verify does that)."""
+    parity_probe_size: int = Field(default=4, ge=1)
+    """Probes in the parity probe set: the run's first prompts, each with the engine's greedy completion made at the
+    start of the run."""
+    parity_probe_max_new_tokens: int = Field(default=32, ge=1)
+    """Token limit of the parity probes' greedy completions."""
 
 
 ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium")

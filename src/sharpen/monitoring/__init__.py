@@ -1,10 +1,18 @@
-"""Monitoring: metric sinks (JSONL, TensorBoard, W&B, MLflow, console progress), the rollout recorder, phase timers
-and the run timeline.
+"""Monitoring: metric sinks (JSONL, TensorBoard, W&B, MLflow, console progress), the rollout recorder, phase timers,
+the run timeline and the engine/trainer parity probe.
 
 Owns how a run reports itself. Imports only `sharpen.types` and `sharpen.config` from sharpen; never drives the run.
 """
 
 from sharpen.monitoring.health import NONFINITE_DIR_NAME, RunHealth
+from sharpen.monitoring.parity import (
+    ParityProbe,
+    ParityReference,
+    ProbeEngine,
+    ProbeTrainer,
+    build_probe_set,
+    parity_metrics,
+)
 from sharpen.monitoring.progress import DEFAULT_PROGRESS_KEYS, ProgressDisplay
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME, RolloutRecorder, rollout_record
 from sharpen.monitoring.sinks import (
@@ -18,7 +26,14 @@ from sharpen.monitoring.sinks import (
     read_jsonl,
     truncate_jsonl_after,
 )
-from sharpen.monitoring.timeline import TIMELINE_FILE_NAME, Timeline, build_timeline, read_timeline
+from sharpen.monitoring.timeline import (
+    TIMELINE_FILE_NAME,
+    Span,
+    SpanBuffer,
+    Timeline,
+    build_timeline,
+    read_timeline,
+)
 from sharpen.monitoring.timing import PhaseTimer, peak_memory_metrics
 from sharpen.monitoring.tracking import (
     MLFLOW_DIR_NAME,
@@ -43,18 +58,26 @@ __all__ = [
     "MetricSink",
     "MlflowSink",
     "MultiSink",
+    "ParityProbe",
+    "ParityReference",
     "PhaseTimer",
+    "ProbeEngine",
+    "ProbeTrainer",
     "ProgressDisplay",
     "RolloutRecorder",
     "RunHealth",
+    "Span",
+    "SpanBuffer",
     "TensorBoardSink",
     "Timeline",
     "TrackingSetupError",
     "WandbSink",
+    "build_probe_set",
     "build_sinks",
     "build_timeline",
     "flatten_params",
     "mlflow_metric_name",
+    "parity_metrics",
     "peak_memory_metrics",
     "read_jsonl",
     "read_timeline",

@@ -5,6 +5,9 @@ Owns ``run_dir/timeline.json``, written in the Trace Event Format's object form 
 and threads. Open it at https://ui.perfetto.dev or ``chrome://tracing``. Does not decide what to time (callers
 open spans, `PhaseTimer` opens one per phase) and does not aggregate: per-step sums are `PhaseTimer`'s metrics.
 
+Other processes (Ray actors) do not write the file: they record `Span`s into a `SpanBuffer`, and the process that
+owns the `Timeline` adds them with `Timeline.add_spans` under their own pid, thread and process name.
+
 The file is valid JSON after every `flush`: new events are written over the closing ``]}`` and the closing is
 written again after them, so a run that dies leaves a loadable file holding everything flushed. Reopening a file
 (a resumed run) keeps its events, drops a torn last line, and appends.
@@ -16,8 +19,9 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,78 @@ _WALL_ANCHOR = time.time() - time.perf_counter()
 def wall_clock() -> float:
     """Seconds since the epoch, monotonic within this process."""
     return _WALL_ANCHOR + time.perf_counter()
+
+
+@contextmanager
+def _measure(
+    clock: Callable[[], float], args: dict[str, Any], record: Callable[[float, float], None]
+) -> Iterator[None]:
+    """Times the block and passes ``record`` its start and duration; a block that raises adds its exception's type to
+    ``args`` (under ``error``) before it is recorded."""
+    start = clock()
+    try:
+        yield
+    except BaseException as error:
+        args["error"] = type(error).__name__
+        raise
+    finally:
+        record(start, clock() - start)
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Span:
+    """One finished span of some process and thread, as plain data that can be pickled to another process."""
+
+    name: str
+    start: float
+    """Seconds since the epoch (`wall_clock`), so spans of processes on one machine line up."""
+    duration: float
+    pid: int
+    tid: int
+    process_name: str
+    thread_name: str
+    category: str = "sharpen"
+    args: dict[str, Any] = field(default_factory=dict[str, Any])
+
+
+class SpanBuffer:
+    """Spans of this process kept in memory until another process, which owns the `Timeline`, takes them (`drain`).
+
+    What a Ray actor records: its own pid and threads under ``process_name`` (e.g. ``"trainer actor"``). Holds every
+    span until drained, so whoever makes one must drain it regularly (the Ray proxies do after every call).
+    """
+
+    def __init__(self, *, process_name: str, clock: Callable[[], float] = wall_clock) -> None:
+        self.process_name = process_name
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._spans: list[Span] = []
+
+    def span(self, name: str, *, category: str = "sharpen", **args: Any) -> AbstractContextManager[None]:
+        """Times the block as one span of the calling thread, like `Timeline.span`."""
+
+        def record(start: float, duration: float) -> None:
+            span = Span(
+                name=name,
+                start=start,
+                duration=duration,
+                pid=os.getpid(),
+                tid=threading.get_native_id(),
+                process_name=self.process_name,
+                thread_name=threading.current_thread().name,
+                category=category,
+                args=args,
+            )
+            with self._lock:
+                self._spans.append(span)
+
+        return _measure(self._clock, args, record)
+
+    def drain(self) -> list[Span]:
+        """The spans recorded since the last drain, oldest end first; the buffer is empty afterwards."""
+        with self._lock:
+            spans, self._spans = self._spans, []
+        return spans
 
 
 def _read_events(path: Path) -> list[dict[str, Any]]:
@@ -63,7 +139,8 @@ class Timeline:
     """Records spans and writes them to a Chrome-trace JSON file, flushed every ``flush_every`` spans and on `flush`.
 
     ``with timeline.span("generate", step=3): ...`` times a block on the calling thread; `add_span` records a span
-    measured elsewhere (another worker's process and thread). Safe to use from several threads. ``clock`` returns
+    measured elsewhere (another worker's process and thread), `add_spans` the `Span`s another process recorded.
+    Safe to use from several threads. ``clock`` returns
     seconds and is injectable so tests need not sleep.
     """
 
@@ -96,17 +173,13 @@ class Timeline:
         self._name(os.getpid(), None, process_name)
         self.flush()
 
-    @contextmanager
-    def span(self, name: str, *, category: str = "sharpen", **args: Any) -> Iterator[None]:
+    def span(self, name: str, *, category: str = "sharpen", **args: Any) -> AbstractContextManager[None]:
         """Times the block as one span of the calling thread; a block that raises records the exception's type."""
-        start = self._clock()
-        try:
-            yield
-        except BaseException as error:
-            args["error"] = type(error).__name__
-            raise
-        finally:
-            self.add_span(name, start=start, duration=self._clock() - start, category=category, args=args)
+
+        def record(start: float, duration: float) -> None:
+            self.add_span(name, start=start, duration=duration, category=category, args=args)
+
+        return _measure(self._clock, args, record)
 
     def add_span(
         self,
@@ -149,6 +222,22 @@ class Timeline:
             self._num_pending_spans += 1
             if self._num_pending_spans >= self.flush_every:
                 self._flush_locked()
+
+    def add_spans(self, spans: Iterable[Span]) -> None:
+        """Records spans another process measured (a `SpanBuffer`'s), each under its own pid, thread and process
+        name; they are written with the next flush, like this process's own."""
+        for span in spans:
+            self.add_span(
+                span.name,
+                start=span.start,
+                duration=span.duration,
+                category=span.category,
+                pid=span.pid,
+                tid=span.tid,
+                process_name=span.process_name,
+                thread_name=span.thread_name,
+                args=span.args,
+            )
 
     def flush(self) -> None:
         """Writes pending events; afterwards the file is complete, valid JSON."""

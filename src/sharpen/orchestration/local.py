@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sharpen.config import SharpenConfig, dump_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
-from sharpen.data import ExampleSampler, load_examples
+from sharpen.data import ExampleSampler, load_examples, render_prompt
 from sharpen.data.humaneval import humaneval_examples
 from sharpen.environments import EnvironmentFactory
 from sharpen.environments.registry import build_environment_factory, build_sandbox, environment_tasks, episode_limits
 from sharpen.environments.sandbox import Sandbox, SandboxPool
-from sharpen.monitoring import RolloutRecorder, build_sinks, build_timeline
+from sharpen.monitoring import ParityProbe, RolloutRecorder, Timeline, build_probe_set, build_sinks, build_timeline
+from sharpen.orchestration.buffer import ProducedBatch
 from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
 from sharpen.orchestration.loop import Components, run_loop
 from sharpen.orchestration.phases import WeightSync
@@ -40,14 +42,26 @@ def load_run_examples(config: SharpenConfig) -> list[Example]:
 
 
 def build_reward_fn(config: SharpenConfig, stack: contextlib.ExitStack) -> RewardFn:
-    """The run's reward function: HumanEval's own tests in a sandbox for HumanEval data, else the `Rubric`.
-    Anything it opens (the sandbox) is closed with ``stack``."""
+    """The run's reward function: the `Rubric`, whose default component is HumanEval's own tests in a sandbox for
+    HumanEval data, else the verifier rubric, plus the configured ``reward.components``. Anything it opens (the
+    sandbox, reward-model actors) is closed with ``stack``."""
+    base = None
     if config.data.type == "humaneval":
         sandbox_config = config.reward.sandbox.model_copy(
             update={"extra_ro_binds": [*config.reward.sandbox.extra_ro_binds, *pytest_ro_binds()]}
         )
-        return HumanEvalReward(stack.enter_context(Sandbox(sandbox_config)))
-    return Rubric(config.reward)
+        base = HumanEvalReward(stack.enter_context(Sandbox(sandbox_config)))
+    started: dict[str, RewardFn] = {}
+    for component in config.reward.components:
+        if component.type == "reward_model" and component.backend == "ray":
+            from sharpen.orchestration.ray.reward_actors import start_reward_model_pool  # needs ray only here
+
+            started[component.name] = start_reward_model_pool(component, runtime=config.runtime, stack=stack)
+    count_tokens = None
+    if any(c.type == "length" and c.unit == "tokens" for c in config.reward.components):
+        tokenizer = load_tokenizer(resolve_model_path(config.model.path))
+        count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    return Rubric(config.reward, base=base, components=started, count_tokens=count_tokens)
 
 
 def prepare_run_dir(config: SharpenConfig, *, resume: bool) -> tuple[Path, Path | None]:
@@ -168,6 +182,16 @@ def build_components(
     )
 
 
+def build_parity_probe(config: SharpenConfig, c: Components, examples: list[Example]) -> ParityProbe | None:
+    """The run's parity probes: its first tasks' prompts, completed greedily by the engine once (at the start, or
+    at the resumed weights)."""
+    monitoring = config.monitoring
+    if not monitoring.parity_probe_every:
+        return None
+    prompts = [render_prompt(c.tokenizer, example.prompt) for example in examples[: monitoring.parity_probe_size]]
+    return build_probe_set(prompts, c.engine, max_new_tokens=monitoring.parity_probe_max_new_tokens)
+
+
 def run_local(
     config: SharpenConfig,
     *,
@@ -175,12 +199,15 @@ def run_local(
     reward_fn: RewardFn | None = None,
     engine: InferenceEngine | None = None,
     trainer: Trainer | None = None,
+    attach_timeline: Callable[[Timeline | None], None] | None = None,
 ) -> Path:
     """Run (or resume) a recipe in this process; returns the run directory.
 
     ``reward_fn`` replaces the configured rubric (any callable ``(example, completion) -> RewardResult``);
     ``engine`` reuses an engine the caller owns (it is not closed here), e.g. one engine for a test session;
-    ``trainer`` likewise (the Ray runtime passes proxies of its actors as both).
+    ``trainer`` likewise (the Ray runtime passes proxies of its actors as both). ``attach_timeline`` is called with
+    the run's `Timeline` (None when monitoring.timeline is off) before the first weight sync, and with None before
+    the timeline is closed: the Ray runtime adds its actors' spans to it in between.
     """
     # user errors first: before any folder or slow component exists
     resolve_model_path(config.model.path)
@@ -192,7 +219,15 @@ def run_local(
             stack.callback(sandbox.close)
         reward_fn = reward_fn or build_reward_fn(config, stack)
         return _run(
-            config, resume, examples, make_environment, sandbox, reward_fn=reward_fn, engine=engine, trainer=trainer
+            config,
+            resume,
+            examples,
+            make_environment,
+            sandbox,
+            reward_fn=reward_fn,
+            engine=engine,
+            trainer=trainer,
+            attach_timeline=attach_timeline or (lambda timeline: None),
         )
 
 
@@ -205,7 +240,8 @@ def _run(
     *,
     reward_fn: RewardFn,
     engine: InferenceEngine | None,
-    trainer: Trainer | None = None,
+    trainer: Trainer | None,
+    attach_timeline: Callable[[Timeline | None], None],
 ) -> Path:
     run_dir, checkpoint = prepare_run_dir(config, resume=resume)
     (run_dir / "config.toml").write_text(dump_config(config))
@@ -223,19 +259,23 @@ def _run(
         trainer=trainer,
     )
     c.sandbox = sandbox
+    attach_timeline(c.timeline)
     try:
+        pending: list[ProducedBatch] = []
         if checkpoint is not None:
-            next_step = load_checkpoint(checkpoint, trainer=c.trainer, sampler=c.sampler)
+            next_step, pending = load_checkpoint(checkpoint, trainer=c.trainer, sampler=c.sampler)
             logger.info("resuming %s at step %d", run_dir, next_step)
         # The engine starts from the base model (or a caller's engine from anything): give it the trainer's
         # weights and check them before the first rollout.
         c.weight_sync(c.trainer, c.engine, version=next_step)
-        run_loop(c, start_step=next_step)
+        c.parity_probe = build_parity_probe(config, c, examples)
+        run_loop(c, start_step=next_step, pending=pending)
         if config.run.export_model:
             c.trainer.export(run_dir / "model")
     finally:
         c.sink.close()
         c.recorder.close()
+        attach_timeline(None)
         if c.timeline is not None:
             c.timeline.close()
         if engine is None:

@@ -9,7 +9,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -140,7 +140,11 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
 
 
 class WeightSync:
-    """Moves the trainer's weights into the engine after every step and proves they arrived (probe check)."""
+    """Moves the trainer's weights into the engine and proves they arrived (probe check).
+
+    Synchronous mode calls it after every step. Asynchronous mode splits it in two, because the trainer and the
+    engine hold a version at different times: the trainer's probe `reference` is taken when a version is
+    published, and `load` checks the engine against it when the producer loads that version."""
 
     def __init__(self, *, probe_ids: list[int], tolerance: float, verify: bool) -> None:
         self.probe_ids = probe_ids
@@ -150,16 +154,34 @@ class WeightSync:
         self.previous_trainer: list[float] | None = None
 
     def __call__(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> dict[str, float]:
+        return self.load(trainer.named_weights(), engine, version=version, reference=lambda: self.reference(trainer))
+
+    def reference(self, trainer: Trainer) -> list[float] | None:
+        """The trainer's probe logprobs now (None when verification is off)."""
+        return trainer.compute_logprobs(self.probe_ids) if self.verify else None
+
+    def load(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        engine: InferenceEngine,
+        *,
+        version: int,
+        reference: Callable[[], list[float] | None],
+    ) -> dict[str, float]:
+        """Load ``weights`` (version ``version``) into the engine and, when verifying, compare the engine's probe
+        logprobs with ``reference()``, the trainer's at that version."""
         started = time.perf_counter()
-        metrics = engine.load_weights(trainer.named_weights(), version=version)
+        metrics = engine.load_weights(weights, version=version)
         metrics["sync/seconds"] = time.perf_counter() - started
-        if self.verify:
-            metrics.update(self.check(trainer, engine, version=version).metrics())
+        trainer_logprobs = reference()
+        if trainer_logprobs is not None:
+            metrics.update(self.compare(engine.score(self.probe_ids), trainer_logprobs, version=version).metrics())
         return metrics
 
     def check(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> ProbeCheck:
-        engine_logprobs = engine.score(self.probe_ids)
-        trainer_logprobs = trainer.compute_logprobs(self.probe_ids)
+        return self.compare(engine.score(self.probe_ids), trainer.compute_logprobs(self.probe_ids), version=version)
+
+    def compare(self, engine_logprobs: list[float], trainer_logprobs: list[float], *, version: int) -> ProbeCheck:
         check = verify_probe(
             engine=engine_logprobs,
             trainer=trainer_logprobs,

@@ -2,7 +2,7 @@
 
 from sharpen.rewards.answers import AnswerFormat, extract_answer
 from sharpen.rewards.base import RewardFn
-from sharpen.rewards.rubric import Rubric, default_verifiers
+from sharpen.rewards.rubric import Rubric, VerifierReward, default_verifiers
 from sharpen.rewards.verifiers import ExactMatchVerifier, ReasoningGymVerifier, Verifier, answers_match
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "RewardFn",
     "Rubric",
     "Verifier",
+    "VerifierReward",
     "answers_match",
     "default_verifiers",
     "extract_answer",

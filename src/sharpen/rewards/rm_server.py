@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,27 @@ class RewardModelScorer:
         self.max_length = max_length
         # HTTP handler threads encode concurrently; HF fast tokenizers are not documented as thread-safe.
         self._encode_lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(
+        cls, model_path: str | Path, *, max_length: int, device: str | None = None
+    ) -> RewardModelScorer:
+        """Load a local folder's model (in its own dtype) and tokenizer; ``device`` None means CUDA when there is
+        one. Used by `sharpen serve-rm` and by the Ray reward-model actors."""
+        import torch
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype="auto").to(device)
+        return cls(model=model, tokenizer=AutoTokenizer.from_pretrained(model_path), max_length=max_length)
+
+    def score_pairs(self, pairs: Sequence[tuple[Sequence[dict[str, str]], str]]) -> tuple[list[float], list[bool]]:
+        """Encode and score (prompt messages, completion) pairs in one forward: the scores, and which inputs were
+        truncated. Every pair must render to at least one token."""
+        encoded = [self.encode(prompt, completion) for prompt, completion in pairs]
+        if any(not ids for ids, _ in encoded):
+            raise ValueError("reward model: an input renders to no tokens")
+        return self.score([ids for ids, _ in encoded]), [is_truncated for _, is_truncated in encoded]
 
     def encode(self, prompt: Sequence[dict[str, str]], completion: str) -> tuple[list[int], bool]:
         """Token ids of the conversation ending in ``completion``, and whether they were truncated. Truncation keeps

@@ -1,17 +1,26 @@
-"""The Rubric: the default reward function, a weighted sum of named components (``correct``, ``format``).
+"""The Rubric: the default reward function, a weighted sum of named components.
 
-Owns turning one completion into a `RewardResult`: extract the answer in the configured format, pick the verifier
-for the example's data source, weigh the components, set the status. A verifier that crashes makes the rubric
-abstain (``score=None``, INFRA_ERROR) so a scorer bug never reads as a wrong answer.
+Owns two things. `VerifierReward`, the built-in component: extract the answer in the configured format, pick the
+verifier for the example's data source, score ``correct_weight * correct + format_weight * format``, set the status;
+a verifier that crashes abstains (``score=None``, INFRA_ERROR) so a scorer bug never reads as a wrong answer. And
+`Rubric`, which adds the ``[[reward.components]]`` (judge, reward model, length; see `components`) to it:
+``score = verifier score + sum(weight_i * score_i)``. A component with weight 0 is computed and logged only; when
+a weighted one abstains, the whole verdict abstains with its status, never a made-up 0.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
-from sharpen.config.schema import RewardConfig
+from sharpen.config.rewards import RewardConfig
 from sharpen.rewards.answers import extract_answer
+from sharpen.rewards.base import RewardFn
+from sharpen.rewards.components import build_component
+from sharpen.rewards.judge import Judge
 from sharpen.rewards.math_verify import MathVerifyVerifier
 from sharpen.rewards.verifiers import ExactMatchVerifier, ReasoningGymVerifier, Verifier
 from sharpen.types import Example, RewardResult, RewardStatus
@@ -30,8 +39,8 @@ def default_verifiers() -> dict[str, Verifier]:
     }
 
 
-class Rubric:
-    """``score = correct_weight * correct + format_weight * format``; a `RewardFn`."""
+class VerifierReward:
+    """``score = correct_weight * correct + format_weight * format``; a `RewardFn`, the Rubric's default component."""
 
     def __init__(self, config: RewardConfig, *, verifiers: Mapping[str, Verifier] | None = None) -> None:
         self.config = config
@@ -70,3 +79,103 @@ class Rubric:
             components={"correct": correct, "format": format_score},
             verifier=verifier.name,
         )
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class WeightedComponent:
+    """One ``[[reward.components]]`` entry, built."""
+
+    name: str
+    weight: float
+    """0: computed and logged, not part of the score."""
+    reward_fn: RewardFn
+
+
+class Rubric:
+    """The run's reward: the default component (``base``: the `VerifierReward` unless the data brings its own
+    scorer, e.g. HumanEval's tests) plus the weighted components of ``config.components``; a `RewardFn`.
+
+    ``components`` supplies ready reward functions by component name (the Ray reward-model pool, a test's fake);
+    the others are built from their config. With no extra components the verdict is exactly the base's."""
+
+    def __init__(
+        self,
+        config: RewardConfig,
+        *,
+        verifiers: Mapping[str, Verifier] | None = None,
+        base: RewardFn | None = None,
+        components: Mapping[str, RewardFn] | None = None,
+        count_tokens: Callable[[str], int] | None = None,
+    ) -> None:
+        self.config = config
+        self.base: RewardFn = base if base is not None else VerifierReward(config, verifiers=verifiers)
+        # The built-in verifier weighs its own parts; with both weights 0 it is logged only, like any component.
+        self.is_base_weighted = base is not None or config.correct_weight > 0 or config.format_weight > 0
+        given = dict(components or {})
+        unknown = sorted(set(given) - {c.name for c in config.components})
+        if unknown:
+            raise ValueError(f"Rubric: components {unknown} are not in reward.components")
+        self.components = [
+            WeightedComponent(
+                name=c.name,
+                weight=c.weight,
+                reward_fn=given[c.name] if c.name in given else build_component(c, count_tokens=count_tokens),
+            )
+            for c in config.components
+        ]
+
+    def __call__(self, example: Example, completion: str) -> RewardResult:
+        base = self.base(example, completion)
+        if not self.components:
+            return base
+        results = [self._score(c, example, completion) for c in self.components]
+        return self._combine(base, results)
+
+    def judges(self) -> dict[str, Judge]:
+        """The judge components by name (whose canaries `sharpen.rewards.canaries` runs)."""
+        return {c.name: c.reward_fn for c in self.components if isinstance(c.reward_fn, Judge)}
+
+    def _score(self, component: WeightedComponent, example: Example, completion: str) -> RewardResult:
+        try:
+            return component.reward_fn(example, completion)
+        except Exception:  # fault tolerance: one failing service abstains for its component, not the whole run
+            logger.warning(
+                "reward component %s failed on %s; abstaining", component.name, example.task_key, exc_info=True
+            )
+            return RewardResult(score=None, status=RewardStatus.INFRA_ERROR, verifier=component.name)
+
+    def _combine(self, base: RewardResult, results: list[RewardResult]) -> RewardResult:
+        weighted = [
+            (self.is_base_weighted, base),
+            *((c.weight > 0, r) for c, r in zip(self.components, results, strict=True)),
+        ]
+        combined = RewardResult(
+            score=None,
+            status=base.status,
+            components=dict(base.components),
+            verifier="+".join(r.verifier for r in [base, *results]),
+            verifier_version=self._version([base, *results]),
+            hack_flags=list(dict.fromkeys(flag for r in [base, *results] for flag in r.hack_flags)),
+        )
+        for component, result in zip(self.components, results, strict=True):
+            if result.score is not None:
+                combined.components[component.name] = result.score
+        abstained = next((r for is_weighted, r in weighted if is_weighted and r.score is None), None)
+        if abstained is not None:
+            combined.status = abstained.status
+            return combined
+        # the status says whether the answer was right: the first weighted component's (the verifier's, usually)
+        combined.status = next((r.status for is_weighted, r in weighted if is_weighted), base.status)
+        combined.score = (base.score or 0.0) if self.is_base_weighted else 0.0
+        for component, result in zip(self.components, results, strict=True):
+            if component.weight > 0:
+                assert result.score is not None  # weighted abstentions returned above
+                combined.score += component.weight * result.score
+        return combined
+
+    def _version(self, results: list[RewardResult]) -> str:
+        """Hash of what the combination is made of (names, weights, each verifier and version)."""
+        names = ["base", *(c.name for c in self.components)]
+        weights = [float(self.is_base_weighted), *(c.weight for c in self.components)]
+        parts = [[n, w, r.verifier, r.verifier_version] for n, w, r in zip(names, weights, results, strict=True)]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]

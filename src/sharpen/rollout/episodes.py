@@ -136,7 +136,8 @@ async def run_episodes(
         completions = engine.generate([ids for ids, _ in requests], [params for _, params in requests])
         version = engine.policy_version
         for episode, completion in zip(live, completions, strict=True):
-            _append(episode, completion.token_ids, completion.logprobs, version=version, is_generated=True)
+            versions = completion.versions or [version] * len(completion.token_ids)
+            _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
             episode.last_text = completion.text
         results = await asyncio.gather(*(_step(e, c.text) for e, c in zip(live, completions, strict=True)))
         for episode, completion, result in zip(live, completions, results, strict=True):
@@ -220,11 +221,11 @@ def _request(
 
 
 def _append(
-    episode: _Episode, ids: Sequence[int], logprobs: Sequence[float], *, version: int, is_generated: bool
+    episode: _Episode, ids: Sequence[int], logprobs: Sequence[float], *, versions: Sequence[int], is_generated: bool
 ) -> None:
     episode.completion_ids.extend(ids)
     episode.logprobs.extend(logprobs)
-    episode.versions.extend([version] * len(ids))
+    episode.versions.extend(versions)
     episode.loss_mask.extend([is_generated] * len(ids))
 
 
@@ -271,7 +272,7 @@ def _advance(
             episode.end("max_tokens", is_truncated=True)
             return
         record.observation_ids = ids
-        _append(episode, ids, [0.0] * len(ids), version=version, is_generated=False)
+        _append(episode, ids, [0.0] * len(ids), versions=[version] * len(ids), is_generated=False)
 
 
 def _groups(examples: list[Example], episodes: list[_Episode]) -> list[RolloutGroup]:

@@ -1,10 +1,11 @@
 """The Chrome-trace timeline: complete events in microseconds, process and thread names, a loadable file after a
-crash, continuation across processes, and `PhaseTimer` feeding it."""
+crash, continuation across processes, spans another process recorded, and `PhaseTimer` feeding it."""
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sharpen.config.schema import MonitoringConfig
-from sharpen.monitoring import PhaseTimer, Timeline, build_timeline, read_timeline
+from sharpen.monitoring import PhaseTimer, Span, SpanBuffer, Timeline, build_timeline, read_timeline
 
 
 class _FakeClock:
@@ -93,6 +94,70 @@ def test_spans_from_other_workers_and_threads(tmp_path: Path) -> None:
     ]
     names = sorted(e["args"]["name"] for e in events if e["ph"] == "M")
     assert names == sorted(["orchestrator", "rollout-0", "engine", "scorer"])  # each named once
+
+
+def test_spans_of_another_process_arrive_under_its_own_pid_and_names(tmp_path: Path) -> None:
+    """What a Ray actor does: record into a `SpanBuffer`, ship the drained spans (pickled), add them to the driver's
+    timeline."""
+    clock = _FakeClock(50.0)
+    buffer = SpanBuffer(process_name="trainer actor", clock=clock)
+    with buffer.span("step", category="actor", step=2):
+        clock.now += 1.5
+    with pytest.raises(RuntimeError), buffer.span("put_weights"):
+        clock.now += 0.25
+        raise RuntimeError("out of memory")
+    spans = pickle.loads(pickle.dumps(buffer.drain()))
+    assert buffer.drain() == []
+    me, thread = os.getpid(), threading.get_native_id()
+    assert spans == [
+        Span(
+            name="step",
+            start=50.0,
+            duration=1.5,
+            pid=me,
+            tid=thread,
+            process_name="trainer actor",
+            thread_name="MainThread",
+            category="actor",
+            args={"step": 2},
+        ),
+        Span(
+            name="put_weights",
+            start=51.5,
+            duration=0.25,
+            pid=me,
+            tid=thread,
+            process_name="trainer actor",
+            thread_name="MainThread",
+            args={"error": "RuntimeError"},
+        ),
+    ]
+
+    foreign = [
+        Span(
+            name="generate",
+            start=3.0,
+            duration=1.0,
+            pid=4242,
+            tid=9,
+            process_name="engine actor",
+            thread_name="MainThread",
+        )
+    ]
+    timeline = Timeline(tmp_path / "timeline.json", clock=_FakeClock(), flush_every=2)
+    timeline.add_spans(foreign * 2)  # two spans: flushed by flush_every, like the process's own
+    events = read_timeline(tmp_path / "timeline.json")
+    assert [(e["name"], e["pid"], e["tid"], e["ts"], e["dur"]) for e in _spans(events)] == [
+        ("generate", 4242, 9, 3e6, 1e6),
+        ("generate", 4242, 9, 3e6, 1e6),
+    ]
+    names = {(e["name"], e["pid"], e["tid"]): e["args"]["name"] for e in events if e["ph"] == "M"}
+    assert names == {
+        ("process_name", me, 0): "orchestrator",
+        ("process_name", 4242, 0): "engine actor",
+        ("thread_name", 4242, 9): "MainThread",
+    }
+    timeline.close()
 
 
 def test_file_is_loadable_after_a_crash(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import threading
 import time
@@ -20,40 +19,10 @@ from sharpen.rewards.rm_client import RewardModelClient
 from sharpen.rewards.rm_server import RewardModelScorer, RewardModelServer
 from sharpen.types import Example, Message, RewardStatus
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
 
 @pytest.fixture(scope="module")
-def tiny_rm_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    """A 2-layer random Llama reward model (one label) with SmolLM2's tokenizer and chat template."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    folder = tmp_path_factory.mktemp("tiny-rm")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        num_labels=1,
-        pad_token_id=2,
-    )
-    LlamaForSequenceClassification(config).save_pretrained(folder)
-    for name in _TOKENIZER_FILES:
-        if (smollm2_path / name).is_file():
-            shutil.copy2(smollm2_path / name, folder / name)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def scorer(tiny_rm_path: Path) -> RewardModelScorer:
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-    model = AutoModelForSequenceClassification.from_pretrained(tiny_rm_path)
-    return RewardModelScorer(model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_rm_path), max_length=256)
+def scorer(tiny_reward_model_path: Path) -> RewardModelScorer:
+    return RewardModelScorer.from_pretrained(tiny_reward_model_path, max_length=256, device="cpu")
 
 
 class GatedScorer:

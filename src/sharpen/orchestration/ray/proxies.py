@@ -6,6 +6,9 @@ the hand-off of weights between the two actors: `TrainerProxy.named_weights()` r
 instead of tensors, and `EngineProxy.load_weights` has the trainer actor put its tensors into the object store and
 the engine actor take them from there, so the tensors never pass through the driver. It does not start or place
 actors (`runtime.py`) and holds no component state: the actors own their trainer and engine.
+
+Each call comes back with the spans the actor recorded (`actors.SpanRecordingActor.invoke`); the proxy adds them to
+the run's `Timeline` once one is attached (`attach_timeline`), and keeps those of calls made before that.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
+from sharpen.monitoring import Span, Timeline
 from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
@@ -54,6 +58,24 @@ class RemoteWeights:
         weights = wait_for(self.put(), actor=self.trainer.name, call="named_weights", timeout_s=self.trainer.timeout_s)
         return iter(weights.items())
 
+    def freeze(self) -> FrozenWeights:
+        """A snapshot of these weights as they are now (async mode publishes one per version): the object-store
+        copy the trainer actor puts, which later steps of the trainer do not change."""
+        return FrozenWeights(self.put(), trainer=self.trainer)
+
+
+class FrozenWeights:
+    """Weights of one version in the object store; an `EngineProxy` loads them actor to actor, anything else
+    iterates them (fetching them into this process). Iterable any number of times."""
+
+    def __init__(self, ref: Any, *, trainer: TrainerProxy) -> None:
+        self.ref = ref
+        self.trainer = trainer
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        weights = wait_for(self.ref, actor=self.trainer.name, call="named_weights", timeout_s=self.trainer.timeout_s)
+        return iter(weights.items())
+
 
 class ActorProxy:
     """Forwarding of method calls to one actor, each awaited for at most ``timeout_s``. The actor's constructor
@@ -63,12 +85,28 @@ class ActorProxy:
         self.actor = actor
         self.name = name
         self.timeout_s = timeout_s
+        self.timeline: Timeline | None = None
+        self._early_spans: list[Span] | None = []
+        """Spans received before `attach_timeline` (the actor's start); None once it was called."""
         # `__ray_ready__` is the no-op method Ray adds to every actor: it answers once the constructor is done.
         wait_for(actor.__ray_ready__.remote(), actor=name, call="__init__", timeout_s=start_timeout_s)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        ref = getattr(self.actor, method).remote(*args, **kwargs)
-        return wait_for(ref, actor=self.name, call=method, timeout_s=self.timeout_s)
+        ref = self.actor.invoke.remote(method, *args, **kwargs)
+        result, spans = wait_for(ref, actor=self.name, call=method, timeout_s=self.timeout_s)
+        if self._early_spans is not None:
+            self._early_spans.extend(spans)
+        elif self.timeline is not None:
+            self.timeline.add_spans(spans)
+        return result
+
+    def attach_timeline(self, timeline: Timeline | None) -> None:
+        """Add the actor's spans to ``timeline`` from now on, those of earlier calls first; None drops them (the
+        timeline is off, or about to be closed)."""
+        if timeline is not None and self._early_spans:
+            timeline.add_spans(self._early_spans)
+        self._early_spans = None
+        self.timeline = timeline
 
     def kill(self) -> None:
         """Stop the actor at once (a hung call included); safe to repeat."""
@@ -125,7 +163,12 @@ class EngineProxy(ActorProxy):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         started = time.perf_counter()
         # Weights of a trainer actor go actor to actor; tensors already in the driver are put from here.
-        ref = weights.put() if isinstance(weights, RemoteWeights) else ray.put(dict(weights))
+        if isinstance(weights, RemoteWeights):
+            ref = weights.put()
+        elif isinstance(weights, FrozenWeights):
+            ref = weights.ref
+        else:
+            ref = ray.put(dict(weights))
         put_seconds = time.perf_counter() - started
         # A top-level ObjectRef argument reaches the actor as the dict it refers to.
         metrics: dict[str, float] = self.call("load_weights", ref, version=version)

@@ -17,6 +17,7 @@ import ray
 from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.config.runtime import RuntimeConfig
+from sharpen.monitoring import Timeline
 from sharpen.orchestration.local import run_local
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
 from sharpen.orchestration.ray.proxies import EngineProxy, TrainerProxy
@@ -69,6 +70,11 @@ def run_ray(
     resolve_model_path(config.model.path)  # a user error, before any actor exists
     started = start_ray(runtime)
     proxies: list[TrainerProxy | EngineProxy] = []
+
+    def attach_timeline(timeline: Timeline | None) -> None:  # the actors' spans go on the driver's timeline
+        for proxy in proxies:
+            proxy.attach_timeline(timeline)
+
     try:
         trainer = start_trainer(config, runtime)
         proxies.append(trainer)
@@ -81,6 +87,7 @@ def run_ray(
             reward_fn=reward_fn,
             engine=cast(InferenceEngine, engine),
             trainer=cast(Trainer, trainer),
+            attach_timeline=attach_timeline,
         )
         for proxy in proxies:
             proxy.close()

@@ -17,7 +17,10 @@ if TYPE_CHECKING:
 
 
 class InferenceEngine(Protocol):
-    policy_version: PolicyVersion
+    @property
+    def policy_version(self) -> PolicyVersion:
+        """The version of the weights the engine holds (set by `load_weights`)."""
+        ...
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         """One completion per prompt (repeat a prompt for several samples; give each its own seed)."""

@@ -1,0 +1,62 @@
+"""Judge canaries during a run: every N steps, each judge grades known-bad responses, and a high score raises an alert.
+
+Owns the schedule (steps 0, N, 2N, ...) and the run-level metrics: ``judge/<name>/canary_*`` per judge component
+and ``hack/judge_canary_alert`` (1.0 when any judge scored any canary above its threshold), with a warning. What a
+canary is and how one is graded is `Judge.run_canaries`'; when to call `CanaryMonitor.maybe_run` is the loop's. It
+changes no reward: an alert is for a human to look at the judge.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from sharpen.rewards.base import RewardFn
+from sharpen.rewards.judge import Judge
+from sharpen.rewards.rubric import Rubric
+from sharpen.types import Example
+
+logger = logging.getLogger(__name__)
+
+
+class CanaryMonitor:
+    """Runs the canaries of ``judges`` (by component name) at every ``every_steps``-th step, the first included;
+    ``example`` is the task the canaries answer (None: the judge's default arithmetic task)."""
+
+    def __init__(self, judges: Mapping[str, Judge], every_steps: int, *, example: Example | None = None) -> None:
+        if every_steps < 1:
+            raise ValueError(f"CanaryMonitor: every_steps must be >= 1, got {every_steps}")
+        if not judges:
+            raise ValueError("CanaryMonitor: no judges to check")
+        self.judges = dict(judges)
+        self.every_steps = every_steps
+        self.example = example
+
+    def maybe_run(self, step: int) -> dict[str, float]:
+        """The canary metrics at a scheduled step, else ``{}``."""
+        if step % self.every_steps:
+            return {}
+        metrics: dict[str, float] = {}
+        for name, judge in self.judges.items():
+            for key, value in judge.run_canaries(self.example).items():
+                metrics[f"judge/{name}/{key.removeprefix('judge/')}"] = value
+        alerting = [name for name in self.judges if metrics[f"judge/{name}/canary_alert"]]
+        metrics["hack/judge_canary_alert"] = float(bool(alerting))
+        if alerting:
+            logger.warning(
+                "step %d: judge canary alert: %s scored a known-bad response above its threshold; see judge/*/canary_*",
+                step,
+                ", ".join(alerting),
+            )
+        return metrics
+
+
+def build_canary_monitor(reward_fn: RewardFn) -> CanaryMonitor | None:
+    """The monitor of a `Rubric` with judge components and ``reward.judge_canary_every`` > 0; None otherwise (any
+    other reward function, or canaries off)."""
+    if not isinstance(reward_fn, Rubric) or reward_fn.config.judge_canary_every == 0:
+        return None
+    judges = reward_fn.judges()
+    if not judges:
+        return None
+    return CanaryMonitor(judges, reward_fn.config.judge_canary_every)

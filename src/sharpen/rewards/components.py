@@ -1,0 +1,94 @@
+"""The extra weighted components of a `Rubric`, built from their ``[[reward.components]]`` tables.
+
+Owns turning a component's config into a `RewardFn`: an LLM `Judge` on an OpenAI-compatible server, a
+`RewardModelClient` of ``sharpen serve-rm``, or `LengthReward` shaping. It does not build the Ray backend of the
+reward model: actors are orchestration's (`sharpen.orchestration.ray.reward_actors`), which hands the finished
+reward function to the `Rubric`. Weighing and combining the components is the `Rubric`'s.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from sharpen.config.rewards import (
+    JudgeComponentConfig,
+    LengthComponentConfig,
+    RewardComponentConfig,
+    RewardModelComponentConfig,
+)
+from sharpen.rewards.base import RewardFn
+from sharpen.rewards.judge import Judge, OpenAICompatibleClient
+from sharpen.rewards.judge_prompts import DEFAULT_CRITERIA, RubricPrompt
+from sharpen.rewards.rm_client import RewardModelClient
+from sharpen.types import Example, RewardResult, RewardStatus
+
+
+class LengthReward:
+    """0 up to ``target_length``, then linearly down to -1 at ``max_length``, and -1 beyond; a `RewardFn` that
+    never abstains. ``count`` measures a completion (characters, or tokens of the policy's tokenizer)."""
+
+    def __init__(self, config: LengthComponentConfig, *, count: Callable[[str], int]) -> None:
+        self.config = config
+        self.count = count
+        self.verifier = f"length:{config.unit}"
+
+    def __call__(self, example: Example, completion: str) -> RewardResult:
+        excess = (self.count(completion) - self.config.target_length) / (
+            self.config.max_length - self.config.target_length
+        )
+        score = -min(1.0, max(0.0, excess))
+        return RewardResult(score=score, status=RewardStatus.OK, verifier=self.verifier)
+
+
+def build_component(config: RewardComponentConfig, *, count_tokens: Callable[[str], int] | None = None) -> RewardFn:
+    """The reward function of one component table. ``count_tokens`` (the policy's tokenizer) is needed only by a
+    length component that counts tokens."""
+    if isinstance(config, JudgeComponentConfig):
+        return build_judge(config)
+    if isinstance(config, RewardModelComponentConfig):
+        if config.backend != "http":
+            raise ValueError(
+                f'reward component {config.name!r}: backend = "{config.backend}" runs in actors that the runtime '
+                "starts (sharpen.orchestration.local.build_reward_fn); pass the started reward function to the Rubric"
+            )
+        assert config.url is not None  # the config checks that http has a url
+        return RewardModelClient(
+            config.url, timeout_s=config.timeout_s, max_retries=config.max_retries, batch_size=config.batch_size
+        )
+    if config.unit == "chars":
+        return LengthReward(config, count=len)
+    if count_tokens is None:
+        raise ValueError(f"length component {config.name!r} counts tokens: pass count_tokens (the policy's tokenizer)")
+    return LengthReward(config, count=count_tokens)
+
+
+def build_judge(config: JudgeComponentConfig) -> Judge:
+    """A `Judge` on ``config.base_url``; the API key is read from ``config.api_key_env`` now, so a missing one is
+    an error at start rather than 401s in every step."""
+    api_key = None
+    if config.api_key_env is not None:
+        api_key = os.environ.get(config.api_key_env)
+        if not api_key:
+            raise ValueError(
+                f"judge {config.name!r}: api_key_env = {config.api_key_env!r}, but that environment variable is not set"
+            )
+    client = OpenAICompatibleClient(
+        config.base_url,
+        model=config.model,
+        api_key=api_key,
+        timeout_s=config.timeout_s,
+        max_retries=config.max_retries,
+    )
+    prompt = RubricPrompt(
+        criteria=config.criteria if config.criteria is not None else DEFAULT_CRITERIA,
+        min_score=config.min_score,
+        max_score=config.max_score,
+        max_response_chars=config.max_response_chars,
+    )
+    cache_path = None
+    if config.cache_path is not None:
+        cache_path = Path(config.cache_path)
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+    return Judge(client, prompt=prompt, cache_path=cache_path, canary_threshold=config.canary_threshold)

@@ -1,0 +1,114 @@
+"""A reward model as a pool of Ray actors (reward component backend = "ray"): the scores of a direct forward, batches
+spread over the actors, and a hung, failing or dead actor turning into abstentions that name it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from sharpen.types import Example, Message, RewardStatus
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.usefixtures("ray_instance")]
+
+
+def _example(question: str, answer: str | None = None) -> Example:
+    prompt = (Message(role="user", content=question),)
+    return Example(task_key=question, prompt=prompt, answer=answer, metadata={"source": "jsonl"})
+
+
+class FakeRewardModel:
+    """Scores a completion by its length; "hang" never finishes, "boom" raises (like an input it cannot render)."""
+
+    def score(self, pairs: list[tuple[list[dict[str, str]], str]]) -> tuple[list[float], int]:
+        if any(completion == "hang" for _, completion in pairs):
+            time.sleep(60)
+        if any(completion == "boom" for _, completion in pairs):
+            raise ValueError("an input renders to no tokens")
+        return [float(len(completion)) for _, completion in pairs], 0
+
+
+def wait_for_free_cpus(expected: float) -> float:
+    """Ray frees a killed actor's CPUs asynchronously."""
+    deadline = time.monotonic() + 10
+    while (free := ray.available_resources().get("CPU", 0.0)) < expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return free
+
+
+def test_a_ray_reward_model_scores_like_a_direct_forward_on_every_actor(tiny_reward_model_path: Path) -> None:
+    from sharpen.config import SharpenConfig
+    from sharpen.orchestration.local import build_reward_fn
+    from sharpen.orchestration.ray.reward_actors import RewardModelPool
+    from sharpen.rewards import RewardFn, Rubric
+    from sharpen.rewards.rm_server import RewardModelScorer
+
+    component = {
+        "type": "reward_model",
+        "backend": "ray",
+        "model_path": str(tiny_reward_model_path),
+        "max_length": 256,
+        "num_actors": 2,
+        "cpus_per_actor": 0.5,
+        "batch_size": 2,
+        "start_timeout_s": 120,
+    }
+    config = SharpenConfig.model_validate({"reward": {"components": [component]}})
+    pairs = [(_example("What is 2 + 2?"), "4"), (_example("Name a colour."), "Blue " * 20), (_example("Hi"), "Hello")]
+    pairs.append((_example("12+7?", answer="19"), "<answer>19</answer>"))
+    local = RewardModelScorer.from_pretrained(tiny_reward_model_path, max_length=256, device="cpu")
+    expected = [
+        local.score_pairs([([{"role": m.role, "content": m.content} for m in e.prompt], c)])[0][0] for e, c in pairs
+    ]
+    with contextlib.ExitStack() as stack:
+        rubric = build_reward_fn(config, stack)
+        assert isinstance(rubric, Rubric)
+        pool = rubric.components[0].reward_fn
+        assert isinstance(pool, RewardModelPool) and isinstance(pool, RewardFn) and pool.num_alive == 2
+        results = pool.score_many(pairs)
+        assert pool.num_calls == [1, 1], "two batches of two, one on each actor"
+        assert [r.status for r in results] == [RewardStatus.OK] * 4
+        assert [r.score for r in results] == pytest.approx(expected, abs=1e-4)
+        verdict = rubric(*pairs[3])
+        assert verdict.components["reward_model"] == pytest.approx(expected[3], abs=1e-4)
+        assert verdict.score == pytest.approx(1.0 + expected[3], abs=1e-4), "correct (1.0) plus the reward model"
+    assert wait_for_free_cpus(2.0) == 2.0, "closing the run's stack stops the actors"
+
+
+def test_hung_failing_and_dead_actors_abstain_naming_the_actor(caplog: pytest.LogCaptureFixture) -> None:
+    from sharpen.orchestration.ray.reward_actors import RewardModelPool
+
+    actors = [ray.remote(FakeRewardModel).options(num_cpus=0.5, max_restarts=0).remote() for _ in range(2)]
+    pool = RewardModelPool(actors, names=["rm/0", "rm/1"], timeout_s=2.0, batch_size=2, start_timeout_s=60)
+    try:
+        pairs = [(_example(str(i)), "x" * i) for i in range(1, 5)]
+        assert [r.score for r in pool.score_many(pairs)] == [1.0, 2.0, 3.0, 4.0]
+        assert pool.num_calls == [1, 1]
+        with caplog.at_level(logging.WARNING, logger="sharpen.orchestration.ray.reward_actors"):
+            failed = pool(_example("q"), "boom")  # rm/0: ties go round the pool
+            assert failed.score is None and failed.status is RewardStatus.INFRA_ERROR
+            assert "ray actor 'rm/0' failed in score(): ValueError" in caplog.text
+            ray.kill(actors[1], no_restart=True)
+            dead = pool(_example("q"), "abc")  # rm/1, now dead
+            assert dead.score is None and dead.status is RewardStatus.INFRA_ERROR
+            assert "ray actor 'rm/1' died during score()" in caplog.text
+            assert pool.num_alive == 1
+            assert pool(_example("q"), "abcd").score == 4.0, "the live actor takes the next calls"
+            started = time.monotonic()
+            hung = pool(_example("q"), "hang")
+            assert hung.score is None and hung.status is RewardStatus.TIMEOUT
+            assert time.monotonic() - started < 10
+            assert "ray actor 'rm/0' did not answer score() within 2 s; 1 rollouts abstain" in caplog.text
+            ray.kill(actors[0], no_restart=True)
+            pool(_example("q"), "abc")
+            gone = pool(_example("q"), "abc")
+        assert gone.score is None and gone.status is RewardStatus.INFRA_ERROR
+        assert "all 2 actors are dead" in caplog.text
+    finally:
+        pool.close()
+    assert wait_for_free_cpus(2.0) == 2.0
