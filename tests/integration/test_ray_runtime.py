@@ -77,6 +77,19 @@ def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(tiny_model_
     assert_actor_spans_on_the_timeline(remote / "timeline.json")
     assert wait_for_free_cpus(2.0) == 2.0  # both actors are gone; Ray itself belongs to the fixture
 
+    # Resume in the Ray runtime: 2 steps, new actors, --resume to 3; the third step repeats the uninterrupted run.
+    split = tiny_config(tiny_model_path, tmp_path, name="split", num_steps=2, **threads)
+    run(split, runtime=RAY_RUNTIME, reward_fn=vowel_reward)
+    resumed = run(
+        split.model_copy(update={"run": split.run.model_copy(update={"num_steps": 3})}),
+        runtime=RAY_RUNTIME,
+        resume=True,
+        reward_fn=vowel_reward,
+    )
+    resumed_rows = read_jsonl(resumed / "metrics.jsonl")
+    assert [row["step"] for row in resumed_rows] == [0, 1, 2]
+    assert stable(resumed_rows)[2] == stable(ray_rows)[2]
+
 
 def test_async_mode_on_ray_actors_trains_like_async_mode_locally(tiny_model_path: Path, tmp_path: Path) -> None:
     # pinned weight updates make an async run reproducible, so the two runtimes must agree exactly
@@ -98,6 +111,70 @@ def test_async_mode_on_ray_actors_trains_like_async_mode_locally(tiny_model_path
     assert [row["async/staleness_max"] for row in ray_rows] == [0.0, 1.0, 1.0]
     loads = [row["sync/probe_mismatch_mean"] for row in ray_rows if "sync/probe_mismatch_mean" in row]
     assert loads and max(loads) < 1e-4  # versions loaded actor to actor by the producer, and checked
+    assert wait_for_free_cpus(2.0) == 2.0
+
+
+def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, tmp_path: Path) -> None:
+    """2 FSDP2 rank actors (gloo) + 1 engine actor vs the single-device backend in this process, 3 steps at one
+    seed. FSDP2 reduces gradients in another order, so losses and weights agree to float32 rounding (tolerances
+    below), and the engine, synced with weights that close, samples the same tokens: rewards are identical."""
+    from safetensors.torch import load_file
+
+    options = {"trainer.num_threads": "1", "run.export_model": "true"}
+    previous_threads = torch.get_num_threads()
+    try:
+        one = run(tiny_config(tiny_model_path, tmp_path, name="one", num_steps=3, **options), reward_fn=vowel_reward)
+    finally:
+        torch.set_num_threads(previous_threads)
+    two = run(
+        tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **options),
+        runtime=RAY_RUNTIME.model_copy(update={"trainer_ranks": 2}),
+        reward_fn=vowel_reward,
+    )
+    one_rows, two_rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
+    assert [row["reward/mean"] for row in two_rows] == [row["reward/mean"] for row in one_rows]
+    assert [row["train/num_loss_tokens"] for row in two_rows] == [row["train/num_loss_tokens"] for row in one_rows]
+    for got, expected in zip(two_rows, one_rows, strict=True):
+        assert got["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-4, abs=1e-6)
+        assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-4)
+        assert got["sync/probe_mismatch_mean"] < 1e-4  # the gathered full weights reached the engine actor
+    weights_one, weights_two = (
+        load_file(one / "model" / "model.safetensors"),
+        load_file(two / "model" / "model.safetensors"),
+    )
+    assert weights_one.keys() == weights_two.keys()
+    worst = max(
+        float((weights_two[k] - weights_one[k]).abs().max() / weights_one[k].abs().max().clamp_min(1e-12))
+        for k in weights_one
+    )
+    assert worst < 1e-4
+    moved = load_file(tiny_model_path / "model.safetensors")
+    assert max(float((weights_one[k] - moved[k]).abs().max()) for k in weights_one if k in moved) > 1e-4
+    assert wait_for_free_cpus(2.0) == 2.0
+
+
+def test_engine_replicas_behind_a_router_locally_and_as_ray_actors(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Two engine replicas: each request batch is split between them, every sync reaches and is verified on both,
+    and the Ray runtime (two engine actors) trains exactly like the embedded one (two engines in this process)."""
+    options = {"trainer.num_threads": "1", "rollout.num_engines": "2"}
+    previous_threads = torch.get_num_threads()
+    try:
+        local = run(
+            tiny_config(tiny_model_path, tmp_path, name="local", num_steps=2, **options), reward_fn=vowel_reward
+        )
+    finally:
+        torch.set_num_threads(previous_threads)
+    remote = run(
+        tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=2, **options),
+        runtime=RAY_RUNTIME,
+        reward_fn=vowel_reward,
+    )
+    local_rows, ray_rows = read_jsonl(local / "metrics.jsonl"), read_jsonl(remote / "metrics.jsonl")
+    assert stable(ray_rows) == stable(local_rows)
+    for row in ray_rows:
+        assert row["sync/num_replicas"] == 2.0 and row["sync/probe_mismatch_max"] < 1e-4
+    names = {e["args"]["name"] for e in read_timeline(remote / "timeline.json") if e["name"] == "process_name"}
+    assert {"engine replica 0", "engine replica 1"} <= names
     assert wait_for_free_cpus(2.0) == 2.0
 
 

@@ -29,6 +29,12 @@ class RuntimeConfig(Section):
     for CPUs never starts)."""
     engine_cpus: float = Field(default=0.5, gt=0.0)
     """CPUs reserved for the engine actor (fractions allowed)."""
+    trainer_ranks: int = Field(default=1, ge=1)
+    """Data-parallel trainer ranks, one actor each: 1 runs the single-device backend, more run FSDP2 (gloo on the
+    CPU, NCCL with GPUs), each rank reserving trainer_cpus and trainer_gpus."""
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the placement group of the trainer ranks and the engine spreads over nodes (Ray's strategies: PACK
+    fills as few nodes as possible, SPREAD uses as many as possible; STRICT_ variants fail rather than bend)."""
     trainer_gpus: float = Field(default=0.0, ge=0.0)
     """GPUs reserved for the trainer actor (Ray sets its CUDA_VISIBLE_DEVICES). Not yet exercised on a GPU."""
     engine_gpus: float = Field(default=0.0, ge=0.0)

@@ -113,6 +113,9 @@ EngineConfig = Annotated[VllmEngineConfig | HfEngineConfig | ScriptedEngineConfi
 class RolloutConfig(Section):
     engine: EngineConfig = Field(default_factory=VllmEngineConfig)
     """The inference engine that generates rollouts."""
+    num_engines: int = Field(default=1, ge=1)
+    """Engine replicas; more than one are put behind a router that sends each request to the replica with the
+    fewest requests in flight, and every weight sync goes to (and is verified on) each replica."""
     prompts_per_step: int = Field(default=8, ge=1)
     """Examples per trainer step."""
     num_samples_per_prompt: int = Field(default=4, ge=1)
@@ -352,6 +355,7 @@ class SharpenConfig(Section):
                 f"({', '.join(ENVIRONMENTS_WITH_TASKS)}, or custom with environment.tasks), "
                 f"not {environment.type!r}"
             )
+        check_trainer_ranks(self.runtime, self.trainer)
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
             raise ValueError(
@@ -363,3 +367,12 @@ class SharpenConfig(Section):
     @property
     def num_rollouts_per_step(self) -> int:
         return self.rollout.prompts_per_step * self.rollout.num_samples_per_prompt
+
+
+def check_trainer_ranks(runtime: RuntimeConfig, trainer: TrainerConfig) -> None:
+    """What a sharded (FSDP2) trainer cannot do yet, refused before any actor starts."""
+    if runtime.trainer_ranks > 1 and trainer.algorithm.advantage == "gae":
+        raise ValueError(
+            f'runtime.trainer_ranks = {runtime.trainer_ranks} shards the policy with FSDP2, but advantage = "gae" '
+            "needs a critic, which runs on one device only: use trainer_ranks = 1"
+        )

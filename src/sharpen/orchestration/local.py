@@ -26,7 +26,9 @@ from sharpen.orchestration.phases import WeightSync
 from sharpen.rewards import RewardFn, Rubric
 from sharpen.rewards.code_tests import HumanEvalReward, pytest_ro_binds
 from sharpen.rollout.engines import InferenceEngine, build_engine
+from sharpen.rollout.engines.router import EngineRouter
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
+from sharpen.trainer.backends.base import TrainerBackend
 from sharpen.types import Example
 
 logger = logging.getLogger(__name__)
@@ -84,24 +86,31 @@ def load_tokenizer(model_path: Path) -> Any:
 
 
 def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any, device: str) -> InferenceEngine:
-    """The recipe's inference engine (rollout.engine) on ``model_path``; ``device`` is used by the hf engine."""
-    return build_engine(
-        config.rollout.engine,
-        model_path=model_path,
-        dtype=config.model.dtype,
-        seed=config.run.seed,
-        device=device,
-        encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
-        eos_token_id=tokenizer.eos_token_id,
-        bucket_bytes=config.weight_sync.bucket_mb << 20,
-    )
+    """The recipe's inference engine (rollout.engine) on ``model_path``, behind a router when rollout.num_engines
+    asks for replicas; ``device`` is used by the hf engine."""
+    replicas = [
+        build_engine(
+            config.rollout.engine,
+            model_path=model_path,
+            dtype=config.model.dtype,
+            seed=config.run.seed,
+            device=device,
+            encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            eos_token_id=tokenizer.eos_token_id,
+            bucket_bytes=config.weight_sync.bucket_mb << 20,
+        )
+        for _ in range(config.rollout.num_engines)
+    ]
+    return replicas[0] if len(replicas) == 1 else EngineRouter(replicas)
 
 
-def build_trainer(config: SharpenConfig, *, model_path: Path, tokenizer: Any) -> Trainer:
-    """The recipe's trainer on one device: policy backend, and the reference policy and critic when the
-    algorithm needs them."""
+def build_trainer(
+    config: SharpenConfig, *, model_path: Path, tokenizer: Any, backend: TrainerBackend | None = None
+) -> Trainer:
+    """The recipe's trainer: the policy ``backend`` (default: one device), and the reference policy and critic
+    when the algorithm needs them."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    backend = SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
+    backend = backend or SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
     reference = None
     if config.trainer.algorithm.kl_coef > 0:
         reference = ReferencePolicy(

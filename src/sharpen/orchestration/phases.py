@@ -150,7 +150,7 @@ class WeightSync:
         self.probe_ids = probe_ids
         self.tolerance = tolerance
         self.verify = verify
-        self.previous_engine: list[float] | None = None
+        self.previous_engine: dict[int, list[float]] = {}  # by replica
         self.previous_trainer: list[float] | None = None
 
     def __call__(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> dict[str, float]:
@@ -168,27 +168,41 @@ class WeightSync:
         version: int,
         reference: Callable[[], list[float] | None],
     ) -> dict[str, float]:
-        """Load ``weights`` (version ``version``) into the engine and, when verifying, compare the engine's probe
-        logprobs with ``reference()``, the trainer's at that version."""
+        """Load ``weights`` (version ``version``) into the engine and, when verifying, compare the probe logprobs of
+        the engine (of each replica, behind a router) with ``reference()``, the trainer's at that version."""
         started = time.perf_counter()
         metrics = engine.load_weights(weights, version=version)
         metrics["sync/seconds"] = time.perf_counter() - started
         trainer_logprobs = reference()
         if trainer_logprobs is not None:
-            metrics.update(self.compare(engine.score(self.probe_ids), trainer_logprobs, version=version).metrics())
+            replicas: list[InferenceEngine] = getattr(engine, "replicas", None) or [engine]
+            checks = [
+                self.compare(replica.score(self.probe_ids), trainer_logprobs, version=version, replica=index)
+                for index, replica in enumerate(replicas)
+            ]
+            self.previous_trainer = trainer_logprobs
+            worst = max(checks, key=lambda check: check.mismatch_mean)
+            metrics.update(worst.metrics())
         return metrics
 
     def check(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> ProbeCheck:
-        return self.compare(engine.score(self.probe_ids), trainer.compute_logprobs(self.probe_ids), version=version)
+        trainer_logprobs = trainer.compute_logprobs(self.probe_ids)
+        check = self.compare(engine.score(self.probe_ids), trainer_logprobs, version=version)
+        self.previous_trainer = trainer_logprobs
+        return check
 
-    def compare(self, engine_logprobs: list[float], trainer_logprobs: list[float], *, version: int) -> ProbeCheck:
+    def compare(
+        self, engine_logprobs: list[float], trainer_logprobs: list[float], *, version: int, replica: int = 0
+    ) -> ProbeCheck:
+        """Check one engine (``replica``: which one behind a router) against the trainer; the caller then records
+        ``trainer_logprobs`` as the previous sync's."""
         check = verify_probe(
             engine=engine_logprobs,
             trainer=trainer_logprobs,
-            previous_engine=self.previous_engine,
+            previous_engine=self.previous_engine.get(replica),
             previous_trainer=self.previous_trainer,
             tolerance=self.tolerance,
             version=version,
         )
-        self.previous_engine, self.previous_trainer = engine_logprobs, trainer_logprobs
+        self.previous_engine[replica] = engine_logprobs
         return check

@@ -159,3 +159,17 @@ def test_the_evaluation_recipes_are_valid():
     for recipe in recipes:
         config = load_config(recipe, [])
         assert config.evaluation.num_samples >= max(config.evaluation.ks)
+
+
+def test_async_settings_need_async_mode_and_load_in_it():
+    with pytest.raises(ConfigError, match=r'rollout\.weight_updates = "in_flight" needs rollout\.mode = "async"'):
+        load_config(None, ['rollout.weight_updates="in_flight"'])
+    config = load_config(None, ['rollout.mode="async"', "rollout.max_staleness=3", 'rollout.weight_updates="abort"'])
+    assert (config.rollout.max_staleness, config.rollout.weight_updates) == (3, "abort")
+    with pytest.raises(ConfigError, match=r"rollout\.max_staleness"):
+        load_config(None, ['rollout.mode="async"', "rollout.max_staleness=-1"])
+
+
+def test_a_sharded_trainer_refuses_a_critic():
+    with pytest.raises(ConfigError, match='trainer_ranks = 2 shards the policy with FSDP2, but advantage = "gae"'):
+        load_config(None, ['runtime.type="ray"', "runtime.trainer_ranks=2", 'trainer.algorithm.advantage="gae"'])

@@ -11,6 +11,8 @@ call with the result, so the driver can put them on the run's timeline without a
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, Tr
 
 if TYPE_CHECKING:
     from sharpen.rollout.engines import InferenceEngine
+    from sharpen.trainer import Trainer
 
 
 class SpanRecordingActor:
@@ -43,47 +46,101 @@ class SpanRecordingActor:
 
 
 class TrainerActor(SpanRecordingActor):
-    def __init__(self, config: SharpenConfig) -> None:
-        super().__init__(process_name="trainer actor")
-        with self.spans.span("start", category="actor"):  # loading the model: the first thing on its timeline
-            model_path = resolve_model_path(config.model.path)
-            self.trainer = build_trainer(config, model_path=model_path, tokenizer=load_tokenizer(model_path))
+    """One trainer rank. With ``world_size`` 1 it builds the single-device trainer at once; with more, the ranks
+    first agree on a rendezvous (`rendezvous_address` on rank 0), then each `join`s the process group and builds
+    its FSDP2 shard of the trainer. Every collective method must then be called on all ranks together (the
+    driver's `TrainerGroupProxy` does)."""
+
+    def __init__(self, config: SharpenConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        name = "trainer actor" if world_size == 1 else f"trainer rank {rank}"
+        super().__init__(process_name=name)
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer: Trainer | None = None
+        if world_size == 1:
+            with self.spans.span("start", category="actor"):  # loading the model: the first thing on its timeline
+                model_path = resolve_model_path(config.model.path)
+                self.trainer = build_trainer(config, model_path=model_path, tokenizer=load_tokenizer(model_path))
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it, for the process group's store (rank 0 hosts it)."""
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join the process group (blocks until every rank has joined) and build this rank's FSDP2 trainer."""
+        from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+
+        os.environ.update(
+            RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            LOCAL_RANK="0",  # Ray gives each GPU actor its own CUDA_VISIBLE_DEVICES
+        )
+        init_distributed()
+        model_path = resolve_model_path(self.config.model.path)
+        backend = FSDP2Backend(
+            self.config.trainer, model_path=model_path, dtype=self.config.model.dtype, seed=self.config.run.seed
+        )
+        self.trainer = build_trainer(
+            self.config, model_path=model_path, tokenizer=load_tokenizer(model_path), backend=backend
+        )
+
+    @property
+    def _trainer(self) -> Trainer:
+        if self.trainer is None:
+            raise RuntimeError(f"trainer rank {self.rank} has not joined its process group")
+        return self.trainer
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.trainer.step(batch)
+        return self._trainer.step(batch)
 
     def compute_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self.trainer.compute_logprobs(token_ids)
+        return self._trainer.compute_logprobs(token_ids)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
-        return self.trainer.kl_penalties(rollouts)
+        return self._trainer.kl_penalties(rollouts)
 
     def put_weights(self) -> list[Any]:
         """The full weights as one object-store entry owned by this actor; returned inside a list so the caller
         gets the ObjectRef rather than the tensors."""
-        weights = {name: tensor.detach().cpu() for name, tensor in self.trainer.named_weights()}
+        if self.rank != 0:  # the gather is collective: the other ranks take part and drop each tensor
+            for _ in self._trainer.named_weights():
+                pass
+            return []
+        weights = {name: tensor.detach().cpu() for name, tensor in self._trainer.named_weights()}
         return [ray.put(weights)]
 
     def save_checkpoint(self, folder: Path) -> None:
-        self.trainer.save_checkpoint(folder)
+        self._trainer.save_checkpoint(folder)
 
     def load_checkpoint(self, folder: Path) -> None:
-        self.trainer.load_checkpoint(folder)
+        self._trainer.load_checkpoint(folder)
 
     def export(self, folder: Path) -> None:
-        self.trainer.export(folder)
+        self._trainer.export(folder)
 
     def close(self) -> None:
-        pass  # the trainer holds nothing outside this process
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 class EngineActor(SpanRecordingActor):
-    def __init__(self, config: SharpenConfig) -> None:
-        super().__init__(process_name="engine actor")
+    """One engine replica (the driver routes between replicas, `EngineRouter`)."""
+
+    def __init__(self, config: SharpenConfig, *, replica: int = 0, num_replicas: int = 1) -> None:
+        super().__init__(process_name="engine actor" if num_replicas == 1 else f"engine replica {replica}")
         with self.spans.span("start", category="actor"):
             model_path = resolve_model_path(config.model.path)
+            one = config.model_copy(update={"rollout": config.rollout.model_copy(update={"num_engines": 1})})
             self.engine: InferenceEngine = build_run_engine(
-                config,
+                one,
                 model_path=model_path,
                 tokenizer=load_tokenizer(model_path),
                 device=str(resolve_device(config.trainer.device)),  # the device the embedded runtime would use

@@ -76,6 +76,9 @@ class FrozenWeights:
         weights = wait_for(self.ref, actor=self.trainer.name, call="named_weights", timeout_s=self.trainer.timeout_s)
         return iter(weights.items())
 
+    def freeze(self) -> FrozenWeights:
+        return self  # already a snapshot
+
 
 class ActorProxy:
     """Forwarding of method calls to one actor, each awaited for at most ``timeout_s``. The actor's constructor
@@ -94,11 +97,14 @@ class ActorProxy:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         ref = self.actor.invoke.remote(method, *args, **kwargs)
         result, spans = wait_for(ref, actor=self.name, call=method, timeout_s=self.timeout_s)
+        self.record_spans(spans)
+        return result
+
+    def record_spans(self, spans: list[Span]) -> None:
         if self._early_spans is not None:
             self._early_spans.extend(spans)
         elif self.timeline is not None:
             self.timeline.add_spans(spans)
-        return result
 
     def attach_timeline(self, timeline: Timeline | None) -> None:
         """Add the actor's spans to ``timeline`` from now on, those of earlier calls first; None drops them (the
@@ -144,6 +150,46 @@ class TrainerProxy(ActorProxy):
 
     def export(self, folder: Path) -> None:
         self.call("export", folder)
+
+
+class TrainerGroupProxy(TrainerProxy):
+    """The `Trainer` of several data-parallel rank actors (FSDP2): every call goes to all ranks at once (their
+    collectives must run in step), each gets the same arguments (put into the object store once), and the result
+    is rank 0's. One deadline for the whole call; the error names the rank that hung or died."""
+
+    def __init__(self, ranks: list[ActorProxy], *, name: str, timeout_s: float) -> None:  # pyright: ignore
+        # no super().__init__: the rank proxies already waited for their actors
+        self.ranks = ranks
+        self.name = name
+        self.timeout_s = timeout_s
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if args or kwargs:
+            args = tuple(ray.put(arg) for arg in args)  # a top-level ObjectRef reaches the actor as its value
+            kwargs = {key: ray.put(value) for key, value in kwargs.items()}
+        refs = [rank.actor.invoke.remote(method, *args, **kwargs) for rank in self.ranks]
+        deadline = time.monotonic() + self.timeout_s
+        results = []
+        for rank, ref in zip(self.ranks, refs, strict=True):
+            remaining = max(deadline - time.monotonic(), 0.0)
+            result, spans = wait_for(ref, actor=rank.name, call=method, timeout_s=remaining)
+            rank.record_spans(spans)
+            results.append(result)
+        return results[0]
+
+    def attach_timeline(self, timeline: Timeline | None) -> None:
+        for rank in self.ranks:
+            rank.attach_timeline(timeline)
+
+    def kill(self) -> None:
+        for rank in self.ranks:
+            rank.kill()
+
+    def close(self) -> None:
+        try:
+            self.call("close")
+        finally:
+            self.kill()
 
 
 class EngineProxy(ActorProxy):

@@ -2,27 +2,34 @@
 
 Owns connecting to (or starting) Ray, placing the two actors with the resources of `RuntimeConfig`, and stopping
 them. Everything else (run directory, resume, export, sinks, sandboxes, the loop itself) is `run_local`'s, which
-receives the actors' proxies as a caller-owned trainer and engine. One actor each: no sharded trainer, no engine
-replicas yet (see docs/scaling.md).
+receives the actors' proxies as a caller-owned trainer and engine. The trainer is one actor, or several FSDP2
+rank actors behind one `TrainerGroupProxy` (``runtime.trainer_ranks``); the engine is one actor, or
+``rollout.num_engines`` replica actors behind an `EngineRouter`; all actors share one placement group.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sharpen.config import SharpenConfig
+from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.config.runtime import RuntimeConfig
+from sharpen.config.schema import check_trainer_ranks
 from sharpen.monitoring import Timeline
 from sharpen.orchestration.local import run_local
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
-from sharpen.orchestration.ray.proxies import EngineProxy, TrainerProxy
+from sharpen.orchestration.ray.proxies import ActorCallError, EngineProxy, TrainerGroupProxy, TrainerProxy
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
+from sharpen.rollout.engines.router import EngineRouter
 from sharpen.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -40,24 +47,72 @@ def start_ray(runtime: RuntimeConfig) -> bool:
     return True
 
 
-def start_trainer(config: SharpenConfig, runtime: RuntimeConfig) -> TrainerProxy:
-    actor = (
-        ray.remote(TrainerActor)
-        .options(num_cpus=runtime.trainer_cpus, num_gpus=runtime.trainer_gpus, max_restarts=0)
-        .remote(config)
-    )
-    return TrainerProxy(
-        actor, name="trainer", timeout_s=runtime.call_timeout_s, start_timeout_s=runtime.start_timeout_s
-    )
+def place(runtime: RuntimeConfig, *, num_engines: int = 1) -> PlacementGroup:
+    """One placement group: a bundle per trainer rank, then one per engine replica, placed by
+    ``runtime.placement_strategy``; waits for the cluster to have room, at most ``start_timeout_s``."""
+    trainer = {"CPU": runtime.trainer_cpus, **({"GPU": runtime.trainer_gpus} if runtime.trainer_gpus else {})}
+    engine = {"CPU": runtime.engine_cpus, **({"GPU": runtime.engine_gpus} if runtime.engine_gpus else {})}
+    bundles = [dict(trainer) for _ in range(runtime.trainer_ranks)] + [dict(engine) for _ in range(num_engines)]
+    group = placement_group(bundles, strategy=runtime.placement_strategy)
+    try:
+        ray.get(group.ready(), timeout=runtime.start_timeout_s)
+    except GetTimeoutError as error:
+        remove_placement_group(group)
+        raise ActorCallError(
+            f"ray could not place {runtime.trainer_ranks} trainer rank(s) {trainer} and {num_engines} "
+            f"engine(s) {engine} "
+            f"({runtime.placement_strategy}) within {runtime.start_timeout_s:g} s; the cluster has "
+            f"{ray.available_resources()} available"
+        ) from error
+    return group
 
 
-def start_engine(config: SharpenConfig, runtime: RuntimeConfig) -> EngineProxy:
-    actor = (
-        ray.remote(EngineActor)
-        .options(num_cpus=runtime.engine_cpus, num_gpus=runtime.engine_gpus, max_restarts=0)
-        .remote(config)
-    )
-    return EngineProxy(actor, name="engine", timeout_s=runtime.call_timeout_s, start_timeout_s=runtime.start_timeout_s)
+def _in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+
+
+def start_trainer(config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None) -> TrainerProxy:
+    """The trainer: one actor, or ``runtime.trainer_ranks`` FSDP2 rank actors joined into one process group."""
+    num_ranks = runtime.trainer_ranks
+    ranks = []
+    for rank in range(num_ranks):
+        options: dict[str, Any] = {
+            "num_cpus": runtime.trainer_cpus,
+            "num_gpus": runtime.trainer_gpus,
+            "max_restarts": 0,
+        }
+        if group is not None:
+            options["scheduling_strategy"] = _in_bundle(group, rank)
+        actor = ray.remote(TrainerActor).options(**options).remote(config, rank=rank, world_size=num_ranks)
+        name = "trainer" if num_ranks == 1 else f"trainer rank {rank}"
+        ranks.append(
+            TrainerProxy(actor, name=name, timeout_s=runtime.call_timeout_s, start_timeout_s=runtime.start_timeout_s)
+        )
+    if num_ranks == 1:
+        return ranks[0]
+    trainer = TrainerGroupProxy(ranks, name="trainer", timeout_s=runtime.start_timeout_s)
+    master_addr, master_port = ranks[0].call("rendezvous_address")
+    trainer.call("join", master_addr, master_port)  # every rank loads the model and takes its shard
+    trainer.timeout_s = runtime.call_timeout_s
+    return trainer
+
+
+def start_engines(
+    config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None
+) -> list[EngineProxy]:
+    """``rollout.num_engines`` engine actors (replicas), in the bundles after the trainer ranks'."""
+    num_engines = config.rollout.num_engines
+    engines = []
+    for replica in range(num_engines):
+        options: dict[str, Any] = {"num_cpus": runtime.engine_cpus, "num_gpus": runtime.engine_gpus, "max_restarts": 0}
+        if group is not None:
+            options["scheduling_strategy"] = _in_bundle(group, runtime.trainer_ranks + replica)
+        actor = ray.remote(EngineActor).options(**options).remote(config, replica=replica, num_replicas=num_engines)
+        name = "engine" if num_engines == 1 else f"engine replica {replica}"
+        engines.append(
+            EngineProxy(actor, name=name, timeout_s=runtime.call_timeout_s, start_timeout_s=runtime.start_timeout_s)
+        )
+    return engines
 
 
 def run_ray(
@@ -67,7 +122,11 @@ def run_ray(
 
     The actors are stopped at the end (after a graceful close when the run succeeded, at once when it failed, so
     a hung actor cannot hold the error back); Ray is shut down only if this call started it."""
-    resolve_model_path(config.model.path)  # a user error, before any actor exists
+    resolve_model_path(config.model.path)  # user errors, before any actor exists
+    try:
+        check_trainer_ranks(runtime, config.trainer)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
     started = start_ray(runtime)
     proxies: list[TrainerProxy | EngineProxy] = []
 
@@ -75,11 +134,14 @@ def run_ray(
         for proxy in proxies:
             proxy.attach_timeline(timeline)
 
+    group = None
     try:
-        trainer = start_trainer(config, runtime)
+        group = place(runtime, num_engines=config.rollout.num_engines)
+        trainer = start_trainer(config, runtime, group)
         proxies.append(trainer)
-        engine = start_engine(config, runtime)
-        proxies.append(engine)
+        engines = start_engines(config, runtime, group)
+        proxies.extend(engines)
+        engine = engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])
         # The proxies stand in for the components the loop types as `Trainer` and `InferenceEngine`.
         run_dir = run_local(
             config,
@@ -95,5 +157,7 @@ def run_ray(
     finally:
         for proxy in proxies:
             proxy.kill()
+        if group is not None:
+            remove_placement_group(group)
         if started:
             ray.shutdown()

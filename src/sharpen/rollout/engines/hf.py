@@ -3,17 +3,23 @@ engine of unit and integration tests with tiny models.
 
 It holds its own copy of the model, so weight sync into it is a real copy, checked like any other engine's.
 Sampling is seeded once per `generate` call from the first request's seed (batched HF sampling has no
-per-request seeds), which keeps runs reproducible for a fixed batch.
+per-request seeds), which keeps runs reproducible for a fixed batch; seeded sampling holds a process-wide lock,
+because transformers draws from torch's global generator.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from sharpen.types import Completion, PolicyVersion, SamplingParams
+
+_GLOBAL_RNG = threading.Lock()
+"""Held while a seeded batch samples: engines of this process (replicas behind a router, the async producer's) would
+otherwise interleave their seeds and draws on torch's one global generator."""
 
 
 class HfEngine:
@@ -49,6 +55,17 @@ class HfEngine:
         for row, ids in enumerate(prompts):  # left padding: every prompt ends where generation starts
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
+        with _GLOBAL_RNG:  # transformers samples from torch's global generator: one seeded call at a time
+            return self._seeded_generate_batch(prompts, param, input_ids, attention_mask, width)
+
+    def _seeded_generate_batch(
+        self,
+        prompts: list[list[int]],
+        param: SamplingParams,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        width: int,
+    ) -> list[Completion]:
         if param.seed is not None:
             torch.manual_seed(param.seed)
         eos = [self.tokenizer.eos_token_id, *param.stop_token_ids]
