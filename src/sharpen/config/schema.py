@@ -261,6 +261,11 @@ class TrainerConfig(Section):
 
 
 class WeightSyncConfig(Section):
+    transport: Literal["object_store", "broadcast"] = "object_store"
+    """Ray runtime: how weights go from the trainer to the engine actors. ``object_store``: the trainer actor puts
+    them into Ray's object store once, each engine actor takes them from there; ``broadcast``: a torch.distributed
+    (gloo) broadcast from trainer rank 0 to every engine actor at once, in checksummed buckets of bucket_mb. (In
+    the embedded runtime the engine is in this process or on this node: neither applies.)"""
     bucket_mb: int = Field(default=128, ge=1)
     """Size (MiB) at which a weight-sync bucket is closed, at the next layer boundary. The sender keeps two buckets
     in shared memory and fills one while the engine loads the other."""
@@ -356,6 +361,10 @@ class SharpenConfig(Section):
                 f"not {environment.type!r}"
             )
         check_trainer_ranks(self.runtime, self.trainer)
+        if self.weight_sync.transport == "broadcast" and self.runtime.type != "ray":
+            raise ValueError(
+                'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'
+            )
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
             raise ValueError(

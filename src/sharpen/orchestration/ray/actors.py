@@ -23,6 +23,7 @@ from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
 from sharpen.orchestration.local import build_run_engine, build_trainer, load_tokenizer
+from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
 
@@ -90,6 +91,25 @@ class TrainerActor(SpanRecordingActor):
             self.config, model_path=model_path, tokenizer=load_tokenizer(model_path), backend=backend
         )
 
+    def join_weight_group(self, master_addr: str, master_port: int, world_size: int) -> None:
+        """Rank 0 joins the weight-broadcast group as its sender (and hosts its store); other ranks take no part."""
+        if self.rank == 0:
+            self.weight_group = open_weight_group(
+                rank=0, world_size=world_size, master_addr=master_addr, master_port=master_port
+            )
+
+    def broadcast_weights(self, version: PolicyVersion) -> dict[str, float]:
+        """Send the full weights to the engine actors of the weight group; the other ranks only take part in
+        gathering them (collective)."""
+        if self.rank != 0:
+            for _ in self._trainer.named_weights():
+                pass
+            return {}
+        bucket_bytes = self.config.weight_sync.bucket_mb << 20
+        return send_weights(
+            self.weight_group, self._trainer.named_weights(), version=version, bucket_bytes=bucket_bytes
+        )
+
     @property
     def _trainer(self) -> Trainer:
         if self.trainer is None:
@@ -148,6 +168,15 @@ class EngineActor(SpanRecordingActor):
 
     def get_policy_version(self) -> PolicyVersion:
         return self.engine.policy_version
+
+    def join_weight_group(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+        self.weight_group = open_weight_group(
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port
+        )
+
+    def receive_weights(self, version: PolicyVersion) -> dict[str, float]:
+        """Load the weights the trainer broadcasts to the weight group (verified bucket by bucket)."""
+        return self.engine.load_weights(receive_weights(self.weight_group, version=version), version=version)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         return self.engine.generate(prompts, params)

@@ -95,8 +95,15 @@ class ActorProxy:
         wait_for(actor.__ray_ready__.remote(), actor=name, call="__init__", timeout_s=start_timeout_s)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        ref = self.actor.invoke.remote(method, *args, **kwargs)
-        result, spans = wait_for(ref, actor=self.name, call=method, timeout_s=self.timeout_s)
+        return self.receive(self.submit(method, *args, **kwargs), method)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Start a call without waiting (`receive` waits for it): for calls that must run at the same time on
+        several actors, like the two sides of a broadcast."""
+        return self.actor.invoke.remote(method, *args, **kwargs)
+
+    def receive(self, ref: Any, method: str, *, timeout_s: float | None = None) -> Any:
+        result, spans = wait_for(ref, actor=self.name, call=method, timeout_s=timeout_s or self.timeout_s)
         self.record_spans(spans)
         return result
 
@@ -220,3 +227,53 @@ class EngineProxy(ActorProxy):
         metrics: dict[str, float] = self.call("load_weights", ref, version=version)
         self.policy_version = version
         return {**metrics, "sync/put_seconds": put_seconds}
+
+
+class BroadcastEngines:
+    """The run's engine (one `EngineProxy`, or an `EngineRouter` of them) with weight sync by torch.distributed
+    broadcast (``weight_sync.transport = "broadcast"``): the trainer's current weights (`RemoteWeights`) go from
+    trainer rank 0 to every engine actor of the weight group at once, in checksummed buckets. Other weights (an
+    async run's frozen snapshots, tensors in the driver) go the object-store way of the wrapped engine."""
+
+    def __init__(self, inner: Any, *, trainer: TrainerProxy, engines: list[EngineProxy]) -> None:
+        self.inner = inner
+        self.trainer = trainer
+        self.engines = engines
+        self.replicas = getattr(inner, "replicas", None)
+
+    @property
+    def policy_version(self) -> PolicyVersion:
+        return self.inner.policy_version
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        return self.inner.generate(prompts, params)
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.inner.score(token_ids)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
+        if not isinstance(weights, RemoteWeights):
+            return self.inner.load_weights(weights, version=version)
+        receiving = [engine.submit("receive_weights", version) for engine in self.engines]  # they wait for the sender
+        metrics: dict[str, float] = self.trainer.call("broadcast_weights", version)
+        for engine, ref in zip(self.engines, receiving, strict=True):
+            engine.receive(ref, "receive_weights")
+            engine.policy_version = version
+        return {**metrics, "sync/num_receivers": float(len(self.engines))}
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def join_weight_group(trainer: TrainerProxy, engines: list[EngineProxy], *, timeout_s: float) -> None:
+    """Trainer rank 0 (the sender, hosting the group's store) and every engine actor join one weight group."""
+    first = trainer.ranks[0] if isinstance(trainer, TrainerGroupProxy) else trainer
+    master_addr, master_port = first.call("rendezvous_address")
+    world_size = 1 + len(engines)
+    joining = [
+        (engine, engine.submit("join_weight_group", master_addr, master_port, rank, world_size))
+        for rank, engine in enumerate(engines, start=1)
+    ]
+    trainer.call("join_weight_group", master_addr, master_port, world_size)
+    for engine, ref in joining:
+        engine.receive(ref, "join_weight_group", timeout_s=timeout_s)

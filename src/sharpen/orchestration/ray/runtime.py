@@ -26,7 +26,14 @@ from sharpen.config.schema import check_trainer_ranks
 from sharpen.monitoring import Timeline
 from sharpen.orchestration.local import run_local
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
-from sharpen.orchestration.ray.proxies import ActorCallError, EngineProxy, TrainerGroupProxy, TrainerProxy
+from sharpen.orchestration.ray.proxies import (
+    ActorCallError,
+    BroadcastEngines,
+    EngineProxy,
+    TrainerGroupProxy,
+    TrainerProxy,
+    join_weight_group,
+)
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.engines.router import EngineRouter
@@ -141,7 +148,12 @@ def run_ray(
         proxies.append(trainer)
         engines = start_engines(config, runtime, group)
         proxies.extend(engines)
-        engine = engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])
+        engine: InferenceEngine | BroadcastEngines = (
+            engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])
+        )
+        if config.weight_sync.transport == "broadcast":
+            join_weight_group(trainer, engines, timeout_s=runtime.start_timeout_s)
+            engine = BroadcastEngines(engine, trainer=trainer, engines=engines)
         # The proxies stand in for the components the loop types as `Trainer` and `InferenceEngine`.
         run_dir = run_local(
             config,
