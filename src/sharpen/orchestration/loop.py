@@ -71,14 +71,14 @@ class Components:
     make_environment: EnvironmentFactory = SingleTurnEnvironment
     episode_limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     sandbox: Any = None
+    """The sandbox pool of environments that run code (None when the environment needs none)."""
     timeline: Timeline | None = None
+    """Where phases are recorded as a Chrome-trace timeline (None: off)."""
     eval_examples: list[Example] = field(default_factory=list[Example])
+    """Tasks of the periodic evaluation (evaluation.every_steps)."""
     parity_probe: ParityProbe | None = None
     """Fixed probe sequences whose engine and trainer logprobs are compared every monitoring.parity_probe_every
     steps (None: off)."""
-    """Tasks of the periodic evaluation (evaluation.every_steps)."""
-    """Where phases are recorded as a Chrome-trace timeline (None: off)."""
-    """The sandbox pool of environments that run code (None when the environment needs none)."""
 
 
 def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBatch] = ()) -> None:

@@ -13,6 +13,8 @@ shared-memory transport's. How an engine loads the received tensors is its `load
 from __future__ import annotations
 
 import pickle
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -71,20 +73,38 @@ def _receive_object(group: Any, device: torch.device) -> Any:
     return pickle.loads(payload.cpu().numpy().tobytes())
 
 
-def send_weights(
-    group: Any,
+def _ahead(items: Iterable[Any], *, depth: int = 1) -> Iterator[Any]:
+    """``items``, produced by a background thread up to ``depth`` items ahead of the consumer (packing the next
+    bucket while this one is on the wire; receiving the next while the engine copies this one). An exception in
+    the producer is raised in the consumer."""
+    slots: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=depth)
+
+    def produce() -> None:
+        try:
+            for item in items:
+                slots.put(("item", item))
+            slots.put(("end", None))
+        except BaseException as error:
+            slots.put(("error", error))
+
+    threading.Thread(target=produce, name="sharpen-weight-broadcast", daemon=True).start()
+    while True:
+        kind, value = slots.get()
+        if kind == "end":
+            return
+        if kind == "error":
+            raise value
+        yield value
+
+
+def _pack(
     weights: Iterable[tuple[str, torch.Tensor]],
     *,
     version: int,
     bucket_bytes: int,
-    device: torch.device | None = None,
-    tamper: Callable[[int, torch.Tensor], None] | None = None,
-) -> dict[str, float]:
-    """Broadcast ``weights`` (full tensors) in buckets to the group; returns ``sync/*`` metrics. ``device``: where
-    buckets are assembled (cuda for NCCL); ``tamper`` (tests only) changes a bucket after its checksum."""
-    device = device or torch.device("cpu")
-    checksums: list[str] = []
-    num_bytes = 0
+    device: torch.device,
+    tamper: Callable[[int, torch.Tensor], None] | None,
+) -> Iterator[tuple[dict[str, Any], torch.Tensor]]:
     for index, batch in enumerate(iter_groups(weights, bucket_bytes)):
         entries, parts, offset = [], [], 0
         for name, tensor in batch:
@@ -94,13 +114,32 @@ def send_weights(
             offset += flat.numel()
         bucket = torch.cat(parts).to(device)
         checksum = bytes_checksum(bucket.cpu())
-        checksums.append(checksum)
         if tamper is not None:
             tamper(index, bucket)
-        header = {"version": version, "index": index, "entries": entries, "checksum": checksum, "size": offset}
+        yield {"version": version, "index": index, "entries": entries, "checksum": checksum, "size": offset}, bucket
+
+
+def send_weights(
+    group: Any,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    version: int,
+    bucket_bytes: int,
+    device: torch.device | None = None,
+    tamper: Callable[[int, torch.Tensor], None] | None = None,
+) -> dict[str, float]:
+    """Broadcast ``weights`` (full tensors) in buckets to the group, packing bucket k+1 while bucket k is sent;
+    returns ``sync/*`` metrics. ``device``: where buckets are assembled (cuda for NCCL); ``tamper`` (tests only)
+    changes a bucket after its checksum."""
+    device = device or torch.device("cpu")
+    checksums: list[str] = []
+    num_bytes = 0
+    packed = _pack(weights, version=version, bucket_bytes=bucket_bytes, device=device, tamper=tamper)
+    for header, bucket in _ahead(packed):
         _send_object(group, header, device)
         _broadcast(group, bucket)
-        num_bytes += offset
+        checksums.append(header["checksum"])
+        num_bytes += header["size"]
     _send_object(
         group,
         {"version": version, "end": True, "num_buckets": len(checksums), "checksum": combine_checksums(checksums)},
@@ -109,22 +148,32 @@ def send_weights(
     return {"sync/num_buckets": float(len(checksums)), "sync/bytes": float(num_bytes)}
 
 
+def _receive_buckets(group: Any, device: torch.device) -> Iterator[tuple[dict[str, Any], torch.Tensor | None]]:
+    """Every (header, bucket) of one sync, then the final header (with None)."""
+    while True:
+        header = _receive_object(group, device)
+        if header.get("end"):
+            yield header, None
+            return
+        bucket = torch.empty(header["size"], dtype=torch.uint8, device=device)
+        _broadcast(group, bucket)
+        yield header, bucket
+
+
 def receive_weights(
     group: Any, *, version: int, device: torch.device | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors of one broadcast sync, verified bucket by bucket (they are views into the received bucket; the
-    caller copies them into its model). Must be consumed to the end, in step with the sender."""
+    caller copies them into its model), the next bucket received while the caller copies this one. Must be
+    consumed to the end, in step with the sender."""
     device = device or torch.device("cpu")
     checksums: list[str] = []
-    error: BucketError | None = (
-        None  # after a bad bucket the rest is drained (the sender is mid-broadcast), then raised
-    )
-    while True:
-        header = _receive_object(group, device)
-        if header.get("end"):
+    error: BucketError | None = None  # after a bad bucket the rest is drained (the sender is mid-send), then raised
+    final: dict[str, Any] = {}
+    for header, bucket in _ahead(_receive_buckets(group, device)):
+        if bucket is None:
+            final = header
             break
-        bucket = torch.empty(header["size"], dtype=torch.uint8, device=device)
-        _broadcast(group, bucket)
         got = bytes_checksum(bucket.cpu())
         checksums.append(header["checksum"])
         if error is not None:
@@ -132,9 +181,8 @@ def receive_weights(
         if header["version"] != version:
             error = BucketError(f"weight broadcast: expected version {version}, the sender sent {header['version']}")
         elif header["index"] != len(checksums) - 1:
-            error = BucketError(
-                f"weight broadcast: bucket {header['index']} arrived where {len(checksums) - 1} was due"
-            )
+            due = len(checksums) - 1
+            error = BucketError(f"weight broadcast: bucket {header['index']} arrived where {due} was due")
         elif got != header["checksum"]:
             error = BucketError(
                 f"weight broadcast of version {version}: bucket {header['index']} is corrupted (checksum {got}, "
@@ -146,8 +194,12 @@ def receive_weights(
                 yield name, tensor.view(shape)
     if error is not None:
         raise error
-    if header["num_buckets"] != len(checksums) or header["checksum"] != combine_checksums(checksums):
+    if final.get("version") != version:
+        raise BucketError(
+            f"weight broadcast: expected version {version}, the sender ended version {final.get('version')}"
+        )
+    if final["num_buckets"] != len(checksums) or final["checksum"] != combine_checksums(checksums):
         raise BucketError(
             f"weight broadcast of version {version}: received {len(checksums)} buckets, the sender sent "
-            f"{header['num_buckets']} (or their checksums differ)"
+            f"{final['num_buckets']} (or their checksums differ)"
         )
