@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import tempfile
 import time
@@ -29,33 +28,8 @@ from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import read_jsonl
 from sharpen.orchestration.local import build_trainer, load_tokenizer, run_local
 from sharpen.rollout.engines.scripted import ScriptedEngine
+from sharpen.testing import save_tiny_llama
 from sharpen.types import Completion, Example, RewardResult, RewardStatus, SamplingParams, TrainBatch
-
-
-def tiny_model(folder: Path) -> Path:
-    """A 2-layer random Llama with SmolLM2's tokenizer (what the integration tests use)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    smollm2 = resolve_model_path("smollm2-135m-instruct")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (smollm2 / name).is_file():
-            shutil.copy2(smollm2 / name, folder / name)
-    return folder
 
 
 class SleepingEngine(ScriptedEngine):
@@ -120,7 +94,7 @@ def seconds_per_step(run_dir: Path) -> tuple[float, dict[str, float]]:
 
 def scripted(steps: int, ratios: list[float], base: float) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(Path(tmp) / "tiny")
+        model = save_tiny_llama(Path(tmp) / "tiny", tokenizer_from=resolve_model_path("smollm2-135m-instruct"))
         tokenizer = load_tokenizer(model)
         print(f"{steps} steps each; base {base:.2f} s; max_staleness 1, weights between batches")
         print(f"{'gen:train':>9} {'sync s/step':>11} {'async s/step':>12} {'speedup':>8} {'ideal':>6} {'of ideal':>8}")

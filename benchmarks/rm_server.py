@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -25,31 +24,14 @@ from pathlib import Path
 
 from sharpen.config.models import resolve_model_path
 from sharpen.rewards.rm_client import RewardModelClient
+from sharpen.testing import save_tiny_llama
 from sharpen.types import Example, Message
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def _build_tiny_model(folder: Path) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=2,
+    save_tiny_llama(
+        folder, tokenizer_from=resolve_model_path("smollm2-135m-instruct"), reward_model=True, hidden_size=64
     )
-    LlamaForSequenceClassification(config).save_pretrained(folder)
-    tokenizer_dir = resolve_model_path("smollm2-135m-instruct")
-    for name in _TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy2(tokenizer_dir / name, folder / name)
 
 
 def _health(url: str) -> dict:
