@@ -12,6 +12,7 @@ import torch
 from test_async import comparable
 from test_tiny_loop import stable, tiny_config, vowel_reward
 
+from sharpen.config import SharpenConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.monitoring import read_jsonl, read_timeline
 from sharpen.orchestration.runtime import run
@@ -47,17 +48,20 @@ def wait_for_free_cpus(expected: float) -> float:
     return free
 
 
+def run_in_this_process(config: SharpenConfig) -> Path:
+    """The local run of a comparison; it sets torch's thread count for this whole process, restored after."""
+    previous_threads = torch.get_num_threads()
+    try:
+        return run(config, reward_fn=vowel_reward)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
 def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(tiny_model_path: Path, tmp_path: Path) -> None:
     # One torch thread in both runs: the actors get OMP_NUM_THREADS=1 from Ray, and a different thread count in the
     # driver would change float summation order (differences of ~1e-8 seen in the loss).
     threads = {"trainer.num_threads": "1"}
-    previous_threads = torch.get_num_threads()
-    try:
-        local = run(
-            tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **threads), reward_fn=vowel_reward
-        )
-    finally:
-        torch.set_num_threads(previous_threads)  # the local run set it for this whole process
+    local = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **threads))
     remote = run(
         tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3, **threads),
         runtime=RAY_RUNTIME,
@@ -94,13 +98,7 @@ def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(tiny_model_
 def test_async_mode_on_ray_actors_trains_like_async_mode_locally(tiny_model_path: Path, tmp_path: Path) -> None:
     # pinned weight updates make an async run reproducible, so the two runtimes must agree exactly
     options = {"trainer.num_threads": "1", "rollout.mode": '"async"', "rollout.max_staleness": "1"}
-    previous_threads = torch.get_num_threads()
-    try:
-        local = run(
-            tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **options), reward_fn=vowel_reward
-        )
-    finally:
-        torch.set_num_threads(previous_threads)
+    local = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **options))
     remote = run(
         tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3, **options),
         runtime=RAY_RUNTIME,
@@ -121,11 +119,7 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
     from safetensors.torch import load_file
 
     options = {"trainer.num_threads": "1", "run.export_model": "true"}
-    previous_threads = torch.get_num_threads()
-    try:
-        one = run(tiny_config(tiny_model_path, tmp_path, name="one", num_steps=3, **options), reward_fn=vowel_reward)
-    finally:
-        torch.set_num_threads(previous_threads)
+    one = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="one", num_steps=3, **options))
     broadcast = {"runtime.type": '"ray"', "weight_sync.transport": '"broadcast"'}  # rank 0 -> engine over gloo
     two = run(
         tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **options, **broadcast),
@@ -161,13 +155,7 @@ def test_engine_replicas_behind_a_router_locally_and_as_ray_actors(tiny_model_pa
     (two engines in this process)."""
     broadcast = {"runtime.type": '"ray"', "weight_sync.transport": '"broadcast"'}
     options = {"trainer.num_threads": "1", "rollout.num_engines": "2"}
-    previous_threads = torch.get_num_threads()
-    try:
-        local = run(
-            tiny_config(tiny_model_path, tmp_path, name="local", num_steps=2, **options), reward_fn=vowel_reward
-        )
-    finally:
-        torch.set_num_threads(previous_threads)
+    local = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="local", num_steps=2, **options))
     remote = run(
         tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=2, **options, **broadcast),
         runtime=RAY_RUNTIME,
