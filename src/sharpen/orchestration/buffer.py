@@ -76,6 +76,13 @@ class BatchSource(Protocol):
         than the checkpoint's (async mode); waits for them to finish."""
         ...
 
+    def step_metrics(
+        self, step: int, trained: list[Rollout], *, train_started: float, train_ended: float
+    ) -> dict[str, float]:
+        """What the source measures of a step (async mode: staleness of ``trained``, overlap with the train phase
+        from ``train_started`` to ``train_ended``, perf_counter seconds)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -371,6 +378,15 @@ class AsyncBatches:
             if self._error is not None:
                 raise self._error
             return [pickle.loads(pickle.dumps(self._ready[g])) for g in needed]
+
+    def step_metrics(
+        self, step: int, trained: list[Rollout], *, train_started: float, train_ended: float
+    ) -> dict[str, float]:
+        metrics = staleness_metrics(trained, step=step, max_staleness=self.max_staleness)
+        train_seconds = train_ended - train_started
+        overlap = self.overlap(train_started, train_ended)
+        metrics["async/overlap_ratio"] = overlap / train_seconds if train_seconds > 0 else 0.0
+        return metrics
 
     def overlap(self, start: float, end: float) -> float:
         """Seconds of [start, end] (perf_counter) during which the producer was generating."""

@@ -34,7 +34,6 @@ from sharpen.orchestration.buffer import (
     BatchSource,
     ProducedBatch,
     PublishedWeights,
-    staleness_metrics,
 )
 from sharpen.orchestration.checkpoint import save_checkpoint
 from sharpen.orchestration.filters import DynamicSamplingBuffer, overlong_filter
@@ -51,7 +50,7 @@ from sharpen.rewards.hack_monitor import hack_metrics, penalise_flagged, screen_
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import generate_groups
 from sharpen.trainer import Trainer
-from sharpen.types import Example, RolloutGroup, SamplingParams, TrainBatch
+from sharpen.types import Example, Rollout, RolloutGroup, SamplingParams, TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -127,11 +126,7 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
                 "policy/version": float(step + 1),
                 **peak_memory_metrics(),
             }
-            if isinstance(source, AsyncBatches):
-                metrics.update(staleness_metrics(trained, step=step, max_staleness=config.rollout.max_staleness))
-                train_seconds = train_ended - train_started
-                overlap = source.overlap(train_started, train_ended)
-                metrics["async/overlap_ratio"] = overlap / train_seconds if train_seconds > 0 else 0.0
+            metrics.update(source.step_metrics(step, trained, train_started=train_started, train_ended=train_ended))
             every = config.evaluation.every_steps
             if every and ((step + 1) % every == 0 or step + 1 == config.run.num_steps):
                 with timer.phase("evaluate"), source.exclusive(step + 1) as engine:
@@ -241,6 +236,11 @@ class SyncBatches:
 
     def pending(self, next_step: int) -> list[ProducedBatch]:
         return [self.kept[step] for step in sorted(self.kept) if step >= next_step]
+
+    def step_metrics(
+        self, step: int, trained: list[Rollout], *, train_started: float, train_ended: float
+    ) -> dict[str, float]:
+        return {}
 
     def close(self) -> None:
         pass

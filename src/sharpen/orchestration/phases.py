@@ -185,12 +185,6 @@ class WeightSync:
             metrics.update(worst.metrics())
         return metrics
 
-    def check(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> ProbeCheck:
-        trainer_logprobs = trainer.compute_logprobs(self.probe_ids)
-        check = self.compare(engine.score(self.probe_ids), trainer_logprobs, version=version)
-        self.previous_trainer = trainer_logprobs
-        return check
-
     def compare(
         self, engine_logprobs: list[float], trainer_logprobs: list[float], *, version: int, replica: int = 0
     ) -> ProbeCheck:
