@@ -41,6 +41,22 @@ def wait_for_free_cpus(expected: float) -> float:
     return free
 
 
+def kill_and_wait(actor: object) -> None:
+    """`ray.kill` only asks the GCS to kill the actor: a call sent right after may still reach the live worker.
+    Wait until the actor answers as dead, so the next call the pool sends to it is sure to fail."""
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=5)  # type: ignore[attr-defined]
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError("a killed actor still answers after 30 s")
+
+
 def test_a_ray_reward_model_scores_like_a_direct_forward_on_every_actor(tiny_reward_model_path: Path) -> None:
     from sharpen.config import SharpenConfig
     from sharpen.orchestration.local import build_reward_fn
@@ -93,7 +109,7 @@ def test_hung_failing_and_dead_actors_abstain_naming_the_actor(caplog: pytest.Lo
             failed = pool(_example("q"), "boom")  # rm/0: ties go round the pool
             assert failed.score is None and failed.status is RewardStatus.INFRA_ERROR
             assert "ray actor 'rm/0' failed in score(): ValueError" in caplog.text
-            ray.kill(actors[1], no_restart=True)
+            kill_and_wait(actors[1])
             dead = pool(_example("q"), "abc")  # rm/1, now dead
             assert dead.score is None and dead.status is RewardStatus.INFRA_ERROR
             assert "ray actor 'rm/1' died during score()" in caplog.text
@@ -104,7 +120,7 @@ def test_hung_failing_and_dead_actors_abstain_naming_the_actor(caplog: pytest.Lo
             assert hung.score is None and hung.status is RewardStatus.TIMEOUT
             assert time.monotonic() - started < 10
             assert "ray actor 'rm/0' did not answer score() within 2 s; 1 rollouts abstain" in caplog.text
-            ray.kill(actors[0], no_restart=True)
+            kill_and_wait(actors[0])
             pool(_example("q"), "abc")
             gone = pool(_example("q"), "abc")
         assert gone.score is None and gone.status is RewardStatus.INFRA_ERROR
