@@ -19,7 +19,7 @@ VOLATILE_PREFIXES = ("time/", "throughput/", "memory/")
 
 def is_volatile(key: str) -> bool:
     """Timings and memory: everything else in a run's metrics is reproducible bit for bit."""
-    return key.startswith(VOLATILE_PREFIXES) or key.endswith("seconds")
+    return key.startswith(VOLATILE_PREFIXES) or key.endswith(("seconds", "per_second"))
 
 
 def vowel_reward(example: Example, completion: str) -> RewardResult:

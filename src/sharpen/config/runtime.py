@@ -39,6 +39,12 @@ class RuntimeConfig(Section):
     """GPUs reserved for the trainer actor (Ray sets its CUDA_VISIBLE_DEVICES). Not yet exercised on a GPU."""
     engine_gpus: float = Field(default=0.0, ge=0.0)
     """GPUs reserved for the engine actor. Not yet exercised on a GPU."""
+    colocate: bool = False
+    """Trainer and engine share devices: the engine sleeps (frees its weights and cache) while the trainer steps and
+    wakes for the weight sync after the step. In the Ray runtime engine replica i goes into trainer rank i's
+    placement bundle (so rollout.num_engines must equal trainer_ranks) and, with GPUs, trainer_gpus +
+    engine_gpus must be at most 1 (e.g. 0.5 each: both actors on the same GPU). Sync mode only; vLLM needs its
+    sleep mode (CUDA, ROCm, XPU), the hf and scripted engines sleep anywhere."""
     call_timeout_s: float = Field(default=600.0, gt=0.0)
     """Longest wait for any call to an actor (a generate, a training step, a weight sync); past it the run stops
     with an error naming the actor and the call."""
@@ -49,4 +55,10 @@ class RuntimeConfig(Section):
     def _check_local_instance(self) -> RuntimeConfig:
         if self.num_cpus is not None and self.address is not None:
             raise ValueError("runtime.num_cpus sizes a local Ray instance; leave it unset with runtime.address")
+        if self.colocate and self.trainer_gpus + self.engine_gpus > 1:
+            raise ValueError(
+                f"runtime.colocate puts a trainer rank and an engine on one GPU, but trainer_gpus = "
+                f"{self.trainer_gpus:g} and engine_gpus = {self.engine_gpus:g} add up to more than 1 "
+                "(use fractions, e.g. 0.5 each)"
+            )
         return self

@@ -361,6 +361,17 @@ class SharpenConfig(Section):
                 f"not {environment.type!r}"
             )
         check_trainer_ranks(self.runtime, self.trainer)
+        if self.runtime.colocate and self.rollout.mode == "async":
+            raise ValueError(
+                'runtime.colocate puts the engine to sleep while the trainer steps, but rollout.mode = "async" '
+                "generates during training: use one or the other"
+            )
+        runtime = self.runtime
+        if runtime.colocate and runtime.type == "ray" and self.rollout.num_engines != runtime.trainer_ranks:
+            raise ValueError(
+                f"runtime.colocate places engine replica i beside trainer rank i: rollout.num_engines = "
+                f"{self.rollout.num_engines} must equal runtime.trainer_ranks = {self.runtime.trainer_ranks}"
+            )
         if self.weight_sync.transport == "broadcast" and self.runtime.type != "ray":
             raise ValueError(
                 'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'

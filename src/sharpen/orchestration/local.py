@@ -98,6 +98,7 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
             eos_token_id=tokenizer.eos_token_id,
             bucket_bytes=config.weight_sync.bucket_mb << 20,
+            sleep_mode=config.runtime.colocate,
         )
         for _ in range(config.rollout.num_engines)
     ]

@@ -47,7 +47,7 @@ from sharpen.orchestration.phases import (
 from sharpen.rewards import RewardFn
 from sharpen.rewards.canaries import build_canary_monitor
 from sharpen.rewards.hack_monitor import hack_metrics, penalise_flagged, screen_flagged
-from sharpen.rollout.engines import InferenceEngine
+from sharpen.rollout.engines import InferenceEngine, sleepable
 from sharpen.rollout.episodes import generate_groups
 from sharpen.trainer import Trainer
 from sharpen.types import Example, Rollout, RolloutGroup, SamplingParams, TrainBatch
@@ -209,7 +209,10 @@ def build_batch_source(
 
 
 class SyncBatches:
-    """Sync mode: each batch is generated when the loop asks for it, and weights are loaded right after a step."""
+    """Sync mode: each batch is generated when the loop asks for it, and weights are loaded right after a step.
+
+    Colocated (``runtime.colocate``): once a batch is complete the engine sleeps, so the trainer has the devices to
+    itself, and it wakes right before the weights of the step are loaded into it."""
 
     def __init__(
         self, c: Components, *, sampling: SamplingParams, timer: PhaseTimer, pending: Sequence[ProducedBatch] = ()
@@ -218,17 +221,30 @@ class SyncBatches:
         self.sampling = sampling
         self.timer = timer
         self.kept = {batch.step: batch for batch in pending}
+        self.sleeper = sleepable(c.engine) if c.config.runtime.colocate else None
+        self.is_asleep = False
 
     def take(self, step: int) -> ProducedBatch:
         if step in self.kept:  # a checkpoint of an async run kept it
-            return self.kept.pop(step)
-        groups, metrics = collect_groups(self.c, step=step, sampling=self.sampling, timer=self.timer)
-        return ProducedBatch(step=step, groups=groups, metrics=metrics, sampler_state=self.c.sampler.state_dict())
+            batch = self.kept.pop(step)
+        else:
+            groups, metrics = collect_groups(self.c, step=step, sampling=self.sampling, timer=self.timer)
+            batch = ProducedBatch(step=step, groups=groups, metrics=metrics, sampler_state=self.c.sampler.state_dict())
+        if self.sleeper is not None:
+            with self.timer.phase("sleep"):
+                batch.metrics.update(self.sleeper.sleep())
+            self.is_asleep = True
+        return batch
 
     def publish(self, trainer: Trainer, *, version: int) -> dict[str, float]:
-        if self.c.engine.policy_version == version:
+        if self.c.engine.policy_version == version and not self.is_asleep:
             return {}
-        return self.c.weight_sync(trainer, self.c.engine, version=version)
+        metrics: dict[str, float] = {}
+        if self.sleeper is not None and self.is_asleep:
+            with self.timer.phase("wake"):
+                metrics.update(self.sleeper.wake_up())
+            self.is_asleep = False
+        return {**metrics, **self.c.weight_sync(trainer, self.c.engine, version=version)}
 
     @contextlib.contextmanager
     def exclusive(self, version: int) -> Iterator[InferenceEngine]:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from sharpen.config import SharpenConfig
+from sharpen.config.loader import ConfigError, format_validation_error
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.orchestration.local import run_local
 from sharpen.rewards import RewardFn
@@ -21,10 +24,22 @@ def run(
     resume: bool = False,
     reward_fn: RewardFn | None = None,
 ) -> Path:
-    """Run (or resume) a recipe in the configured runtime; returns the run directory."""
-    runtime = runtime or config.runtime  # until SharpenConfig mounts the section: `runtime or config.runtime`
+    """Run (or resume) a recipe in the configured runtime, or in ``runtime`` instead of the recipe's; returns the run
+    directory."""
+    if runtime is not None and runtime != config.runtime:
+        config = with_runtime(config, runtime)
+    runtime = config.runtime
     if runtime.type == "ray":
         from sharpen.orchestration.ray.runtime import run_ray
 
         return run_ray(config, runtime=runtime, resume=resume, reward_fn=reward_fn)
     return run_local(config, resume=resume, reward_fn=reward_fn)
+
+
+def with_runtime(config: SharpenConfig, runtime: RuntimeConfig) -> SharpenConfig:
+    """``config`` with its runtime section replaced, validated as a whole (so every component, in the driver and in
+    the actors, reads the same runtime, and combinations the recipe alone could not show are refused)."""
+    try:
+        return SharpenConfig.model_validate({**config.model_dump(), "runtime": runtime.model_dump()})
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error).replace("\n", "; ")) from None

@@ -173,3 +173,28 @@ def test_async_settings_need_async_mode_and_load_in_it():
 def test_a_sharded_trainer_refuses_a_critic():
     with pytest.raises(ConfigError, match='trainer_ranks = 2 shards the policy with FSDP2, but advantage = "gae"'):
         load_config(None, ['runtime.type="ray"', "runtime.trainer_ranks=2", 'trainer.algorithm.advantage="gae"'])
+
+
+def test_colocation_refuses_async_mode_unpaired_engines_and_more_than_one_gpu_per_pair():
+    with pytest.raises(ConfigError, match=r'runtime\.colocate puts the engine to sleep .* rollout\.mode = "async"'):
+        load_config(None, ["runtime.colocate=true", 'rollout.mode="async"'])
+    ray = ['runtime.type="ray"', "runtime.colocate=true"]
+    with pytest.raises(ConfigError, match=r"rollout\.num_engines = 1 must equal runtime\.trainer_ranks = 2"):
+        load_config(None, [*ray, "runtime.trainer_ranks=2"])
+    with pytest.raises(ConfigError, match=r"trainer_gpus = 1 and engine_gpus = 0\.5 add up to more than 1"):
+        load_config(None, [*ray, "runtime.trainer_gpus=1", "runtime.engine_gpus=0.5"])
+    config = load_config(None, [*ray, "runtime.trainer_ranks=2", "rollout.num_engines=2", "runtime.engine_gpus=0.5"])
+    assert config.runtime.colocate and config.rollout.num_engines == 2
+    local = load_config(None, ["runtime.colocate=true", "rollout.num_engines=3"])  # one process: nothing to pair
+    assert local.rollout.num_engines == 3
+
+
+def test_a_runtime_given_beside_the_recipe_replaces_its_section_and_is_validated_with_it():
+    from sharpen.config.runtime import RuntimeConfig
+    from sharpen.orchestration.runtime import with_runtime
+
+    config = load_config(None, ["rollout.prompts_per_step=6"])
+    merged = with_runtime(config, RuntimeConfig(type="ray", colocate=True))
+    assert (merged.runtime.type, merged.runtime.colocate, merged.rollout.prompts_per_step) == ("ray", True, 6)
+    with pytest.raises(ConfigError, match=r'runtime\.colocate puts the engine to sleep .* rollout\.mode = "async"'):
+        with_runtime(load_config(None, ['rollout.mode="async"']), RuntimeConfig(colocate=True))

@@ -23,6 +23,7 @@ from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
 from sharpen.orchestration.local import build_run_engine, build_trainer, load_tokenizer
+from sharpen.rollout.engines import sleepable
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
@@ -186,6 +187,12 @@ class EngineActor(SpanRecordingActor):
 
     def load_weights(self, weights: dict[str, torch.Tensor], *, version: PolicyVersion) -> dict[str, float]:
         return self.engine.load_weights(weights.items(), version=version)
+
+    def sleep(self) -> dict[str, float]:
+        return sleepable(self.engine).sleep()
+
+    def wake_up(self) -> dict[str, float]:
+        return sleepable(self.engine).wake_up()
 
     def close(self) -> None:
         self.engine.close()

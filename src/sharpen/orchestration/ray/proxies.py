@@ -228,6 +228,12 @@ class EngineProxy(ActorProxy):
         self.policy_version = version
         return {**metrics, "sync/put_seconds": put_seconds}
 
+    def sleep(self) -> dict[str, float]:
+        return self.call("sleep")
+
+    def wake_up(self) -> dict[str, float]:
+        return self.call("wake_up")
+
 
 class BroadcastEngines:
     """The run's engine (one `EngineProxy`, or an `EngineRouter` of them) with weight sync by torch.distributed
@@ -260,6 +266,12 @@ class BroadcastEngines:
             engine.receive(ref, "receive_weights")
             engine.policy_version = version
         return {**metrics, "sync/num_receivers": float(len(self.engines))}
+
+    def sleep(self) -> dict[str, float]:
+        return self.inner.sleep()
+
+    def wake_up(self) -> dict[str, float]:
+        return self.inner.wake_up()
 
     def close(self) -> None:
         self.inner.close()

@@ -10,6 +10,7 @@ rank actors behind one `TrainerGroupProxy` (``runtime.trainer_ranks``); the engi
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,20 +55,48 @@ def start_ray(runtime: RuntimeConfig) -> bool:
     return True
 
 
-def place(runtime: RuntimeConfig, *, num_engines: int = 1) -> PlacementGroup:
-    """One placement group: a bundle per trainer rank, then one per engine replica, placed by
-    ``runtime.placement_strategy``; waits for the cluster to have room, at most ``start_timeout_s``."""
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """The run's bundles of resources, and which bundle each trainer rank and engine replica goes into."""
+
+    bundles: list[dict[str, float]]
+    trainer_bundles: list[int]
+    engine_bundles: list[int]
+
+
+def plan_placement(runtime: RuntimeConfig, *, num_engines: int = 1) -> Placement:
+    """A bundle per trainer rank, then one per engine replica; colocated (``runtime.colocate``), engine replica i
+    shares trainer rank i's bundle, which holds both actors' resources."""
     trainer = {"CPU": runtime.trainer_cpus, **({"GPU": runtime.trainer_gpus} if runtime.trainer_gpus else {})}
     engine = {"CPU": runtime.engine_cpus, **({"GPU": runtime.engine_gpus} if runtime.engine_gpus else {})}
-    bundles = [dict(trainer) for _ in range(runtime.trainer_ranks)] + [dict(engine) for _ in range(num_engines)]
-    group = placement_group(bundles, strategy=runtime.placement_strategy)
+    num_ranks = runtime.trainer_ranks
+    if runtime.colocate:
+        if num_engines != num_ranks:
+            raise ValueError(f"colocated placement needs one engine per trainer rank: {num_engines} for {num_ranks}")
+        both = {key: trainer.get(key, 0.0) + engine.get(key, 0.0) for key in {**trainer, **engine}}
+        return Placement(
+            bundles=[dict(both) for _ in range(num_ranks)],
+            trainer_bundles=list(range(num_ranks)),
+            engine_bundles=list(range(num_ranks)),
+        )
+    return Placement(
+        bundles=[dict(trainer) for _ in range(num_ranks)] + [dict(engine) for _ in range(num_engines)],
+        trainer_bundles=list(range(num_ranks)),
+        engine_bundles=list(range(num_ranks, num_ranks + num_engines)),
+    )
+
+
+def place(runtime: RuntimeConfig, plan: Placement) -> PlacementGroup:
+    """One placement group of ``plan``'s bundles, placed by ``runtime.placement_strategy``; waits for the cluster to
+    have room, at most ``start_timeout_s``."""
+    group = placement_group(plan.bundles, strategy=runtime.placement_strategy)
     try:
         ray.get(group.ready(), timeout=runtime.start_timeout_s)
     except GetTimeoutError as error:
         remove_placement_group(group)
         raise ActorCallError(
-            f"ray could not place {runtime.trainer_ranks} trainer rank(s) {trainer} and {num_engines} "
-            f"engine(s) {engine} "
+            f"ray could not place the bundles {plan.bundles} of {runtime.trainer_ranks} trainer rank(s) and "
+            f"{len(plan.engine_bundles)} engine(s){' (colocated)' if runtime.colocate else ''} "
             f"({runtime.placement_strategy}) within {runtime.start_timeout_s:g} s; the cluster has "
             f"{ray.available_resources()} available"
         ) from error
@@ -78,7 +107,9 @@ def _in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStr
     return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
 
-def start_trainer(config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None) -> TrainerProxy:
+def start_trainer(
+    config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None, plan: Placement | None = None
+) -> TrainerProxy:
     """The trainer: one actor, or ``runtime.trainer_ranks`` FSDP2 rank actors joined into one process group."""
     num_ranks = runtime.trainer_ranks
     ranks = []
@@ -89,7 +120,7 @@ def start_trainer(config: SharpenConfig, runtime: RuntimeConfig, group: Placemen
             "max_restarts": 0,
         }
         if group is not None:
-            options["scheduling_strategy"] = _in_bundle(group, rank)
+            options["scheduling_strategy"] = _in_bundle(group, plan.trainer_bundles[rank] if plan else rank)
         actor = ray.remote(TrainerActor).options(**options).remote(config, rank=rank, world_size=num_ranks)
         name = "trainer" if num_ranks == 1 else f"trainer rank {rank}"
         ranks.append(
@@ -105,15 +136,17 @@ def start_trainer(config: SharpenConfig, runtime: RuntimeConfig, group: Placemen
 
 
 def start_engines(
-    config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None
+    config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None, plan: Placement | None = None
 ) -> list[EngineProxy]:
-    """``rollout.num_engines`` engine actors (replicas), in the bundles after the trainer ranks'."""
+    """``rollout.num_engines`` engine actors (replicas), in their bundles of ``plan`` (default: after the trainer
+    ranks')."""
     num_engines = config.rollout.num_engines
     engines = []
     for replica in range(num_engines):
         options: dict[str, Any] = {"num_cpus": runtime.engine_cpus, "num_gpus": runtime.engine_gpus, "max_restarts": 0}
         if group is not None:
-            options["scheduling_strategy"] = _in_bundle(group, runtime.trainer_ranks + replica)
+            bundle = plan.engine_bundles[replica] if plan else runtime.trainer_ranks + replica
+            options["scheduling_strategy"] = _in_bundle(group, bundle)
         actor = ray.remote(EngineActor).options(**options).remote(config, replica=replica, num_replicas=num_engines)
         name = "engine" if num_engines == 1 else f"engine replica {replica}"
         engines.append(
@@ -143,10 +176,11 @@ def run_ray(
 
     group = None
     try:
-        group = place(runtime, num_engines=config.rollout.num_engines)
-        trainer = start_trainer(config, runtime, group)
+        plan = plan_placement(runtime, num_engines=config.rollout.num_engines)
+        group = place(runtime, plan)
+        trainer = start_trainer(config, runtime, group, plan)
         proxies.append(trainer)
-        engines = start_engines(config, runtime, group)
+        engines = start_engines(config, runtime, group, plan)
         proxies.extend(engines)
         engine: InferenceEngine | BroadcastEngines = (
             engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])

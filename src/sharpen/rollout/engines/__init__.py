@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sharpen.config.schema import EngineConfig, HfEngineConfig, ScriptedEngineConfig, VllmEngineConfig
-from sharpen.rollout.engines.base import EngineError, InferenceEngine
+from sharpen.rollout.engines.base import EngineError, InferenceEngine, SleepableEngine, sleepable
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["EngineError", "InferenceEngine", "build_engine"]
+__all__ = ["EngineError", "InferenceEngine", "SleepableEngine", "build_engine", "sleepable"]
 
 
 def build_engine(
@@ -25,12 +25,16 @@ def build_engine(
     encode: Callable[[str], list[int]] | None = None,
     eos_token_id: int | None = None,
     bucket_bytes: int = 128 << 20,
+    sleep_mode: bool = False,
 ) -> InferenceEngine:
-    """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process."""
+    """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process;
+    ``sleep_mode`` prepares an engine that needs it for `SleepableEngine.sleep` (vLLM's sleep mode)."""
     if isinstance(config, VllmEngineConfig):
         from sharpen.rollout.engines.vllm import VllmEngine
 
-        return VllmEngine(config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes)
+        return VllmEngine(
+            config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes, sleep_mode=sleep_mode
+        )
     if isinstance(config, HfEngineConfig):
         from sharpen.rollout.engines.hf import HfEngine
 

@@ -8,7 +8,7 @@ weights match. Each engine carries the `PolicyVersion` of the weights it holds; 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
@@ -38,5 +38,27 @@ class InferenceEngine(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class SleepableEngine(Protocol):
+    """An engine that can give its memory back while a colocated trainer steps (``runtime.colocate``)."""
+
+    def sleep(self) -> dict[str, float]:
+        """Free the weights and any cache (the weights are discarded, not kept elsewhere: the weight sync after the
+        step brings new ones). Returns ``colocate/freed_bytes``. Generating or scoring while asleep is an error."""
+        ...
+
+    def wake_up(self) -> dict[str, float]:
+        """Take the memory back for the weights; their content is undefined until the next `load_weights`, which
+        must then replace every weight."""
+        ...
+
+
 class EngineError(RuntimeError):
     """The engine failed in a way the run cannot recover from (the message names the engine and the cause)."""
+
+
+def sleepable(engine: object, *, name: str = "the engine") -> SleepableEngine:
+    """``engine`` as a `SleepableEngine`, or an `EngineError` saying that it cannot sleep."""
+    if not isinstance(engine, SleepableEngine):
+        raise EngineError(f"{name} ({type(engine).__name__}) cannot sleep, which runtime.colocate needs")
+    return engine

@@ -5,6 +5,9 @@ It holds its own copy of the model, so weight sync into it is a real copy, check
 Sampling is seeded once per `generate` call from the first request's seed (batched HF sampling has no
 per-request seeds), which keeps runs reproducible for a fixed batch; seeded sampling holds a process-wide lock,
 because transformers draws from torch's global generator.
+
+Sleep (``runtime.colocate``) frees every parameter's storage; waking allocates them again filled with NaN, and
+the next `load_weights` must replace every one of them (a weight it misses is an error, not stale numbers).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from sharpen.rollout.engines.base import EngineError
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 _GLOBAL_RNG = threading.Lock()
@@ -36,9 +40,50 @@ class HfEngine:
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
         self.policy_version: PolicyVersion = 0
+        self._shapes: dict[str, torch.Size] | None = None
+        """While asleep: the shape of each parameter whose storage was freed."""
+        self._unloaded: set[str] = set()
+        """Parameters woken up and not yet given a weight (their values are NaN)."""
+
+    @property
+    def is_asleep(self) -> bool:
+        return self._shapes is not None
+
+    def sleep(self) -> dict[str, float]:
+        if self._shapes is not None:
+            return {"colocate/freed_bytes": 0.0}
+        shapes: dict[str, torch.Size] = {}
+        freed = 0
+        for name, param in self.model.named_parameters():  # tied weights appear once
+            shapes[name] = param.shape
+            freed += param.numel() * param.element_size()
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        self._shapes = shapes
+        return {"colocate/freed_bytes": float(freed)}
+
+    def wake_up(self) -> dict[str, float]:
+        if self._shapes is None:
+            return {}
+        parameters = dict(self.model.named_parameters())
+        for name, shape in self._shapes.items():
+            param = parameters[name]
+            param.data = torch.full(shape, float("nan"), dtype=param.dtype, device=param.device)
+        self._unloaded = set(self._shapes)
+        self._shapes = None
+        return {}
+
+    def _check_awake(self, call: str) -> None:
+        if self._shapes is not None:
+            raise EngineError(f"HF engine: {call}() while asleep (call wake_up() and load_weights() first)")
+        if self._unloaded:
+            raise EngineError(
+                f"HF engine: {call}() after wake_up() with {len(self._unloaded)} weights never loaded "
+                f"(e.g. {sorted(self._unloaded)[0]!r})"
+            )
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        self._check_awake("generate")
         out: list[Completion] = []
         for start in range(0, len(prompts), self.batch_size):
             chunk = prompts[start : start + self.batch_size]
@@ -112,19 +157,30 @@ class HfEngine:
 
     @torch.no_grad()
     def score(self, token_ids: list[int]) -> list[float]:
+        self._check_awake("score")
         ids = torch.tensor([token_ids], device=self.device)
         logits = self.model(input_ids=ids).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
+        if self._shapes is not None:
+            raise EngineError("HF engine: load_weights() while asleep (call wake_up() first)")
         state = self.model.state_dict()
+        # a weight is known by its storage: a tied weight may arrive under either of its names
+        names_of: dict[int, str] = {param.data_ptr(): name for name, param in self.model.named_parameters()}
         num_tensors = 0
         for name, tensor in weights:
             if name not in state:
                 raise KeyError(f"HF engine: unknown weight {name!r}")
             state[name].copy_(tensor)
+            self._unloaded.discard(names_of.get(state[name].data_ptr(), name))
             num_tensors += 1
+        if self._unloaded:
+            raise EngineError(
+                f"HF engine: weights version {version} left {len(self._unloaded)} woken weights unloaded "
+                f"(e.g. {sorted(self._unloaded)[0]!r}); after wake_up() every weight must be loaded"
+            )
         self.policy_version = version
         return {"sync/num_tensors": float(num_tensors)}
 

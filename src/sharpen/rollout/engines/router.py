@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
-from sharpen.rollout.engines.base import EngineError, InferenceEngine
+from sharpen.rollout.engines.base import EngineError, InferenceEngine, sleepable
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
@@ -108,12 +108,37 @@ class EngineRouter:
         metrics["sync/num_replicas"] = float(len(self.replicas))
         return metrics
 
+    def sleep(self) -> dict[str, float]:
+        """Every replica sleeps (concurrently); ``colocate/freed_bytes`` adds up."""
+        return _sum_metrics(self._on_every_replica("sleep"))
+
+    def wake_up(self) -> dict[str, float]:
+        return _sum_metrics(self._on_every_replica("wake_up"))
+
+    def _on_every_replica(self, method: str) -> list[dict[str, float]]:
+        def call(replica: int) -> dict[str, float]:
+            engine = sleepable(self.replicas[replica], name=self.names[replica])
+            try:
+                return getattr(engine, method)()
+            except Exception as error:
+                raise EngineError(f"{self.names[replica]} failed in {method}: {error}") from error
+
+        return list(self._pool.map(call, range(len(self.replicas))))
+
     def close(self) -> None:
         try:
             for replica in self.replicas:
                 replica.close()
         finally:
             self._pool.shutdown(wait=False)
+
+
+def _sum_metrics(results: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for result in results:
+        for name, value in result.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
 
 
 def _reusable(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:

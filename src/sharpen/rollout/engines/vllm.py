@@ -5,6 +5,11 @@ Prompts go in as token ids and the sampled tokens' logprobs come back in vLLM's 
 (after temperature and top-p), which is the behaviour policy the trainer's ratio needs. Weights arrive in
 shared-memory buckets (`rollout/weight_sync/streaming.py`), loaded by the worker extension in
 `rollout/weight_sync/vllm_receiver.py`.
+
+With ``sleep_mode`` (``runtime.colocate``) the engine uses vLLM's sleep mode: `sleep` discards the weights and
+the KV cache (level 2: the weight sync after the step replaces the weights anyway), `wake_up` takes back only the
+weights' memory, so the weights load before the KV cache is reallocated, which happens on the next generate or
+score. vLLM offers sleep mode on CUDA, ROCm and XPU only, not on its CPU build.
 """
 
 from __future__ import annotations
@@ -41,10 +46,24 @@ def _prepare_cpu_environment() -> None:
 
 class VllmEngine:
     def __init__(
-        self, config: VllmEngineConfig, *, model_path: Path, dtype: str, seed: int, bucket_bytes: int = 128 << 20
+        self,
+        config: VllmEngineConfig,
+        *,
+        model_path: Path,
+        dtype: str,
+        seed: int,
+        bucket_bytes: int = 128 << 20,
+        sleep_mode: bool = False,
     ) -> None:
         _prepare_cpu_environment()
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if sleep_mode and not current_platform.is_sleep_mode_available():
+            raise EngineError(
+                f"runtime.colocate needs vLLM's sleep mode, which vLLM does not offer on this platform "
+                f"({current_platform.device_type or 'cpu'}; it needs CUDA, ROCm or XPU)"
+            )
 
         self.config = config
         started = time.perf_counter()
@@ -57,9 +76,12 @@ class VllmEngine:
             gpu_memory_utilization=config.gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=_RECEIVER,
+            enable_sleep_mode=sleep_mode,
         )
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
+        self.is_asleep = False
+        self._is_cache_asleep = False  # woken weights, KV cache still released
         self.bucket_bytes = bucket_bytes
         self.sender: BucketedSender | None = None  # its shared-memory slots are made on the first sync
 
@@ -77,7 +99,30 @@ class VllmEngine:
             stop_token_ids=list(params.stop_token_ids),
         )
 
+    def sleep(self) -> dict[str, float]:
+        if self.is_asleep:
+            return {"colocate/freed_bytes": 0.0}
+        before = _device_free_bytes()
+        self.llm.sleep(level=2)
+        self.is_asleep = True
+        self._is_cache_asleep = True
+        return {"colocate/freed_bytes": float(max(_device_free_bytes() - before, 0))}
+
+    def wake_up(self) -> dict[str, float]:
+        if self.is_asleep:
+            self.llm.wake_up(tags=["weights"])
+            self.is_asleep = False
+        return {}
+
+    def _check_awake(self, call: str) -> None:
+        if self.is_asleep:
+            raise EngineError(f"vLLM engine: {call}() while asleep (call wake_up() and load_weights() first)")
+        if self._is_cache_asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self._is_cache_asleep = False
+
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        self._check_awake("generate")
         requests: Any = [{"prompt_token_ids": ids} for ids in prompts]
         outputs = self.llm.generate(requests, [self._sampling_params(p) for p in params], use_tqdm=False)
         completions = []
@@ -102,6 +147,7 @@ class VllmEngine:
     def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams as VllmSamplingParams
 
+        self._check_awake("score")
         params = VllmSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         request: Any = {"prompt_token_ids": token_ids}
         (output,) = self.llm.generate([request], params, use_tqdm=False)
@@ -115,13 +161,16 @@ class VllmEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         """Stream the weights in buckets through shared memory into every worker; each verifies every bucket and
         reports the version and checksum it loaded, and any refusal raises `EngineError`."""
+        if self.is_asleep:
+            raise EngineError("vLLM engine: load_weights() while asleep (call wake_up() first)")
         if self.sender is None:
             self.sender = BucketedSender(bucket_bytes=self.bucket_bytes)
         try:
             report = self.sender.send(weights, version=version, target=_RpcTarget(self.llm))
         except BucketError as error:
             raise EngineError(f"vLLM rejected weights version {version}: {error}") from error
-        self.llm.reset_prefix_cache()  # cached KV entries were computed with the old weights
+        if not self._is_cache_asleep:  # sleep already dropped the cache
+            self.llm.reset_prefix_cache()  # cached KV entries were computed with the old weights
         self.policy_version = version
         return report.metrics()
 
@@ -133,6 +182,17 @@ class VllmEngine:
         if callable(shutdown):
             shutdown()
         del self.llm
+
+
+def _device_free_bytes() -> int:
+    """Free memory of this process's current accelerator (0 without CUDA): the engine's workers are other processes,
+    so what they free shows only device-wide."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, _total = torch.cuda.mem_get_info()
+    return free
 
 
 class _RpcTarget:
