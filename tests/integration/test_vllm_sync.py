@@ -300,3 +300,69 @@ def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, t
     print(f"{environment}: {multi_turn} of {len(group.rollouts)} episodes took more than one turn")
     if environment == "one_word_chat":
         assert multi_turn >= 3  # measured 4 of 4 (SmolLM2, float32)
+
+
+def test_the_trainers_broadcast_lands_in_the_vllm_worker_and_a_corrupted_one_is_refused(
+    engine, trainer, tokenizer
+) -> None:
+    """``weight_sync.transport = "broadcast"`` into vLLM: the worker process joins the weight group itself (gloo
+    here, NCCL on GPUs) and loads the buckets straight into its model; the trainer's side runs in a thread here, as
+    trainer rank 0 does in its actor."""
+    import socket
+    import threading
+
+    import torch
+
+    from sharpen.rollout.engines import WeightGroupEngine
+    from sharpen.rollout.weight_sync.broadcast import open_weight_group, send_weights
+
+    assert isinstance(engine, WeightGroupEngine) and engine.num_weight_group_members == 1
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    opened: dict[str, object] = {}
+    opening = threading.Thread(
+        target=lambda: opened.update(
+            group=open_weight_group(rank=0, world_size=2, master_addr="127.0.0.1", master_port=port)
+        )
+    )
+    opening.start()
+    engine.join_weight_group(master_addr="127.0.0.1", master_port=port, first_rank=1, world_size=2, backend="gloo")
+    opening.join(timeout=60)
+    group = opened["group"]
+
+    def broadcast(version: int, **options: object) -> tuple[threading.Thread, dict[str, object]]:
+        sent: dict[str, object] = {}
+        thread = threading.Thread(
+            target=lambda: sent.update(
+                metrics=send_weights(group, trainer.named_weights(), version=version, bucket_bytes=32 << 20, **options)
+            )
+        )
+        thread.start()
+        return thread, sent
+
+    probe_ids = tokenizer.encode("A broadcast goes straight into the worker.")
+    with torch.no_grad():  # weights the engine does not hold yet
+        for parameter in trainer.backend.model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 1e-3)
+    assert _mean_abs(engine.score(probe_ids), trainer.compute_logprobs(probe_ids)) > 10 * TOLERANCE
+    sender, sent = broadcast(21)
+    metrics = engine.receive_broadcast(version=21)
+    sender.join(timeout=120)
+    assert engine.policy_version == 21 and metrics["sync/num_tensors"] > 100 and metrics["sync/num_workers"] == 1
+    assert sent["metrics"]["sync/num_buckets"] >= 2
+    assert _mean_abs(engine.score(probe_ids), trainer.compute_logprobs(probe_ids)) < TOLERANCE
+
+    def flip(index: int, bucket: torch.Tensor) -> None:
+        if index == 1:
+            bucket[bucket.numel() // 2] ^= 1
+
+    sender, sent = broadcast(22, tamper=flip)
+    with pytest.raises(EngineError, match=r"worker 0 rejected weights version 22: .*bucket 1 is corrupted"):
+        engine.receive_broadcast(version=22)
+    sender.join(timeout=120)
+    assert not sender.is_alive() and engine.policy_version == 21  # the sender finished; no claim of version 22
+    sender, _ = broadcast(23)  # the next broadcast is whole again
+    engine.receive_broadcast(version=23)
+    sender.join(timeout=120)
+    assert _mean_abs(engine.score(probe_ids), trainer.compute_logprobs(probe_ids)) < TOLERANCE

@@ -264,8 +264,13 @@ class WeightSyncConfig(Section):
     transport: Literal["object_store", "broadcast"] = "object_store"
     """Ray runtime: how weights go from the trainer to the engine actors. ``object_store``: the trainer actor puts
     them into Ray's object store once, each engine actor takes them from there; ``broadcast``: a torch.distributed
-    (gloo) broadcast from trainer rank 0 to every engine actor at once, in checksummed buckets of bucket_mb. (In
-    the embedded runtime the engine is in this process or on this node: neither applies.)"""
+    broadcast from trainer rank 0 to every engine at once, in checksummed buckets of bucket_mb (a vLLM engine's
+    workers receive them themselves). (In the embedded runtime the engine is in this process or on this node:
+    neither applies.)"""
+    broadcast_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The broadcast's torch.distributed backend. ``auto``: NCCL when the trainer and the engines have GPUs
+    (runtime.trainer_gpus and engine_gpus > 0) and are not colocated, else gloo (host memory, TCP). NCCL cannot
+    join two processes on one GPU, so colocated runs use gloo."""
     bucket_mb: int = Field(default=128, ge=1)
     """Size (MiB) at which a weight-sync bucket is closed, at the next layer boundary. The sender keeps two buckets
     in shared memory and fills one while the engine loads the other."""
@@ -376,6 +381,17 @@ class SharpenConfig(Section):
             raise ValueError(
                 'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'
             )
+        if self.weight_sync.broadcast_backend == "nccl":
+            if not (self.runtime.trainer_gpus > 0 and self.runtime.engine_gpus > 0):
+                raise ValueError(
+                    'weight_sync.broadcast_backend = "nccl" needs GPUs on both ends (runtime.trainer_gpus and '
+                    "runtime.engine_gpus > 0)"
+                )
+            if self.runtime.colocate:
+                raise ValueError(
+                    'weight_sync.broadcast_backend = "nccl" cannot join a trainer rank and an engine that share a GPU '
+                    '(runtime.colocate): use "gloo" or transport = "object_store"'
+                )
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
             raise ValueError(
@@ -383,6 +399,16 @@ class SharpenConfig(Section):
                 f"{self.trainer.micro_batch_size} does not divide the {num_rollouts} rollouts per step"
             )
         return self
+
+    @property
+    def broadcast_backend(self) -> Literal["gloo", "nccl"]:
+        """The weight broadcast's backend, ``auto`` resolved (see `WeightSyncConfig.broadcast_backend`)."""
+        choice = self.weight_sync.broadcast_backend
+        if choice != "auto":
+            return choice
+        runtime = self.runtime
+        has_gpus = runtime.trainer_gpus > 0 and runtime.engine_gpus > 0
+        return "nccl" if has_gpus and not runtime.colocate else "gloo"
 
     @property
     def num_rollouts_per_step(self) -> int:

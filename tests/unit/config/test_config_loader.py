@@ -198,3 +198,17 @@ def test_a_runtime_given_beside_the_recipe_replaces_its_section_and_is_validated
     assert (merged.runtime.type, merged.runtime.colocate, merged.rollout.prompts_per_step) == ("ray", True, 6)
     with pytest.raises(ConfigError, match=r'runtime\.colocate puts the engine to sleep .* rollout\.mode = "async"'):
         with_runtime(load_config(None, ['rollout.mode="async"']), RuntimeConfig(colocate=True))
+
+
+def test_the_broadcast_backend_is_nccl_only_between_gpus_that_are_not_shared():
+    ray = ['runtime.type="ray"', 'weight_sync.transport="broadcast"']
+    assert load_config(None, ray).broadcast_backend == "gloo"
+    gpus = [*ray, "runtime.trainer_gpus=1", "runtime.engine_gpus=1"]
+    assert load_config(None, gpus).broadcast_backend == "nccl"
+    assert load_config(None, [*gpus, 'weight_sync.broadcast_backend="gloo"']).broadcast_backend == "gloo"
+    shared = [*ray, "runtime.colocate=true", "runtime.trainer_gpus=0.5", "runtime.engine_gpus=0.5"]
+    assert load_config(None, shared).broadcast_backend == "gloo"
+    with pytest.raises(ConfigError, match=r'broadcast_backend = "nccl" cannot join a trainer rank and an engine'):
+        load_config(None, [*shared, 'weight_sync.broadcast_backend="nccl"'])
+    with pytest.raises(ConfigError, match=r'broadcast_backend = "nccl" needs GPUs on both ends'):
+        load_config(None, [*ray, 'weight_sync.broadcast_backend="nccl"'])

@@ -23,7 +23,7 @@ from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
 from sharpen.orchestration.local import build_run_engine, build_trainer, load_tokenizer
-from sharpen.rollout.engines import sleepable
+from sharpen.rollout.engines import WeightGroupEngine, sleepable
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
@@ -92,12 +92,14 @@ class TrainerActor(SpanRecordingActor):
             self.config, model_path=model_path, tokenizer=load_tokenizer(model_path), backend=backend
         )
 
-    def join_weight_group(self, master_addr: str, master_port: int, world_size: int) -> None:
-        """Rank 0 joins the weight-broadcast group as its sender (and hosts its store); other ranks take no part."""
+    def join_weight_group(self, master_addr: str, master_port: int, world_size: int, backend: str = "gloo") -> None:
+        """Rank 0 joins the weight-broadcast group as its sender (and hosts its store); other ranks take no part.
+        With NCCL the buckets are assembled on this rank's GPU."""
         if self.rank == 0:
             self.weight_group = open_weight_group(
-                rank=0, world_size=world_size, master_addr=master_addr, master_port=master_port
+                rank=0, world_size=world_size, master_addr=master_addr, master_port=master_port, backend=backend
             )
+            self.weight_device = _group_device(backend)
 
     def broadcast_weights(self, version: PolicyVersion) -> dict[str, float]:
         """Send the full weights to the engine actors of the weight group; the other ranks only take part in
@@ -108,7 +110,11 @@ class TrainerActor(SpanRecordingActor):
             return {}
         bucket_bytes = self.config.weight_sync.bucket_mb << 20
         return send_weights(
-            self.weight_group, self._trainer.named_weights(), version=version, bucket_bytes=bucket_bytes
+            self.weight_group,
+            self._trainer.named_weights(),
+            version=version,
+            bucket_bytes=bucket_bytes,
+            device=self.weight_device,
         )
 
     @property
@@ -170,14 +176,28 @@ class EngineActor(SpanRecordingActor):
     def get_policy_version(self) -> PolicyVersion:
         return self.engine.policy_version
 
-    def join_weight_group(self, master_addr: str, master_port: int, rank: int, world_size: int) -> None:
+    def num_weight_group_members(self) -> int:
+        """Ranks this actor takes in the weight group: its engine's workers (vLLM) or itself."""
+        return self.engine.num_weight_group_members if isinstance(self.engine, WeightGroupEngine) else 1
+
+    def join_weight_group(
+        self, master_addr: str, master_port: int, rank: int, world_size: int, backend: str = "gloo"
+    ) -> None:
+        if isinstance(self.engine, WeightGroupEngine):  # the workers receive the broadcast themselves
+            address = {"master_addr": master_addr, "master_port": master_port}
+            self.engine.join_weight_group(**address, first_rank=rank, world_size=world_size, backend=backend)
+            return
         self.weight_group = open_weight_group(
-            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port
+            rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, backend=backend
         )
+        self.weight_device = _group_device(backend)
 
     def receive_weights(self, version: PolicyVersion) -> dict[str, float]:
         """Load the weights the trainer broadcasts to the weight group (verified bucket by bucket)."""
-        return self.engine.load_weights(receive_weights(self.weight_group, version=version), version=version)
+        if isinstance(self.engine, WeightGroupEngine):
+            return self.engine.receive_broadcast(version=version)
+        tensors = receive_weights(self.weight_group, version=version, device=self.weight_device)
+        return self.engine.load_weights(tensors, version=version)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         return self.engine.generate(prompts, params)
@@ -196,3 +216,8 @@ class EngineActor(SpanRecordingActor):
 
     def close(self) -> None:
         self.engine.close()
+
+
+def _group_device(backend: str) -> torch.device:
+    """Where a weight group's buckets live: this actor's GPU for NCCL, host memory for gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

@@ -277,15 +277,20 @@ class BroadcastEngines:
         self.inner.close()
 
 
-def join_weight_group(trainer: TrainerProxy, engines: list[EngineProxy], *, timeout_s: float) -> None:
-    """Trainer rank 0 (the sender, hosting the group's store) and every engine actor join one weight group."""
+def join_weight_group(
+    trainer: TrainerProxy, engines: list[EngineProxy], *, timeout_s: float, backend: str = "gloo"
+) -> None:
+    """Trainer rank 0 (the sender, hosting the group's store) and every engine actor join one weight group; an
+    engine whose workers receive the broadcast themselves (vLLM) brings one rank per worker."""
     first = trainer.ranks[0] if isinstance(trainer, TrainerGroupProxy) else trainer
     master_addr, master_port = first.call("rendezvous_address")
-    world_size = 1 + len(engines)
+    members = [int(engine.call("num_weight_group_members")) for engine in engines]
+    world_size = 1 + sum(members)
+    first_ranks = [1 + sum(members[:index]) for index in range(len(engines))]
     joining = [
-        (engine, engine.submit("join_weight_group", master_addr, master_port, rank, world_size))
-        for rank, engine in enumerate(engines, start=1)
+        (engine, engine.submit("join_weight_group", master_addr, master_port, rank, world_size, backend))
+        for rank, engine in zip(first_ranks, engines, strict=True)
     ]
-    trainer.call("join_weight_group", master_addr, master_port, world_size)
+    trainer.call("join_weight_group", master_addr, master_port, world_size, backend)
     for engine, ref in joining:
         engine.receive(ref, "join_weight_group", timeout_s=timeout_s)

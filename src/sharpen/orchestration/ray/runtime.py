@@ -186,7 +186,7 @@ def run_ray(
             engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])
         )
         if config.weight_sync.transport == "broadcast":
-            join_weight_group(trainer, engines, timeout_s=runtime.start_timeout_s)
+            join_weight_group(trainer, engines, timeout_s=runtime.start_timeout_s, backend=config.broadcast_backend)
             engine = BroadcastEngines(engine, trainer=trainer, engines=engines)
         # The proxies stand in for the components the loop types as `Trainer` and `InferenceEngine`.
         run_dir = run_local(

@@ -7,12 +7,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sharpen.config.schema import EngineConfig, HfEngineConfig, ScriptedEngineConfig, VllmEngineConfig
-from sharpen.rollout.engines.base import EngineError, InferenceEngine, SleepableEngine, sleepable
+from sharpen.rollout.engines.base import (
+    EngineError,
+    InferenceEngine,
+    SleepableEngine,
+    WeightGroupEngine,
+    sleepable,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["EngineError", "InferenceEngine", "SleepableEngine", "build_engine", "sleepable"]
+__all__ = ["EngineError", "InferenceEngine", "SleepableEngine", "WeightGroupEngine", "build_engine", "sleepable"]
 
 
 def build_engine(

@@ -53,6 +53,27 @@ class SleepableEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class WeightGroupEngine(Protocol):
+    """An engine whose own processes join the broadcast weight group and receive the weights themselves (vLLM's
+    workers), instead of its host process receiving them and calling `load_weights`."""
+
+    @property
+    def num_weight_group_members(self) -> int:
+        """How many ranks of the weight group the engine's processes take (vLLM: one per worker)."""
+        ...
+
+    def join_weight_group(
+        self, *, master_addr: str, master_port: int, first_rank: int, world_size: int, backend: str
+    ) -> None:
+        """Its processes join the group as ranks ``first_rank`` ... ``first_rank + num_weight_group_members - 1``."""
+        ...
+
+    def receive_broadcast(self, *, version: PolicyVersion) -> dict[str, float]:
+        """Take one broadcast sync (verified bucket by bucket) and hold version ``version``; ``sync/*`` metrics."""
+        ...
+
+
 class EngineError(RuntimeError):
     """The engine failed in a way the run cannot recover from (the message names the engine and the cause)."""
 

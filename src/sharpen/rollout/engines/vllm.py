@@ -174,6 +174,42 @@ class VllmEngine:
         self.policy_version = version
         return report.metrics()
 
+    @property
+    def num_weight_group_members(self) -> int:
+        return int(self.llm.llm_engine.vllm_config.parallel_config.world_size)
+
+    def join_weight_group(
+        self, *, master_addr: str, master_port: int, first_rank: int, world_size: int, backend: str
+    ) -> None:
+        """Every vLLM worker joins the weight group (`vllm_receiver.py`), so broadcasts land in the workers."""
+        replies = self.llm.collective_rpc(
+            "sharpen_join_weight_group", args=(master_addr, master_port, first_rank, world_size, backend)
+        )
+        for worker, reply in enumerate(replies):
+            if not reply.get("ok"):
+                raise EngineError(f"vLLM worker {worker} could not join the weight group: {reply.get('error')}")
+
+    def receive_broadcast(self, *, version: PolicyVersion) -> dict[str, float]:
+        """Every worker takes the trainer's broadcast of version ``version`` straight into its model; a refusal
+        (wrong version, corrupted or missing bucket) raises `EngineError` once the sync has been drained."""
+        if self.is_asleep:
+            raise EngineError("vLLM engine: receive_broadcast() while asleep (call wake_up() first)")
+        started = time.perf_counter()
+        replies = self.llm.collective_rpc("sharpen_receive_broadcast", args=(version,))
+        for worker, reply in enumerate(replies):
+            if not reply.get("ok"):
+                raise EngineError(f"vLLM worker {worker} rejected weights version {version}: {reply.get('error')}")
+        if not self._is_cache_asleep:
+            self.llm.reset_prefix_cache()
+        self.policy_version = version
+        slowest = max(replies, key=lambda reply: reply.get("load_seconds", 0.0))
+        return {
+            "sync/seconds": time.perf_counter() - started,
+            "sync/load_seconds": float(slowest.get("load_seconds", 0.0)),
+            "sync/num_tensors": float(slowest.get("num_tensors", 0)),
+            "sync/num_workers": float(len(replies)),
+        }
+
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()

@@ -14,12 +14,19 @@ tensors; a tied output embedding (SmolLM2's ``lm_head``) shares its parameter wi
 no tensor of its own, so on the CPU its prepacked oneDNN matrix stayed stale (the probe check measured a 0.05
 nats/token mismatch). Every module that shares a weight with another is therefore re-processed after a sync.
 
+The same worker can instead be a member of a weight group (`broadcast.py`, ``weight_sync.transport =
+"broadcast"``): ``sharpen_join_weight_group`` joins it (gloo, or NCCL on the worker's own GPU), and
+``sharpen_receive_broadcast`` takes one broadcast sync straight into the model through the same layerwise reload,
+so the weights never pass through the engine's host process or shared memory.
+
 Replies are dicts (``ok``, ``error``): an exception inside a worker would reach the trainer as an opaque RPC
 failure, a refusal must read as one.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
@@ -43,22 +50,80 @@ def _reprocess_tied_modules(model: Any) -> int:
 
 class VllmWeightReceiver:
     _sharpen_receiver: BucketReceiver | None = None
+    _sharpen_group: Any = None
+    _sharpen_group_device: Any = None
 
     def _sharpen_model(self) -> Any:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
 
-    def sharpen_begin_sync(self, sync_id: str, version: int) -> dict[str, Any]:
+    def _sharpen_begin_reload(self) -> Callable[[Iterable[tuple[str, Any]]], None]:
+        """Start vLLM's layerwise reload; returns the function that loads tensors into it."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         model = self._sharpen_model()
 
-        def load_tensors(tensors: list[tuple[str, Any]]) -> None:
+        def load_tensors(tensors: Iterable[tuple[str, Any]]) -> None:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 model.load_weights(iter(tensors))
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(model)
+        return load_tensors
+
+    def sharpen_join_weight_group(
+        self, master_addr: str, master_port: int, first_rank: int, world_size: int, backend: str
+    ) -> dict[str, Any]:
+        """Join the weight group as rank ``first_rank`` + this worker's rank within its engine."""
+        import torch
+
+        from sharpen.rollout.weight_sync.broadcast import open_weight_group
+
+        rank = first_rank + int(getattr(self, "rank", 0))
+        try:
+            self._sharpen_group = open_weight_group(
+                rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port, backend=backend
+            )
+        except Exception as error:  # a refusal the engine can name, not an opaque RPC failure
+            return {"ok": False, "error": f"joining the weight group as rank {rank}: {type(error).__name__}: {error}"}
+        self._sharpen_group_device = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
+        return {"ok": True, "rank": rank}
+
+    def sharpen_receive_broadcast(self, version: int) -> dict[str, Any]:
+        """Load one broadcast sync (verified bucket by bucket by `receive_weights`). On any failure the rest of the
+        sync is still drained, so the sender and the other receivers finish, and the reload is ended."""
+        from sharpen.rollout.weight_sync.broadcast import receive_weights
+
+        if self._sharpen_group is None:
+            return {"ok": False, "error": "this worker has not joined a weight group"}
+        started = time.perf_counter()
+        tensors = receive_weights(self._sharpen_group, version=version, device=self._sharpen_group_device)
+        counted = _Counted(tensors)
+        load_tensors = self._sharpen_begin_reload()
+        error: Exception | None = None
+        try:
+            load_tensors(counted)
+        except Exception as failure:
+            error = failure
+            try:
+                for _ in tensors:  # drain: the sender is mid-send
+                    pass
+            except BucketError:
+                pass
+        num_tied = self._sharpen_finalize()
+        if error is not None:
+            message = str(error) if isinstance(error, BucketError) else f"{type(error).__name__}: {error}"
+            return {"ok": False, "error": message}
+        return {
+            "ok": True,
+            "version": version,
+            "num_tensors": counted.count,
+            "num_tied_reprocessed": num_tied,
+            "load_seconds": time.perf_counter() - started,
+        }
+
+    def sharpen_begin_sync(self, sync_id: str, version: int) -> dict[str, Any]:
+        load_tensors = self._sharpen_begin_reload()
         self._sharpen_receiver = BucketReceiver(load_tensors)
         self._sharpen_receiver.begin(sync_id, version)
         return {"ok": True}
@@ -101,3 +166,16 @@ class VllmWeightReceiver:
         except BucketError as error:
             return {"ok": False, "error": str(error)}
         return {"ok": True, **reply, "num_tied_reprocessed": num_tied}
+
+
+class _Counted:
+    """Iterates ``items`` and counts them."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        self.items = items
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.items:
+            self.count += 1
+            yield item
