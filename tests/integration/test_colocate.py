@@ -7,10 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from test_tiny_loop import stable, tiny_config, vowel_reward
+from test_tiny_loop import run_in_this_process, stable, tiny_config, vowel_reward
 
-from sharpen.config import SharpenConfig
 from sharpen.monitoring import read_jsonl, read_timeline
 from sharpen.orchestration.runtime import run
 
@@ -31,14 +29,6 @@ def without_colocation(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.startswith("colocate/")} for row in stable(rows)]
 
 
-def run_here(config: SharpenConfig) -> Path:
-    threads = torch.get_num_threads()
-    try:
-        return run(config, reward_fn=vowel_reward)
-    finally:
-        torch.set_num_threads(threads)
-
-
 def tiny_parameter_bytes(path: Path) -> int:
     from transformers import AutoModelForCausalLM
 
@@ -49,8 +39,8 @@ def tiny_parameter_bytes(path: Path) -> int:
 def test_a_colocated_run_sleeps_through_every_step_and_trains_like_a_plain_one(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    plain = run_here(tiny_config(tiny_model_path, tmp_path, name="plain", num_steps=3, **OPTIONS))
-    colocated = run_here(
+    plain = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="plain", num_steps=3, **OPTIONS))
+    colocated = run_in_this_process(
         tiny_config(tiny_model_path, tmp_path, name="colocated", num_steps=3, **OPTIONS, **{"runtime.colocate": "true"})
     )
     plain_rows, rows = read_jsonl(plain / "metrics.jsonl"), read_jsonl(colocated / "metrics.jsonl")
@@ -90,10 +80,10 @@ def test_colocated_ray_actors_share_a_bundle_and_train_like_the_embedded_runtime
     pytest.importorskip("ray")
     from test_ray_runtime import RAY_RUNTIME, wait_for_free_cpus
 
-    colocate = {"runtime.colocate": "true"}
-    local = run_here(tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **OPTIONS, **colocate))
+    colocate = {**OPTIONS, "runtime.colocate": "true"}
+    local = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **colocate))
     remote = run(
-        tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3, **OPTIONS, **colocate),
+        tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3, **colocate),
         runtime=RAY_RUNTIME.model_copy(update={"colocate": True}),
         reward_fn=vowel_reward,
     )

@@ -8,11 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from test_async import comparable
-from test_tiny_loop import stable, tiny_config, vowel_reward
+from test_tiny_loop import run_in_this_process, stable, tiny_config, vowel_reward
 
-from sharpen.config import SharpenConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.monitoring import read_jsonl, read_timeline
 from sharpen.orchestration.runtime import run
@@ -46,15 +44,6 @@ def wait_for_free_cpus(expected: float) -> float:
     while (free := ray.available_resources().get("CPU", 0.0)) < expected and time.monotonic() < deadline:
         time.sleep(0.1)
     return free
-
-
-def run_in_this_process(config: SharpenConfig) -> Path:
-    """The local run of a comparison; it sets torch's thread count for this whole process, restored after."""
-    previous_threads = torch.get_num_threads()
-    try:
-        return run(config, reward_fn=vowel_reward)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(tiny_model_path: Path, tmp_path: Path) -> None:

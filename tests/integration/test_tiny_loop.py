@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,6 +49,20 @@ def tiny_config(model: Path, out: Path, *, name: str, num_steps: int, **extra: s
     # Values are TOML; names and paths are strings.
     quoted = {"run.name", "run.output_dir", "model.path", "rollout.engine.type"}
     return load_config(None, [f"{k}={json.dumps(v) if k in quoted else v}" for k, v in overrides.items()])
+
+
+def run_in_this_process(config: SharpenConfig, **options: Any) -> Path:
+    """A comparison run in this process (`sharpen.orchestration.runtime.run` with `vowel_reward`); it sets torch's
+    thread count for this whole process, restored after."""
+    import torch
+
+    from sharpen.orchestration.runtime import run
+
+    previous_threads = torch.get_num_threads()
+    try:
+        return run(config, reward_fn=vowel_reward, **options)
+    finally:
+        torch.set_num_threads(previous_threads)
 
 
 def stable(rows: list[dict]) -> list[dict]:

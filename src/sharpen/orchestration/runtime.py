@@ -32,7 +32,7 @@ def run(
     if runtime.type == "ray":
         from sharpen.orchestration.ray.runtime import run_ray
 
-        return run_ray(config, runtime=runtime, resume=resume, reward_fn=reward_fn)
+        return run_ray(config, resume=resume, reward_fn=reward_fn)
     return run_local(config, resume=resume, reward_fn=reward_fn)
 
 

@@ -20,10 +20,8 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sharpen.config import SharpenConfig
-from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.config.runtime import RuntimeConfig
-from sharpen.config.schema import check_trainer_ranks
 from sharpen.monitoring import Timeline
 from sharpen.orchestration.local import run_local
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
@@ -107,10 +105,9 @@ def _in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStr
     return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
 
 
-def start_trainer(
-    config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None, plan: Placement | None = None
-) -> TrainerProxy:
+def start_trainer(config: SharpenConfig, group: PlacementGroup, plan: Placement) -> TrainerProxy:
     """The trainer: one actor, or ``runtime.trainer_ranks`` FSDP2 rank actors joined into one process group."""
+    runtime = config.runtime
     num_ranks = runtime.trainer_ranks
     ranks = []
     for rank in range(num_ranks):
@@ -119,8 +116,7 @@ def start_trainer(
             "num_gpus": runtime.trainer_gpus,
             "max_restarts": 0,
         }
-        if group is not None:
-            options["scheduling_strategy"] = _in_bundle(group, plan.trainer_bundles[rank] if plan else rank)
+        options["scheduling_strategy"] = _in_bundle(group, plan.trainer_bundles[rank])
         actor = ray.remote(TrainerActor).options(**options).remote(config, rank=rank, world_size=num_ranks)
         name = "trainer" if num_ranks == 1 else f"trainer rank {rank}"
         ranks.append(
@@ -135,18 +131,18 @@ def start_trainer(
     return trainer
 
 
-def start_engines(
-    config: SharpenConfig, runtime: RuntimeConfig, group: PlacementGroup | None = None, plan: Placement | None = None
-) -> list[EngineProxy]:
-    """``rollout.num_engines`` engine actors (replicas), in their bundles of ``plan`` (default: after the trainer
-    ranks')."""
+def start_engines(config: SharpenConfig, group: PlacementGroup, plan: Placement) -> list[EngineProxy]:
+    """``rollout.num_engines`` engine actors (replicas), each in its bundle of ``plan``."""
+    runtime = config.runtime
     num_engines = config.rollout.num_engines
     engines = []
     for replica in range(num_engines):
-        options: dict[str, Any] = {"num_cpus": runtime.engine_cpus, "num_gpus": runtime.engine_gpus, "max_restarts": 0}
-        if group is not None:
-            bundle = plan.engine_bundles[replica] if plan else runtime.trainer_ranks + replica
-            options["scheduling_strategy"] = _in_bundle(group, bundle)
+        options: dict[str, Any] = {
+            "num_cpus": runtime.engine_cpus,
+            "num_gpus": runtime.engine_gpus,
+            "max_restarts": 0,
+            "scheduling_strategy": _in_bundle(group, plan.engine_bundles[replica]),
+        }
         actor = ray.remote(EngineActor).options(**options).remote(config, replica=replica, num_replicas=num_engines)
         name = "engine" if num_engines == 1 else f"engine replica {replica}"
         engines.append(
@@ -155,18 +151,14 @@ def start_engines(
     return engines
 
 
-def run_ray(
-    config: SharpenConfig, *, runtime: RuntimeConfig, resume: bool = False, reward_fn: RewardFn | None = None
-) -> Path:
-    """Run (or resume) a recipe with the trainer and the engine as Ray actors; returns the run directory.
+def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn | None = None) -> Path:
+    """Run (or resume) a recipe with the trainer and the engine as Ray actors, placed as ``config.runtime`` says;
+    returns the run directory.
 
     The actors are stopped at the end (after a graceful close when the run succeeded, at once when it failed, so
     a hung actor cannot hold the error back); Ray is shut down only if this call started it."""
     resolve_model_path(config.model.path)  # user errors, before any actor exists
-    try:
-        check_trainer_ranks(runtime, config.trainer)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
+    runtime = config.runtime
     started = start_ray(runtime)
     proxies: list[TrainerProxy | EngineProxy] = []
 
@@ -178,9 +170,9 @@ def run_ray(
     try:
         plan = plan_placement(runtime, num_engines=config.rollout.num_engines)
         group = place(runtime, plan)
-        trainer = start_trainer(config, runtime, group, plan)
+        trainer = start_trainer(config, group, plan)
         proxies.append(trainer)
-        engines = start_engines(config, runtime, group, plan)
+        engines = start_engines(config, group, plan)
         proxies.extend(engines)
         engine: InferenceEngine | BroadcastEngines = (
             engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])
