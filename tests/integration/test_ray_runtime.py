@@ -201,3 +201,31 @@ def test_a_hung_or_dead_actor_stops_the_run_with_one_clear_error() -> None:
     with pytest.raises(ActorCallError, match=r"ray actor 'engine' died during generate\(\): "):
         engine.generate(prompt, params)
     assert wait_for_free_cpus(2.0) == 2.0
+
+
+def test_two_fsdp2_trainer_ranks_on_ray_resume_exactly(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Sharded checkpoints in the Ray runtime: 2 rank actors train 2 steps and stop; new actors resume from the
+    sharded checkpoint (every rank reads its shards and optimizer state) and the third step repeats the
+    uninterrupted run's."""
+    options = {"trainer.num_threads": "1", "run.checkpoint_every": "1"}
+    two_ranks = RAY_RUNTIME.model_copy(update={"trainer_ranks": 2})
+    full = run(
+        tiny_config(tiny_model_path, tmp_path, name="full", num_steps=3, **options),
+        runtime=two_ranks,
+        reward_fn=vowel_reward,
+    )
+    split = tiny_config(tiny_model_path, tmp_path, name="split", num_steps=2, **options)
+    stopped = run(split, runtime=two_ranks, reward_fn=vowel_reward)
+    shards = sorted(path.name for path in (stopped / "checkpoints" / "step_000002").glob("*.distcp"))
+    assert len(shards) == 2, f"one shard file per rank, got {shards}"
+    resumed = run(
+        split.model_copy(update={"run": split.run.model_copy(update={"num_steps": 3})}),
+        runtime=two_ranks,
+        resume=True,
+        reward_fn=vowel_reward,
+    )
+    full_rows, resumed_rows = read_jsonl(full / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
+    assert [row["step"] for row in resumed_rows] == [0, 1, 2]
+    assert stable(resumed_rows)[2] == stable(full_rows)[2]
+    assert resumed_rows[2]["train/num_loss_tokens"] > 0
+    assert wait_for_free_cpus(2.0) == 2.0
