@@ -95,6 +95,9 @@ class VllmEngineConfig(Section):
     """Longest prompt + completion the engine accepts."""
     enforce_eager: bool = True
     """Disable CUDA graphs / compilation (start-up is faster; required on the CPU build)."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs (on the CPU build: sets of cores) one engine shards the model over, one vLLM worker each. Weight syncs
+    reach every worker; in the Ray runtime give the engine actor as many GPUs (runtime.engine_gpus)."""
 
 
 class HfEngineConfig(Section):
@@ -380,6 +383,14 @@ class SharpenConfig(Section):
         if self.weight_sync.transport == "broadcast" and self.runtime.type != "ray":
             raise ValueError(
                 'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'
+            )
+        engine = self.rollout.engine
+        tensor_parallel = engine.tensor_parallel_size if isinstance(engine, VllmEngineConfig) else 1
+        if self.runtime.type == "ray" and tensor_parallel > 1 and 0 < self.runtime.engine_gpus < tensor_parallel:
+            raise ValueError(
+                f"rollout.engine.tensor_parallel_size = {tensor_parallel} puts one vLLM worker on each of "
+                f"{tensor_parallel} GPUs, but runtime.engine_gpus = {self.runtime.engine_gpus:g} gives the engine "
+                "actor fewer"
             )
         if self.weight_sync.broadcast_backend == "nccl":
             if not (self.runtime.trainer_gpus > 0 and self.runtime.engine_gpus > 0):

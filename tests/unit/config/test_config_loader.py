@@ -212,3 +212,11 @@ def test_the_broadcast_backend_is_nccl_only_between_gpus_that_are_not_shared():
         load_config(None, [*shared, 'weight_sync.broadcast_backend="nccl"'])
     with pytest.raises(ConfigError, match=r'broadcast_backend = "nccl" needs GPUs on both ends'):
         load_config(None, [*ray, 'weight_sync.broadcast_backend="nccl"'])
+
+
+def test_a_tensor_parallel_engine_actor_needs_a_gpu_per_worker():
+    ray = ['runtime.type="ray"', "rollout.engine.tensor_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size = 2 puts one vLLM worker on each of 2 GPUs"):
+        load_config(None, [*ray, "runtime.engine_gpus=1"])
+    assert load_config(None, [*ray, "runtime.engine_gpus=2"]).rollout.engine.tensor_parallel_size == 2
+    assert load_config(None, ray).runtime.engine_gpus == 0  # CPU actors: the workers bind cores instead

@@ -34,13 +34,30 @@ if TYPE_CHECKING:
 _RECEIVER = "sharpen.rollout.weight_sync.vllm_receiver.VllmWeightReceiver"
 
 
-def _prepare_cpu_environment() -> None:
-    """Settings the CPU build needs (see MACHINE.md); a user's own values win."""
+_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+_bound_by_us: str | None = None
+"""The value this module gave VLLM_CPU_OMP_THREADS_BIND (a value a user set is never replaced)."""
+
+
+def _prepare_cpu_environment(tensor_parallel_size: int = 1) -> None:
+    """Settings the CPU build needs (see MACHINE.md); a user's own values win. vLLM's CPU workers each bind their
+    OpenMP threads to a set of cores, one set per tensor-parallel rank ("0-1" for one rank, "0|1" for two)."""
+    global _bound_by_us
     import torch
 
     if torch.cuda.is_available():
         return
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{max(os.cpu_count() or 1, 1) - 1}")
+    num_cores = max(os.cpu_count() or 1, 1)
+    if tensor_parallel_size > num_cores:
+        raise EngineError(
+            f"vLLM's CPU build binds each tensor-parallel rank to cores of its own: {num_cores} cores cannot hold "
+            f"tensor_parallel_size = {tensor_parallel_size}"
+        )
+    if os.environ.get(_BIND) in (None, _bound_by_us):
+        per_rank = num_cores // tensor_parallel_size
+        sets = [(rank * per_rank, (rank + 1) * per_rank - 1) for rank in range(tensor_parallel_size)]
+        _bound_by_us = "|".join(f"{first}-{last}" if last > first else str(first) for first, last in sets)
+        os.environ[_BIND] = _bound_by_us
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
@@ -55,7 +72,7 @@ class VllmEngine:
         bucket_bytes: int = 128 << 20,
         sleep_mode: bool = False,
     ) -> None:
-        _prepare_cpu_environment()
+        _prepare_cpu_environment(config.tensor_parallel_size)
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -77,6 +94,7 @@ class VllmEngine:
             logprobs_mode="processed_logprobs",
             worker_extension_cls=_RECEIVER,
             enable_sleep_mode=sleep_mode,
+            tensor_parallel_size=config.tensor_parallel_size,
         )
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
