@@ -4,7 +4,6 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.sharpen-installed
-export VLLM_CPU_OMP_THREADS_BIND ?= 0-1
 export VLLM_TARGET_DEVICE ?= cpu
 
 .PHONY: install system-deps demo test lint clean-venv

@@ -38,3 +38,10 @@ def test_a_users_binding_is_kept(machine: pytest.MonkeyPatch) -> None:
     machine.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|3")
     vllm_engine._prepare_cpu_environment(2)
     assert bind() == "1|3"
+
+
+def test_a_users_binding_for_another_number_of_workers_is_one_clear_error(machine: pytest.MonkeyPatch) -> None:
+    machine.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    vllm_engine._prepare_cpu_environment(1)
+    with pytest.raises(EngineError, match=r"= '0-1' binds 1 vLLM worker\(s\), but tensor_parallel_size = 2"):
+        vllm_engine._prepare_cpu_environment(2)

@@ -53,11 +53,17 @@ def _prepare_cpu_environment(tensor_parallel_size: int = 1) -> None:
             f"vLLM's CPU build binds each tensor-parallel rank to cores of its own: {num_cores} cores cannot hold "
             f"tensor_parallel_size = {tensor_parallel_size}"
         )
-    if os.environ.get(_BIND) in (None, _bound_by_us):
+    given = os.environ.get(_BIND)
+    if given in (None, _bound_by_us):
         per_rank = num_cores // tensor_parallel_size
         sets = [(rank * per_rank, (rank + 1) * per_rank - 1) for rank in range(tensor_parallel_size)]
         _bound_by_us = "|".join(f"{first}-{last}" if last > first else str(first) for first, last in sets)
         os.environ[_BIND] = _bound_by_us
+    elif given not in ("auto", "nobind") and len(given.split("|")) != tensor_parallel_size:
+        raise EngineError(
+            f"{_BIND} = {given!r} binds {len(given.split('|'))} vLLM worker(s), but tensor_parallel_size = "
+            f"{tensor_parallel_size}: give one core set per worker, separated by '|' (e.g. '0|1'), or unset it"
+        )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
