@@ -368,41 +368,7 @@ class SharpenConfig(Section):
                 f"({', '.join(ENVIRONMENTS_WITH_TASKS)}, or custom with environment.tasks), "
                 f"not {environment.type!r}"
             )
-        check_trainer_ranks(self.runtime, self.trainer)
-        if self.runtime.colocate and self.rollout.mode == "async":
-            raise ValueError(
-                'runtime.colocate puts the engine to sleep while the trainer steps, but rollout.mode = "async" '
-                "generates during training: use one or the other"
-            )
-        runtime = self.runtime
-        if runtime.colocate and runtime.type == "ray" and self.rollout.num_engines != runtime.trainer_ranks:
-            raise ValueError(
-                f"runtime.colocate places engine replica i beside trainer rank i: rollout.num_engines = "
-                f"{self.rollout.num_engines} must equal runtime.trainer_ranks = {self.runtime.trainer_ranks}"
-            )
-        if self.weight_sync.transport == "broadcast" and self.runtime.type != "ray":
-            raise ValueError(
-                'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'
-            )
-        engine = self.rollout.engine
-        tensor_parallel = engine.tensor_parallel_size if isinstance(engine, VllmEngineConfig) else 1
-        if self.runtime.type == "ray" and tensor_parallel > 1 and 0 < self.runtime.engine_gpus < tensor_parallel:
-            raise ValueError(
-                f"rollout.engine.tensor_parallel_size = {tensor_parallel} puts one vLLM worker on each of "
-                f"{tensor_parallel} GPUs, but runtime.engine_gpus = {self.runtime.engine_gpus:g} gives the engine "
-                "actor fewer"
-            )
-        if self.weight_sync.broadcast_backend == "nccl":
-            if not (self.runtime.trainer_gpus > 0 and self.runtime.engine_gpus > 0):
-                raise ValueError(
-                    'weight_sync.broadcast_backend = "nccl" needs GPUs on both ends (runtime.trainer_gpus and '
-                    "runtime.engine_gpus > 0)"
-                )
-            if self.runtime.colocate:
-                raise ValueError(
-                    'weight_sync.broadcast_backend = "nccl" cannot join a trainer rank and an engine that share a GPU '
-                    '(runtime.colocate): use "gloo" or transport = "object_store"'
-                )
+        self._check_scale_out()
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
             raise ValueError(
@@ -410,6 +376,47 @@ class SharpenConfig(Section):
                 f"{self.trainer.micro_batch_size} does not divide the {num_rollouts} rollouts per step"
             )
         return self
+
+    def _check_scale_out(self) -> None:
+        """What the runtime's placement, the engines and the weight transport cannot do together."""
+        runtime, engine = self.runtime, self.rollout.engine
+        if runtime.trainer_ranks > 1 and self.trainer.algorithm.advantage == "gae":
+            raise ValueError(
+                f'runtime.trainer_ranks = {runtime.trainer_ranks} shards the policy with FSDP2, but advantage = "gae" '
+                "needs a critic, which runs on one device only: use trainer_ranks = 1"
+            )
+        if runtime.colocate and self.rollout.mode == "async":
+            raise ValueError(
+                'runtime.colocate puts the engine to sleep while the trainer steps, but rollout.mode = "async" '
+                "generates during training: use one or the other"
+            )
+        if runtime.colocate and runtime.type == "ray" and self.rollout.num_engines != runtime.trainer_ranks:
+            raise ValueError(
+                f"runtime.colocate places engine replica i beside trainer rank i: rollout.num_engines = "
+                f"{self.rollout.num_engines} must equal runtime.trainer_ranks = {runtime.trainer_ranks}"
+            )
+        if self.weight_sync.transport == "broadcast" and runtime.type != "ray":
+            raise ValueError(
+                'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'
+            )
+        tensor_parallel = engine.tensor_parallel_size if isinstance(engine, VllmEngineConfig) else 1
+        if runtime.type == "ray" and tensor_parallel > 1 and 0 < runtime.engine_gpus < tensor_parallel:
+            raise ValueError(
+                f"rollout.engine.tensor_parallel_size = {tensor_parallel} puts one vLLM worker on each of "
+                f"{tensor_parallel} GPUs, but runtime.engine_gpus = {runtime.engine_gpus:g} gives the engine "
+                "actor fewer"
+            )
+        if self.weight_sync.broadcast_backend == "nccl":
+            if not (runtime.trainer_gpus > 0 and runtime.engine_gpus > 0):
+                raise ValueError(
+                    'weight_sync.broadcast_backend = "nccl" needs GPUs on both ends (runtime.trainer_gpus and '
+                    "runtime.engine_gpus > 0)"
+                )
+            if runtime.colocate:
+                raise ValueError(
+                    'weight_sync.broadcast_backend = "nccl" cannot join a trainer rank and an engine that share a GPU '
+                    '(runtime.colocate): use "gloo" or transport = "object_store"'
+                )
 
     @property
     def broadcast_backend(self) -> Literal["gloo", "nccl"]:
@@ -424,12 +431,3 @@ class SharpenConfig(Section):
     @property
     def num_rollouts_per_step(self) -> int:
         return self.rollout.prompts_per_step * self.rollout.num_samples_per_prompt
-
-
-def check_trainer_ranks(runtime: RuntimeConfig, trainer: TrainerConfig) -> None:
-    """What a sharded (FSDP2) trainer cannot do yet, refused before any actor starts."""
-    if runtime.trainer_ranks > 1 and trainer.algorithm.advantage == "gae":
-        raise ValueError(
-            f'runtime.trainer_ranks = {runtime.trainer_ranks} shards the policy with FSDP2, but advantage = "gae" '
-            "needs a critic, which runs on one device only: use trainer_ranks = 1"
-        )

@@ -101,8 +101,10 @@ def place(runtime: RuntimeConfig, plan: Placement) -> PlacementGroup:
     return group
 
 
-def _in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
-    return PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+def _actor_options(*, num_cpus: float, num_gpus: float, group: PlacementGroup, bundle: int) -> dict[str, Any]:
+    """Ray options of an actor in ``bundle`` of ``group``; actors are never restarted (a dead one ends the run)."""
+    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0, "scheduling_strategy": strategy}
 
 
 def start_trainer(config: SharpenConfig, group: PlacementGroup, plan: Placement) -> TrainerProxy:
@@ -111,12 +113,9 @@ def start_trainer(config: SharpenConfig, group: PlacementGroup, plan: Placement)
     num_ranks = runtime.trainer_ranks
     ranks = []
     for rank in range(num_ranks):
-        options: dict[str, Any] = {
-            "num_cpus": runtime.trainer_cpus,
-            "num_gpus": runtime.trainer_gpus,
-            "max_restarts": 0,
-        }
-        options["scheduling_strategy"] = _in_bundle(group, plan.trainer_bundles[rank])
+        options = _actor_options(
+            num_cpus=runtime.trainer_cpus, num_gpus=runtime.trainer_gpus, group=group, bundle=plan.trainer_bundles[rank]
+        )
         actor = ray.remote(TrainerActor).options(**options).remote(config, rank=rank, world_size=num_ranks)
         name = "trainer" if num_ranks == 1 else f"trainer rank {rank}"
         ranks.append(
@@ -137,12 +136,8 @@ def start_engines(config: SharpenConfig, group: PlacementGroup, plan: Placement)
     num_engines = config.rollout.num_engines
     engines = []
     for replica in range(num_engines):
-        options: dict[str, Any] = {
-            "num_cpus": runtime.engine_cpus,
-            "num_gpus": runtime.engine_gpus,
-            "max_restarts": 0,
-            "scheduling_strategy": _in_bundle(group, plan.engine_bundles[replica]),
-        }
+        bundle = plan.engine_bundles[replica]
+        options = _actor_options(num_cpus=runtime.engine_cpus, num_gpus=runtime.engine_gpus, group=group, bundle=bundle)
         actor = ray.remote(EngineActor).options(**options).remote(config, replica=replica, num_replicas=num_engines)
         name = "engine" if num_engines == 1 else f"engine replica {replica}"
         engines.append(
