@@ -26,58 +26,13 @@ from sharpen.config.schema import AlgorithmConfig, TrainerConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_per_token
 from sharpen.trainer.algorithms.offpolicy import compute_correction
-from sharpen.trainer.algorithms.policy_losses import (
-    PolicyLossMetrics,
-    cispo_per_token,
-    gspo_per_token,
-    pg_per_token,
-    ppo_clip_per_token,
-)
+from sharpen.trainer.algorithms.policy_losses import compute_policy_loss
 from sharpen.trainer.backends import ReferencePolicy, ValueModel
 from sharpen.trainer.backends.base import TrainerBackend
 from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.packing import MicroBatch, pack_micro_batch, split_micro_batches
 from sharpen.trainer.sharding import split_rollouts_by_tokens
 from sharpen.types import Rollout, TrainBatch
-
-
-def compute_policy_loss(
-    config: AlgorithmConfig,
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """Per-token policy loss [batch, seq] of the configured kind."""
-    if config.policy_loss == "ppo_clip":
-        return ppo_clip_per_token(
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            clip_eps_low=config.clip_eps_low,
-            clip_eps_high=config.clip_eps_high,
-            dual_clip_c=config.dual_clip_c,
-        )
-    if config.policy_loss == "gspo":
-        return gspo_per_token(
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            clip_eps_low=config.clip_eps_low,
-            clip_eps_high=config.clip_eps_high,
-        )
-    if config.policy_loss == "cispo":
-        return cispo_per_token(
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            clip_eps_low=config.clip_eps_low,
-            clip_eps_high=config.clip_eps_high,
-        )
-    return pg_per_token(logprobs, advantages, mask)
 
 
 def build_kl_controller(config: AlgorithmConfig) -> KLController:
@@ -238,7 +193,16 @@ class Trainer:
             low=algorithm.off_policy_low,
             high=algorithm.off_policy_high,
         )
-        per_token, loss_metrics = compute_policy_loss(algorithm, logprobs, old, micro.advantages, correction.mask)
+        per_token, loss_metrics = compute_policy_loss(
+            algorithm.policy_loss,
+            logprobs,
+            old,
+            micro.advantages,
+            correction.mask,
+            clip_eps_low=algorithm.clip_eps_low,
+            clip_eps_high=algorithm.clip_eps_high,
+            dual_clip_c=algorithm.dual_clip_c,
+        )
         mode = algorithm.loss_aggregation
 
         def aggregate(values: torch.Tensor) -> torch.Tensor:
@@ -352,6 +316,11 @@ class Trainer:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.backend.named_weights()
+
+    def snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The current weights copied to host memory: a snapshot that later steps do not change (async mode
+        publishes one per version)."""
+        return [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in self.named_weights()]
 
     def save_checkpoint(self, folder: Path) -> None:
         self.backend.save(folder)

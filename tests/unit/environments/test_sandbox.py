@@ -17,10 +17,11 @@ from sandbox_checks import (
     SHORT_WALL_SECONDS,
     SMALL_LIMITS,
     assert_nothing_left,
+    cgroup_names,
     needs_bwrap,
     needs_root,
     sandbox_config,
-    sandbox_uid_processes,
+    sandbox_processes,
 )
 
 from sharpen.environments.sandbox import ExecutionStatus, Sandbox
@@ -237,7 +238,7 @@ def test_a_daemon_that_outlives_the_job_is_killed(sandbox: Sandbox):
     result = sandbox.run_python(textwrap.dedent(daemon))
     assert (result.status, result.stdout) == (OK, "started\n")
     assert result.wall_seconds < SMALL_LIMITS["wall_seconds"] / 2  # it did not wait for the daemon
-    assert sandbox_uid_processes() == []
+    assert sandbox_processes(cgroup_names(sandbox)) == []
     assert_nothing_left(sandbox)
 
 
@@ -274,6 +275,7 @@ def test_a_sandbox_failure_is_never_ok_or_nonzero_exit(sandbox: Sandbox):
 @needs_root
 def test_sandbox_prepared_ahead_is_fresh_for_every_execution():
     with Sandbox(sandbox_config(backend="bwrap", prepare_ahead=True)) as box:
+        names = cgroup_names(box)
         first = box.run(["sh", "-c", "echo secret > left.txt; echo x > /tmp/left.txt; (sleep 60 &); ls"])
         assert (first.status, first.stdout) == (OK, "left.txt\n")
         # The next sandbox was set up while the first ran; it has run nothing and sees nothing of the first.
@@ -283,10 +285,10 @@ def test_sandbox_prepared_ahead_is_fresh_for_every_execution():
         # Idle, it holds one prepared sandbox (a run dir, a job cgroup, bwrap's two processes); close removes it.
         assert len(list((box.state_dir / "runs").iterdir())) == 1
         deadline = time.monotonic() + 10
-        while _prepared_pids(box) != set(sandbox_uid_processes()) or len(_prepared_pids(box)) != 2:
-            assert time.monotonic() < deadline, (_prepared_pids(box), sandbox_uid_processes())
+        while _prepared_pids(box) != set(sandbox_processes(names)) or len(_prepared_pids(box)) != 2:
+            assert time.monotonic() < deadline, (_prepared_pids(box), sandbox_processes(names))
             time.sleep(0.01)  # it is still setting itself up in the background
-    assert sandbox_uid_processes() == []
+    assert sandbox_processes(names) == []
 
 
 def _prepared_pids(box: Sandbox) -> set[int]:

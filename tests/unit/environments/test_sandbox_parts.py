@@ -16,10 +16,11 @@ from sandbox_checks import (
     IS_ROOT,
     SHORT_WALL_SECONDS,
     assert_nothing_left,
+    cgroup_names,
     needs_bwrap,
     needs_root,
     sandbox_config,
-    sandbox_uid_processes,
+    sandbox_processes,
 )
 
 from sharpen.config.sandbox import SandboxConfig
@@ -94,7 +95,7 @@ def test_the_weak_backend_when_allowed_warns_and_still_limits(caplog: pytest.Log
         assert (daemon.status, daemon.stdout) == (ExecutionStatus.OK, "started\n")
         assert box.run_python("while True:\n    pass").status == ExecutionStatus.TIMEOUT
         # Killed processes of a namespace-less sandbox are reaped by the host's init: only zombies may linger.
-        assert sandbox_uid_processes(include_zombies=False) == []
+        assert sandbox_processes(cgroup_names(box), include_zombies=False) == []
 
 
 @needs_root

@@ -13,7 +13,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sandbox_checks import SHORT_WALL_SECONDS, needs_bwrap, needs_root, sandbox_config, sandbox_uid_processes
+from sandbox_checks import (
+    SHORT_WALL_SECONDS,
+    cgroup_names,
+    needs_bwrap,
+    needs_root,
+    sandbox_config,
+    sandbox_processes,
+)
 
 from sharpen.environments.sandbox import ExecutionResult, ExecutionStatus, SandboxPool
 
@@ -55,11 +62,11 @@ def test_pool_runs_at_most_max_concurrency_jobs_at_once(warm: bool):
 def warm_pool() -> Iterator[SandboxPool]:
     pool = SandboxPool(sandbox_config(max_concurrency=1, warm_workers=True))
     sandbox = pool.sandbox
-    cgroup_paths = [d.path for d in sandbox.cgroup_dirs]
+    cgroup_paths, names = [d.path for d in sandbox.cgroup_dirs], cgroup_names(sandbox)
     yield pool
     pool.close()
     assert not sandbox.state_dir.exists() and not any(path.exists() for path in cgroup_paths)
-    assert sandbox_uid_processes() == []
+    assert sandbox_processes(names) == []
 
 
 def run(pool: SandboxPool, code: str | None = None, argv: list[str] | None = None, **kwargs) -> ExecutionResult:
@@ -207,14 +214,14 @@ def _parent(pid: int) -> int:
 
 @needs_root
 def test_pool_close_leaves_nothing():
-    before = set(sandbox_uid_processes())  # another module-scoped pool may be alive
-
-    async def main() -> None:
+    async def main() -> frozenset[str]:
         async with SandboxPool(sandbox_config(max_concurrency=2, warm_workers=True)) as pool:
             results = await asyncio.gather(*(pool.run(["sh", "-c", "sleep 60 & echo x"]) for _ in range(4)))
             assert {r.stdout for r in results} == {"x\n"}
             state_dir, cgroups = pool.sandbox.state_dir, [d.path for d in pool.sandbox.cgroup_dirs]
+            names = cgroup_names(pool.sandbox)
         assert not state_dir.exists() and not any(path.exists() for path in cgroups)
+        return names
 
-    asyncio.run(main())
-    assert set(sandbox_uid_processes()) <= before
+    names = asyncio.run(main())
+    assert sandbox_processes(names) == []  # another module-scoped pool may be alive: its processes do not count

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 
 import pytest
@@ -44,11 +46,28 @@ def test_phase_counts_time_when_body_raises() -> None:
     assert timer.pop_metrics() == {"time/reward": 0.5}
 
 
-def test_peak_memory_without_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delitem(sys.modules, "torch", raising=False)
-    metrics = peak_memory_metrics()
-    assert set(metrics) == {"memory/peak_rss_gib"}
-    assert 0.001 < metrics["memory/peak_rss_gib"] < 1024  # a Python process: more than 1 MiB, less than 1 TiB
+_ALLOCATE_AND_REPORT = """
+import json, os, sys
+from sharpen.monitoring import peak_memory_metrics
+before = peak_memory_metrics()
+resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30  # GiB, now
+buffer = bytearray(b"x") * (256 << 20)  # written byte by byte, so every page is resident (not lazily zero)
+after = peak_memory_metrics()
+print(json.dumps({"before": before, "resident": resident, "after": after, "has_torch": "torch" in sys.modules}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the resident size from /proc")
+def test_peak_rss_rises_by_what_the_process_allocates() -> None:
+    # A fresh process: this one's peak may already lie far above its current size, which would hide the rise.
+    output = subprocess.run(
+        [sys.executable, "-c", _ALLOCATE_AND_REPORT], capture_output=True, text=True, check=True
+    ).stdout
+    report = json.loads(output)
+    assert not report["has_torch"] and set(report["after"]) == {"memory/peak_rss_gib"}  # no CUDA key without torch
+    # the peak becomes the resident size plus the 256 MiB buffer, unless an earlier peak was higher still
+    expected = max(report["before"]["memory/peak_rss_gib"], report["resident"] + 0.25)
+    assert report["after"]["memory/peak_rss_gib"] == pytest.approx(expected, abs=0.01), report
 
 
 def test_peak_memory_reads_cuda_only_from_imported_torch(monkeypatch: pytest.MonkeyPatch) -> None:

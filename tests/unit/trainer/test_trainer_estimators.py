@@ -1,8 +1,10 @@
-"""Advantage estimators on hand-computed cases: RLOO, REINFORCE++, ReMax, Dr.GRPO, GAE and masked whitening."""
+"""Advantage estimators on hand-computed cases: RLOO, REINFORCE++, ReMax, Dr.GRPO, GAE and masked whitening; and
+the registry `compute_advantages`, which must know every estimator name of the config."""
 
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 
 import pytest
@@ -10,8 +12,11 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from sharpen.config.schema import AlgorithmConfig
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 from sharpen.trainer.algorithms.estimators import (
+    AdvantageEstimator,
+    compute_advantages,
     compute_drgrpo_advantages,
     compute_gae,
     compute_reinforce_pp_advantages,
@@ -244,6 +249,67 @@ def test_group_estimators_give_exactly_zero_to_groups_without_signal(estimator, 
 def test_outcome_estimators_accept_empty_inputs(estimator, shape):
     scores = torch.zeros(shape, dtype=torch.float64)
     assert estimator(scores).shape == shape
+
+
+# --- the registry ------------------------------------------------------------------------------------------------
+
+_CONFIG_NAMES = typing.get_args(AlgorithmConfig.model_fields["advantage"].annotation)
+_GROUP_ESTIMATORS = [name for name in _CONFIG_NAMES if name != "gae"]  # gae needs a critic: the trainer runs it
+
+
+def test_the_registry_names_are_the_configs():
+    assert set(typing.get_args(AdvantageEstimator)) == set(_CONFIG_NAMES)
+    assert "gae" in _CONFIG_NAMES and len(_GROUP_ESTIMATORS) == len(_CONFIG_NAMES) - 1
+
+
+# Two groups of four with abstentions: group 0 has valid [1, 0, 1], group 1 has valid [3, 1].
+_REGISTRY_SCORES = [[1.0, 0.0, NAN, 1.0], [3.0, NAN, 1.0, NAN]]
+_GRPO_STD_0 = math.sqrt(2) / 3  # group 0: mean 2/3, deviations [1/3, -2/3, 1/3], population std sqrt(2/9)
+_PP_STD = math.sqrt(0.96)  # batch [1, 0, 1, 3, 1]: mean 1.2, squared deviations sum to 4.8, over 5
+_PP_BASELINE_STD = math.sqrt(8 / 15)  # group-centred [1/3, -2/3, 1/3, 1, -1]: batch mean 0, squares sum to 8/3
+_HAND_COMPUTED: dict[str, list[list[float]]] = {
+    # (r - group mean) / (group std + eps); group 1: mean 2, std 1
+    "grpo": [
+        [(1 / 3) / (_GRPO_STD_0 + EPS), (-2 / 3) / (_GRPO_STD_0 + EPS), NAN, (1 / 3) / (_GRPO_STD_0 + EPS)],
+        [1 / (1 + EPS), NAN, -1 / (1 + EPS), NAN],
+    ],
+    "drgrpo": [[1 / 3, -2 / 3, NAN, 1 / 3], [1.0, NAN, -1.0, NAN]],
+    # r_i - mean of the others: 1 - mean(0, 1), 0 - mean(1, 1); 3 - 1, 1 - 3
+    "rloo": [[0.5, -1.0, NAN, 0.5], [2.0, NAN, -2.0, NAN]],
+    "reinforce_pp": [
+        [-0.2 / (_PP_STD + EPS), -1.2 / (_PP_STD + EPS), NAN, -0.2 / (_PP_STD + EPS)],
+        [1.8 / (_PP_STD + EPS), NAN, -0.2 / (_PP_STD + EPS), NAN],
+    ],
+    "reinforce_pp_baseline": [
+        [
+            (1 / 3) / (_PP_BASELINE_STD + EPS),
+            (-2 / 3) / (_PP_BASELINE_STD + EPS),
+            NAN,
+            (1 / 3) / (_PP_BASELINE_STD + EPS),
+        ],
+        [1 / (_PP_BASELINE_STD + EPS), NAN, -1 / (_PP_BASELINE_STD + EPS), NAN],
+    ],
+    # greedy baselines [0.5, NaN]: group 1 has no baseline, so it abstains as a whole
+    "remax": [[0.5, -0.5, NAN, 0.5], [NAN, NAN, NAN, NAN]],
+}
+
+
+@pytest.mark.parametrize("name", _GROUP_ESTIMATORS)
+def test_every_group_estimator_of_the_config_gives_its_hand_computed_advantages(name: AdvantageEstimator):
+    assert name in _HAND_COMPUTED, f"add hand-computed advantages for the new estimator {name!r}"
+    baselines = _t([0.5, NAN]) if name == "remax" else None
+    advantages = compute_advantages(name, _t(_REGISTRY_SCORES), baselines=baselines)
+    torch.testing.assert_close(advantages, _t(_HAND_COMPUTED[name]), rtol=0, atol=1e-12, equal_nan=True)
+
+
+def test_gae_is_refused_as_a_group_estimator():
+    with pytest.raises(ValueError, match="critic"):
+        compute_advantages("gae", _t(_REGISTRY_SCORES))
+
+
+def test_remax_without_baselines_is_refused():
+    with pytest.raises(ValueError, match="baselines"):
+        compute_advantages("remax", _t(_REGISTRY_SCORES))
 
 
 # --- GAE ---------------------------------------------------------------------------------------------------------

@@ -1,18 +1,23 @@
 """Per-token policy losses on hand-computed values and gradients: PPO-clip with dual-clip, GSPO, CISPO, REINFORCE;
-and the contract every loss keeps (shape, masked tokens inert, no NaN from padding or empty rows)."""
+the contract every loss keeps (shape, masked tokens inert, no NaN from padding or empty rows); and the registry
+`compute_policy_loss`, which knows every loss name of the config and hands each loss exactly its arguments."""
 
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from sharpen.config.schema import AlgorithmConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.policy_losses import (
+    PolicyLoss,
     PolicyLossMetrics,
     cispo_per_token,
+    compute_policy_loss,
     gspo_per_token,
     pg_per_token,
     ppo_clip_per_token,
@@ -324,3 +329,44 @@ def test_invalid_clip_ranges_raise():
         ppo_clip_per_token(x, x, x, x.bool(), clip_eps_low=1.5, clip_eps_high=0.2)
     with pytest.raises(ValueError, match="clip_eps_high"):
         gspo_per_token(x, x, x, x.bool(), clip_eps_low=0.1, clip_eps_high=-0.1)
+
+
+# --- the registry ------------------------------------------------------------------------------------------------
+
+_CONFIG_LOSSES = typing.get_args(AlgorithmConfig.model_fields["policy_loss"].annotation)
+# Ratios far outside [1 - eps_low, 1 + eps_high] and a negative advantage, so that every bound (dual-clip too) acts.
+_REGISTRY_LOGPROBS = [[-0.1, -3.0, -1.0], [-2.0, -0.5, -4.0]]
+_REGISTRY_OLD_LOGPROBS = [[-1.5, -1.0, -1.0], [-0.5, -2.5, -4.0]]
+_REGISTRY_ADVANTAGES = [[-2.0], [1.0]]
+_REGISTRY_MASK = [[True, True, False], [True, True, True]]
+_DIRECT: dict[str, Callable[..., tuple[torch.Tensor, PolicyLossMetrics]]] = {
+    "ppo_clip": lambda lp, old, adv, mask: ppo_clip_per_token(
+        lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3, dual_clip_c=3.0
+    ),
+    "gspo": lambda lp, old, adv, mask: gspo_per_token(lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3),
+    "cispo": lambda lp, old, adv, mask: cispo_per_token(lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3),
+    "pg": lambda lp, old, adv, mask: pg_per_token(lp, adv, mask),
+}
+
+
+def test_the_registry_names_are_the_configs():
+    assert set(typing.get_args(PolicyLoss)) == set(_CONFIG_LOSSES)
+
+
+@pytest.mark.parametrize("name", _CONFIG_LOSSES)
+def test_the_registry_gives_each_loss_exactly_its_arguments(name: PolicyLoss):
+    """Bit-identical to calling the loss directly with the config's values: the registry does no arithmetic."""
+    assert name in _DIRECT, f"add the direct call of the new loss {name!r}"
+    inputs = (
+        _leaf(_REGISTRY_LOGPROBS),
+        _t(_REGISTRY_OLD_LOGPROBS),
+        _t(_REGISTRY_ADVANTAGES),
+        torch.tensor(_REGISTRY_MASK),
+    )
+    direct_inputs = (_leaf(_REGISTRY_LOGPROBS), *inputs[1:])
+    per_token, metrics = compute_policy_loss(name, *inputs, clip_eps_low=0.1, clip_eps_high=0.3, dual_clip_c=3.0)
+    expected, expected_metrics = _DIRECT[name](*direct_inputs)
+    assert torch.equal(per_token, expected)
+    assert torch.equal(_grad(per_token, inputs[0]), _grad(expected, direct_inputs[0]))
+    for field in PolicyLossMetrics.__slots__:
+        assert torch.equal(getattr(metrics, field), getattr(expected_metrics, field)), field

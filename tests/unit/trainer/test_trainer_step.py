@@ -264,3 +264,16 @@ def test_a_non_finite_gradient_skips_the_optimizer_step_and_training_goes_on(mod
     healthy = trainer.step(TrainBatch(rollouts=_rollouts(1), step=1))
     assert healthy["train/num_nonfinite_updates"] == 0.0 and math.isfinite(healthy["train/grad_norm"])
     assert any(not torch.equal(before[n], t) for n, t in trainer.backend.named_weights())
+
+
+def test_weight_snapshots_do_not_change_when_the_trainer_steps(model_dir):
+    trainer = _trainer(model_dir, micro_batch_size=2)
+    snapshot = trainer.snapshot_weights()
+    live = dict(trainer.named_weights())
+    trainer.step(TrainBatch(rollouts=_rollouts(seed=3), step=0))
+    assert [name for name, _ in snapshot] == list(live)
+    moved = dict(trainer.named_weights())
+    assert any(not torch.equal(tensor, moved[name]) for name, tensor in snapshot), "the step moves the weights"
+    again = trainer.snapshot_weights()
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(again, trainer.named_weights(), strict=True))
+    assert all(not torch.equal(tensor, moved[name]) for name, tensor in snapshot if name in moved and tensor.dim())

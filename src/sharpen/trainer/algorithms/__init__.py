@@ -7,6 +7,8 @@ hand-computed cases. The trainer and the loop call them; they call nothing of sh
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.estimators import (
+    AdvantageEstimator,
+    compute_advantages,
     compute_drgrpo_advantages,
     compute_gae,
     compute_reinforce_pp_advantages,
@@ -17,19 +19,30 @@ from sharpen.trainer.algorithms.estimators import (
 )
 from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_per_token
 from sharpen.trainer.algorithms.offpolicy import OffPolicyCorrection, compute_correction
-from sharpen.trainer.algorithms.policy_losses import cispo_per_token, gspo_per_token, pg_per_token, ppo_clip_per_token
+from sharpen.trainer.algorithms.policy_losses import (
+    PolicyLoss,
+    cispo_per_token,
+    compute_policy_loss,
+    gspo_per_token,
+    pg_per_token,
+    ppo_clip_per_token,
+)
 
 __all__ = [
     "AdaptiveKLController",
+    "AdvantageEstimator",
     "FixedKLController",
     "OffPolicyCorrection",
+    "PolicyLoss",
     "aggregate_loss",
     "aggregation_normalizer",
     "cispo_per_token",
+    "compute_advantages",
     "compute_correction",
     "compute_drgrpo_advantages",
     "compute_gae",
     "compute_grpo_advantages",
+    "compute_policy_loss",
     "compute_reinforce_pp_advantages",
     "compute_reinforce_pp_baseline_advantages",
     "compute_remax_advantages",

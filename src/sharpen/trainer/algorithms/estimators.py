@@ -1,4 +1,8 @@
-"""Advantage estimators beyond GRPO: RLOO, REINFORCE++, ReMax, Dr.GRPO, and GAE for PPO with a critic.
+"""Advantage estimators beyond GRPO: RLOO, REINFORCE++, ReMax, Dr.GRPO, and GAE for PPO with a critic; and
+``compute_advantages``, the registry that maps the config's ``trainer.algorithm.advantage`` name to its estimator.
+
+Adding an outcome estimator means: a function here, a ``case`` in ``compute_advantages`` (pyright fails on a name of
+``AdvantageEstimator`` without one), the name in the config's Literal, and a test.
 
 Pure torch functions over tensors, like ``advantages.py``. The outcome estimators take scores
 [num_groups, group_size] with NaN where the reward abstained, exactly as ``compute_grpo_advantages`` does:
@@ -12,9 +16,48 @@ there), and the critic itself.
 
 from __future__ import annotations
 
+from typing import Literal, assert_never
+
 import torch
 
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
+
+AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "gae"]
+"""The names of ``AlgorithmConfig.advantage`` (a test keeps the two equal: this package imports no config)."""
+
+
+def compute_advantages(
+    name: AdvantageEstimator, scores: torch.Tensor, *, baselines: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sequence-level advantages [num_groups, group_size] of the estimator ``name`` (``trainer.algorithm.advantage``).
+
+    ``scores``: [num_groups, group_size], NaN where the reward abstained (and where a group is shorter than the
+    largest); abstained entries come back NaN. ``baselines``: [num_groups], the score of each group's greedy
+    completion, NaN where there is none; needed by "remax", ignored by the others. "gae" is not a group estimator:
+    its advantages are per token and come from the critic's values, so the trainer computes them (``compute_gae``).
+    """
+    match name:
+        case "grpo":
+            return compute_grpo_advantages(scores)
+        case "drgrpo":
+            return compute_drgrpo_advantages(scores)
+        case "rloo":
+            return compute_rloo_advantages(scores)
+        case "reinforce_pp":
+            return compute_reinforce_pp_advantages(scores)
+        case "reinforce_pp_baseline":
+            return compute_reinforce_pp_baseline_advantages(scores)
+        case "remax":
+            if baselines is None:
+                raise ValueError('advantage = "remax" needs baselines: the score of each group\'s greedy completion')
+            return compute_remax_advantages(scores, baselines)
+        case "gae":
+            raise ValueError(
+                'advantage = "gae" is not a group estimator: its per-token advantages need the critic\'s values, '
+                "so the trainer computes them (compute_gae)"
+            )
+        case _:
+            assert_never(name)
 
 
 def compute_rloo_advantages(scores: torch.Tensor) -> torch.Tensor:

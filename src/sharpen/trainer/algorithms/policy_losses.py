@@ -2,8 +2,11 @@
 """Per-token policy-gradient losses: PPO-clip (with dual-clip), GSPO, CISPO and plain REINFORCE.
 
 Each function returns the loss of every token, [batch, seq], exactly 0 at masked tokens, and a
-`PolicyLossMetrics` of masked sums. Reducing the tokens to a scalar is `aggregation.aggregate_loss`'s job, so
-any loss combines with any aggregation mode and with gradient accumulation over micro-batches.
+`PolicyLossMetrics` of masked sums. ``compute_policy_loss`` is the registry: it maps the config's
+``trainer.algorithm.policy_loss`` name to its function, so adding a loss means a function here, a ``case`` there
+(pyright fails on a name of ``PolicyLoss`` without one), the name in the config's Literal, and a test.
+Reducing the tokens to a scalar is `aggregation.aggregate_loss`'s job, so any loss combines with any aggregation
+mode and with gradient accumulation over micro-batches.
 
 Shared conventions: ``logprobs`` [batch, seq] are the trainer's, with gradient; ``old_logprobs`` [batch, seq]
 are the behaviour policy's (the engine's; never differentiated); ``advantages`` are [batch, 1] (one per
@@ -11,14 +14,19 @@ sequence, broadcast) or [batch, seq]; ``mask`` [batch, seq] marks loss tokens. T
 masked tokens before any exponential, so garbage in padding cannot overflow into inf or NaN gradients.
 r_t = exp(logprobs_t - old_logprobs_t) is the token importance ratio; sg() is stop-gradient.
 
-This module knows nothing of models, batches or configs; it calls nothing of sharpen's.
+This module knows nothing of models, batches or configs (the registry takes the config's values as plain
+arguments); it calls nothing of sharpen's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, assert_never
 
 import torch
+
+PolicyLoss = Literal["ppo_clip", "gspo", "cispo", "pg"]
+"""The names of ``AlgorithmConfig.policy_loss`` (a test keeps the two equal: this package imports no config)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -198,3 +206,44 @@ def pg_per_token(
         num_dual_clipped=_metric_zero(logprobs),
         ratio_sum=_masked_sum(torch.ones_like(logprobs), valid),
     )
+
+
+def compute_policy_loss(
+    name: PolicyLoss,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_eps_low: float,
+    clip_eps_high: float,
+    dual_clip_c: float | None = None,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """Per-token loss [batch, seq] and metrics of the policy loss ``name`` (``trainer.algorithm.policy_loss``).
+
+    Every loss gets the same arguments and takes what it uses: the clip bounds go to PPO, GSPO and CISPO,
+    ``dual_clip_c`` to PPO only, and plain policy gradient ignores ``old_logprobs`` (it has no ratio).
+    """
+    match name:
+        case "ppo_clip":
+            return ppo_clip_per_token(
+                logprobs,
+                old_logprobs,
+                advantages,
+                mask,
+                clip_eps_low=clip_eps_low,
+                clip_eps_high=clip_eps_high,
+                dual_clip_c=dual_clip_c,
+            )
+        case "gspo":
+            return gspo_per_token(
+                logprobs, old_logprobs, advantages, mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
+            )
+        case "cispo":
+            return cispo_per_token(
+                logprobs, old_logprobs, advantages, mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
+            )
+        case "pg":
+            return pg_per_token(logprobs, advantages, mask)
+        case _:
+            assert_never(name)

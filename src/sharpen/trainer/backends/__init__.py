@@ -6,7 +6,8 @@ parallel, sharded, one process per rank) behind the same methods. `fsdp2` is imp
 torch.distributed's FSDP, DTensor and checkpoint packages, about 1 s on every ``import sharpen.trainer``.
 """
 
+from sharpen.trainer.backends.base import TokenScores
 from sharpen.trainer.backends.critic import ValueModel
-from sharpen.trainer.backends.single_device import ReferencePolicy, SingleDeviceBackend, TokenScores
+from sharpen.trainer.backends.single_device import ReferencePolicy, SingleDeviceBackend
 
 __all__ = ["ReferencePolicy", "SingleDeviceBackend", "TokenScores", "ValueModel"]

@@ -1,19 +1,24 @@
 """The `TrainerBackend` contract: what the `Trainer` needs from wherever the parameters live.
 
-Owns only the protocol. `SingleDeviceBackend` (one process) and `FSDP2Backend` (one process per rank, sharded)
-implement it; on one device the data-parallel collectives are identities.
+Owns the protocol and the data it returns (`TokenScores`). `SingleDeviceBackend` (one process) and `FSDP2Backend`
+(one process per rank, sharded) implement it and import it from here, never the other way round; on one device
+the data-parallel collectives are identities.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from sharpen.trainer.backends.single_device import TokenScores
+
+@dataclass(kw_only=True, slots=True)
+class TokenScores:
+    logprobs: torch.Tensor  # [batch, seq - 1] float32, 0 outside the target mask
+    entropy: torch.Tensor | None  # [batch, seq - 1] float32 (when asked for), 0 outside the target mask
 
 
 class TrainerBackend(Protocol):

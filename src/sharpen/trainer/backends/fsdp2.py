@@ -33,8 +33,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
-from sharpen.trainer.backends.base import ScoresTokenLogprobs
-from sharpen.trainer.backends.single_device import TokenScores, bf16_autocast, score_tokens
+from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
+from sharpen.trainer.backends.single_device import bf16_autocast, score_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -18,18 +17,12 @@ from torch import nn
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.algorithms.kl import entropy_from_logits
-from sharpen.trainer.backends.base import ScoresTokenLogprobs
+from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
-
-
-@dataclass(kw_only=True, slots=True)
-class TokenScores:
-    logprobs: torch.Tensor  # [batch, seq - 1] float32, 0 outside the target mask
-    entropy: torch.Tensor | None  # [batch, seq - 1] float32 (when asked for), 0 outside the target mask
 
 
 def score_tokens(
