@@ -1,4 +1,5 @@
-"""Which exceptions are the user's to fix (bad data, bad model folder) and how to say so in one line.
+"""Which exceptions are the user's to fix (bad data, a model that cannot be pulled, a plugin that does not load, a
+host without the sandbox or tracker a recipe asks for) and how to say so in one line.
 
 Anything not recognised here is a bug or an infrastructure fault and keeps its traceback.
 """
@@ -9,10 +10,10 @@ from __future__ import annotations
 def user_error_message(error: BaseException) -> str | None:
     from sharpen.cli.models import PullError
     from sharpen.data import DataError
-    from sharpen.environments.registry import EnvironmentLoadError
     from sharpen.environments.sandbox import SandboxUnavailable
     from sharpen.monitoring import TrackingSetupError
+    from sharpen.plugins import PluginLoadError
 
-    if isinstance(error, DataError | PullError | EnvironmentLoadError | TrackingSetupError | SandboxUnavailable):
+    if isinstance(error, DataError | PullError | PluginLoadError | TrackingSetupError | SandboxUnavailable):
         return str(error)
     return None

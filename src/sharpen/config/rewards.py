@@ -2,9 +2,9 @@
 
 Pydantic only, like the rest of `sharpen.config`: a field's docstring is its help text. The score of a rollout is
 ``correct_weight * correct + format_weight * format`` (the verifier rubric, always present) plus
-``weight * score`` of each ``[[reward.components]]`` entry (an LLM judge, a reward model, length shaping), each
-chosen by its ``type``. Building and combining them is `sharpen.rewards.rubric`'s; this module only checks that a
-recipe asks for something coherent.
+``weight * score`` of each ``[[reward.components]]`` entry (an LLM judge, a reward model, length shaping, your
+own function), each chosen by its ``type``. Building and combining them is `sharpen.rewards.rubric`'s; this
+module only checks that a recipe asks for something coherent.
 """
 
 from __future__ import annotations
@@ -164,8 +164,21 @@ class LengthComponentConfig(ComponentSection):
         return self
 
 
+class CustomComponentConfig(ComponentSection):
+    """Your own reward, a Python callable loaded once at start: ``function(example, completion, **kwargs)``
+    returning a float or a `RewardResult` (``score=None`` abstains); or a class, built once with ``**kwargs``, whose
+    instances are called ``(example, completion)`` the same way."""
+
+    type: Literal["custom"] = "custom"
+    function: str
+    """``path/to/file.py:name`` (a path relative to the working directory) or ``package.module:name``."""
+    kwargs: dict[str, Any] = Field(default_factory=dict[str, Any])
+    """Keyword arguments for the function on every call (for a class: for building it)."""
+
+
 RewardComponentConfig = Annotated[
-    JudgeComponentConfig | RewardModelComponentConfig | LengthComponentConfig, Field(discriminator="type")
+    JudgeComponentConfig | RewardModelComponentConfig | LengthComponentConfig | CustomComponentConfig,
+    Field(discriminator="type"),
 ]
 
 
@@ -179,7 +192,7 @@ class RewardConfig(Section):
     """Weight of the correctness component."""
     components: list[RewardComponentConfig] = Field(default_factory=list[RewardComponentConfig])
     """More weighted parts of the score, one ``[[reward.components]]`` table each with a ``type`` (judge,
-    reward_model, length), a weight and the options of that type; see docs/rewards.md."""
+    reward_model, length, custom), a weight and the options of that type; see docs/rewards.md."""
     judge_canary_every: int = Field(default=0, ge=0)
     """Grade the canaries (known-bad responses) with every judge component at steps 0, N, 2N, ... and log
     ``hack/judge_canary_alert`` (0: never). Needs a judge component."""

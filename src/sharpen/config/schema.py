@@ -81,8 +81,37 @@ class HumanEvalDataConfig(Section):
     scored by their own tests in the sandbox (reward.sandbox)."""
 
 
+class HfDataConfig(Section):
+    """A Hugging Face dataset from local files, as TRL users pass them: each row a prompt and a reference answer."""
+
+    type: Literal["hf"] = "hf"
+    path: str
+    """A data file (``.parquet``, ``.arrow``, ``.json``, ``.jsonl``, ``.csv``), a glob of such files
+    (``data/train-*.parquet``), a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``, or a
+    folder of data files (a downloaded Hub dataset repository)."""
+    split: str = "train"
+    """The split to read where the path holds several (a saved DatasetDict, a folder with split-named files); a
+    source of one split (data files, a saved Dataset) is read whatever this says."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt: a string (one user message) or a list of {role, content} messages."""
+    answer_column: str = "answer"
+    """Column holding the reference answer (a string or a number). With messages_column set and no such column in
+    the dataset, the answer is the content of each conversation's last message, which must be the assistant's."""
+    messages_column: str | None = None
+    """Column holding whole conversations (lists of {role, content} messages), read instead of prompt_column: a
+    last assistant message is cut from the prompt (and is the answer when the dataset has no answer_column)."""
+    verifier: Literal["exact_match", "math"] = "exact_match"
+    """How an extracted answer is checked against the reference: equal up to whitespace, case and number format,
+    or mathematically equivalent (math-verify: fractions, LaTeX, sets, intervals; run in a process pool)."""
+    system_prompt: str | None = None
+    """System prompt prepended to every example unless its messages start with one (None: the default
+    answer-format instruction)."""
+    limit: int | None = Field(default=None, ge=1)
+    """The first N rows of the split (None: all)."""
+
+
 DataConfig = Annotated[
-    ReasoningGymDataConfig | JsonlDataConfig | EnvironmentTasksDataConfig | HumanEvalDataConfig,
+    ReasoningGymDataConfig | JsonlDataConfig | EnvironmentTasksDataConfig | HumanEvalDataConfig | HfDataConfig,
     Field(discriminator="type"),
 ]
 

@@ -26,10 +26,6 @@ class ExampleSampler:
         self._order = self._permutation(0)
 
     @property
-    def num_examples(self) -> int:
-        return len(self._examples)
-
-    @property
     def epoch(self) -> int:
         """Number of complete passes over the examples so far."""
         return self._epoch

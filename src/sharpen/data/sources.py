@@ -1,4 +1,5 @@
-"""Data sources: turn a data config into a list of `Example`s (reasoning-gym tasks or a JSONL file).
+"""Data sources: turn a data config into a list of `Example`s (reasoning-gym tasks, a JSONL file, or a Hugging Face
+dataset from local files).
 
 This module owns reading and validating task data and building each example's prompt (with the system prompt).
 It does not order or batch examples (`sampler.py`), tokenize them (`chat.py`) or score answers (`sharpen.rewards`);
@@ -8,15 +9,19 @@ Every problem with the user's data is a `DataError` with one line naming where t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import glob
 import json
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from sharpen.config.schema import JsonlDataConfig, ReasoningGymDataConfig
+from sharpen.config.schema import HfDataConfig, JsonlDataConfig, ReasoningGymDataConfig
 from sharpen.types import Example, Message
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -31,11 +36,15 @@ class DataError(ValueError):
     """A problem with the user's data or data config; the message is one line that says where and what."""
 
 
-def load_examples(config: ReasoningGymDataConfig | JsonlDataConfig, *, seed: int) -> list[Example]:
+def load_examples(config: ReasoningGymDataConfig | JsonlDataConfig | HfDataConfig, *, seed: int) -> list[Example]:
     """All examples of a data source, in source order (the sampler shuffles). The same seed gives the same list."""
-    if isinstance(config, ReasoningGymDataConfig):
-        return _load_reasoning_gym(config, seed=seed)
-    return _load_jsonl(config)
+    match config:
+        case ReasoningGymDataConfig():
+            return _load_reasoning_gym(config, seed=seed)
+        case JsonlDataConfig():
+            return _load_jsonl(config)
+        case HfDataConfig():
+            return _load_hf(config)
 
 
 def _with_system_prompt(system_prompt: str | None, messages: list[Message]) -> tuple[Message, ...]:
@@ -174,18 +183,27 @@ def _example_from_record(record: dict[str, Any], config: JsonlDataConfig, *, tas
                 f"{where}: missing field {field!r} (data.{config_key}); the object has: {', '.join(record) or 'none'}"
             )
     messages = _parse_prompt(record[config.prompt_field], where=f"{where}: field {config.prompt_field!r}")
-    answer = record[config.answer_field]
-    if not isinstance(answer, str | int | float):
-        raise DataError(f"{where}: field {config.answer_field!r} must be a string or a number, got {answer!r:.40}")
+    answer = _checked_answer(record[config.answer_field], where=f"{where}: field {config.answer_field!r}")
     metadata = {key: value for key, value in record.items() if key not in (config.prompt_field, config.answer_field)}
-    metadata["source"] = "jsonl"
-    metadata["verifier"] = config.verifier
+    return _file_example(config, task_key=task_key, messages=messages, answer=answer, metadata=metadata)
+
+
+def _file_example(
+    config: JsonlDataConfig | HfDataConfig, *, task_key: str, messages: list[Message], answer: str, metadata: dict
+) -> Example:
+    """An example of a file source: the remaining fields as metadata, with the source and the configured verifier."""
     return Example(
         task_key=task_key,
         prompt=_with_system_prompt(config.system_prompt, messages),
-        answer=str(answer),
-        metadata=metadata,
+        answer=answer,
+        metadata={**metadata, "source": config.type, "verifier": config.verifier},
     )
+
+
+def _checked_answer(answer: Any, *, where: str) -> str:
+    if not isinstance(answer, str | int | float):
+        raise DataError(f"{where} must be a string or a number, got {answer!r:.40}")
+    return str(answer)
 
 
 def _parse_prompt(prompt: Any, *, where: str) -> list[Message]:
@@ -209,3 +227,129 @@ def _parse_prompt(prompt: Any, *, where: str) -> list[Message]:
             )
         messages.append(Message(role=message["role"], content=message["content"]))
     return messages
+
+
+# --- Hugging Face datasets (local files and saved folders) ---------------------------------------------------
+
+_HF_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json", ".csv": "csv"}
+"""The `datasets` builder for each data-file suffix."""
+
+
+def _load_hf(config: HfDataConfig) -> list[Example]:
+    rows, columns, name, where = _read_hf_rows(config)
+    answer_from_messages = config.messages_column is not None and config.answer_column not in columns
+    needed = [
+        (config.messages_column, "messages_column")
+        if config.messages_column is not None
+        else (config.prompt_column, "prompt_column"),
+        *([] if answer_from_messages else [(config.answer_column, "answer_column")]),
+    ]
+    for column, config_key in needed:
+        if column not in columns:
+            raise DataError(
+                f"{where}: no column {column!r} (data.{config_key}); the dataset has: {', '.join(columns) or 'none'}"
+            )
+    return [
+        _example_from_row(row, config, task_key=f"{name}/{index}", where=f"{where} row {index}")
+        for index, row in enumerate(rows)
+    ]
+
+
+def _example_from_row(row: dict[str, Any], config: HfDataConfig, *, task_key: str, where: str) -> Example:
+    """One example from one row. With messages_column, a conversation's last assistant message is cut from the
+    prompt (the policy must not see it) and is the answer where the dataset has no answer_column."""
+    if config.messages_column is None:
+        used = [config.prompt_column]
+        messages = _parse_prompt(_without_nulls(row[config.prompt_column]), where=f"{where}: column {used[0]!r}")
+        final = None
+    else:
+        used = [config.messages_column]
+        where_messages = f"{where}: column {config.messages_column!r}"
+        conversation = row[config.messages_column]
+        if not isinstance(conversation, list):
+            raise DataError(f"{where_messages}: must be a list of {{role, content}} messages")
+        messages = _parse_prompt(_without_nulls(conversation), where=where_messages)
+        final = messages.pop() if messages[-1].role == "assistant" else None
+        if not messages:
+            raise DataError(f"{where_messages}: only an assistant message, no prompt")
+    if config.answer_column in row:
+        used.append(config.answer_column)
+        answer = _checked_answer(row[config.answer_column], where=f"{where}: column {config.answer_column!r}")
+    elif final is not None:
+        answer = final.content
+    else:
+        raise DataError(
+            f"{where}: column {config.messages_column!r}: the conversation does not end with an assistant message "
+            f"and the dataset has no column {config.answer_column!r} (data.answer_column) to take the answer from"
+        )
+    metadata = {key: to_json_safe(value) for key, value in row.items() if key not in used}
+    return _file_example(config, task_key=task_key, messages=messages, answer=answer, metadata=metadata)
+
+
+def _without_nulls(prompt: Any) -> Any:
+    """Arrow stores a list of messages as structs with every key any message has: drop the keys that are null."""
+    if not isinstance(prompt, list):
+        return prompt
+    return [
+        {key: value for key, value in message.items() if value is not None} if isinstance(message, dict) else message
+        for message in prompt
+    ]
+
+
+def _read_hf_rows(config: HfDataConfig) -> tuple[list[dict[str, Any]], list[str], str, str]:
+    """The rows of the configured split (the first ``limit``), its column names, the task-key prefix, and where
+    the rows come from for error messages."""
+    import datasets  # slow to import (~1 s): only for this source
+
+    path = Path(config.path)
+    is_glob = any(char in config.path for char in "*?[")
+    if is_glob and not glob.glob(config.path):
+        raise DataError(f"data.path: no file matches {config.path}")
+    if not is_glob and not path.exists():
+        raise DataError(f"data.path: not found: {path}")
+    builder = None
+    if is_glob or path.is_file():
+        builder = _HF_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(
+                f"data.path: cannot tell the format of {path} from its suffix (known: {', '.join(_HF_BUILDERS)})"
+            )
+    # Read into memory with a throw-away cache: the rows become Examples at once, so an Arrow copy of the user's
+    # files under ~/.cache would only go stale.
+    with tempfile.TemporaryDirectory(prefix="sharpen-hf-") as cache_dir, _quiet_progress_bars(datasets):
+        try:
+            if builder is not None:
+                loaded = datasets.load_dataset(
+                    builder, data_files=config.path, cache_dir=cache_dir, keep_in_memory=True
+                )
+            elif (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():  # save_to_disk
+                loaded = datasets.load_from_disk(str(path), keep_in_memory=True)
+            else:  # a folder of data files, split names read from the file names
+                loaded = datasets.load_dataset(str(path), cache_dir=cache_dir, keep_in_memory=True)
+        except Exception as exc:  # datasets raises many kinds of errors on unreadable input: report it as data
+            raise DataError(f"data.path: cannot read {config.path} as a dataset: {_one_line(exc)}") from exc
+        name, where = (path.name if path.is_dir() else path.stem), config.path
+        if not isinstance(loaded, datasets.DatasetDict):  # a saved Dataset
+            dataset = loaded
+        elif len(loaded) == 1:  # files, or a folder or saved DatasetDict of one split: whatever its name
+            [dataset] = loaded.values()
+        elif config.split in loaded:
+            dataset = loaded[config.split]
+            name, where = f"{name}/{config.split}", f"{config.path} [{config.split}]"
+        else:
+            raise DataError(f"data.split = {config.split!r}: {config.path} has splits {', '.join(map(str, loaded))}")
+        if config.limit is not None:
+            dataset = dataset.select(range(min(config.limit, len(dataset))))
+        return dataset.to_list(), list(dataset.column_names), name, where
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars(datasets: Any) -> Iterator[None]:
+    """No "Generating train split" bars on the terminal for a few local files; restored afterwards."""
+    were_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not were_disabled:
+            datasets.enable_progress_bars()

@@ -6,12 +6,7 @@ same way. It does not run episodes.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from functools import partial
-from pathlib import Path
-from typing import Any
 
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
@@ -28,6 +23,7 @@ from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
 from sharpen.environments.python_tool import PythonEnvironment
 from sharpen.environments.sandbox import SandboxPool
+from sharpen.plugins import PluginLoadError, load_object
 from sharpen.types import Example
 
 
@@ -95,32 +91,6 @@ def environment_tasks(config: EnvironmentConfig, *, size: int, seed: int) -> lis
             raise ValueError(f"environment {config.type!r} does not make its own tasks; configure a data source")
 
 
-class EnvironmentLoadError(ValueError):
-    """A custom environment (or task function) named in the config cannot be loaded; the message says why."""
-
-
-def load_object(spec: str, *, what: str) -> Any:
-    """The object named by ``path/to/file.py:name`` or ``package.module:name``."""
-    location, _, name = spec.rpartition(":")
-    if not location or not name:
-        raise EnvironmentLoadError(f"{what} = {spec!r}: expected 'path/to/file.py:Name' or 'package.module:Name'")
-    try:
-        if location.endswith(".py"):
-            path = Path(location).resolve()
-            if not path.is_file():
-                raise EnvironmentLoadError(f"{what} = {spec!r}: no file {path}")
-            module_name = f"sharpen_user_{path.stem}"
-            module = sys.modules.get(module_name)
-            if module is None:
-                module_spec = importlib.util.spec_from_file_location(module_name, path)
-                assert module_spec is not None and module_spec.loader is not None
-                module = importlib.util.module_from_spec(module_spec)
-                sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
-                module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(location)
-    except ImportError as error:
-        raise EnvironmentLoadError(f"{what} = {spec!r}: cannot import it ({error})") from error
-    if not hasattr(module, name):
-        raise EnvironmentLoadError(f"{what} = {spec!r}: {location} has no attribute {name!r}")
-    return getattr(module, name)
+EnvironmentLoadError = PluginLoadError
+"""The error of a custom environment (or task function) that cannot be loaded, under its earlier name; new code
+catches `sharpen.plugins.PluginLoadError`, which custom rewards raise too."""

@@ -37,21 +37,9 @@ _HARNESS = (Path(__file__).with_name("code_harness.py")).read_text()
 _FENCE = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL)
 
 
-class RunOutcome(Protocol):
-    """What a `CodeRunner` returns (an `ExecutionResult` fits); ``status`` compares by its string value."""
-
-    @property
-    def status(self) -> str: ...
-    @property
-    def exit_code(self) -> int | None: ...
-    @property
-    def stdout(self) -> str: ...
-    @property
-    def stderr(self) -> str: ...
-
-
 class CodeRunner(Protocol):
-    """Runs Python code in isolation (a `Sandbox` fits): ``code`` as ``main.py`` with ``files`` beside it."""
+    """Runs Python code in isolation (a `Sandbox` fits): ``code`` as ``main.py`` with ``files`` beside it. The result
+    (an `ExecutionResult`) is read for its ``status`` (compared by its string value), ``stdout`` and ``stderr``."""
 
     def run_python(self, code: str, *, files: Mapping[str, str | bytes] = ..., stdin: str | bytes = "") -> Any: ...
 

@@ -1,24 +1,30 @@
 """The extra weighted components of a `Rubric`, built from their ``[[reward.components]]`` tables.
 
 Owns turning a component's config into a `RewardFn`: an LLM `Judge` on an OpenAI-compatible server, a
-`RewardModelClient` of ``sharpen serve-rm``, or `LengthReward` shaping. It does not build the Ray backend of the
-reward model: actors are orchestration's (`sharpen.orchestration.ray.reward_actors`), which hands the finished
-reward function to the `Rubric`. Weighing and combining the components is the `Rubric`'s.
+`RewardModelClient` of ``sharpen serve-rm``, `LengthReward` shaping, or a user's `CustomReward`. It does not build
+the Ray backend of the reward model: actors are orchestration's (`sharpen.orchestration.ray.reward_actors`), which
+hands the finished reward function to the `Rubric`. Weighing and combining the components is the `Rubric`'s.
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, assert_never
 
 from sharpen.config.rewards import (
+    CustomComponentConfig,
     JudgeComponentConfig,
     LengthComponentConfig,
     RewardComponentConfig,
     RewardModelComponentConfig,
 )
-from sharpen.rewards.base import RewardFn
+from sharpen.plugins import PluginLoadError, load_object
+from sharpen.rewards.base import RewardContractError, RewardFn
 from sharpen.rewards.judge import Judge, OpenAICompatibleClient
 from sharpen.rewards.judge_prompts import DEFAULT_CRITERIA, RubricPrompt
 from sharpen.rewards.rm_client import RewardModelClient
@@ -42,26 +48,82 @@ class LengthReward:
         return RewardResult(score=score, status=RewardStatus.OK, verifier=self.verifier)
 
 
+class CustomReward:
+    """A user's reward (``type = "custom"``), loaded once: a function called ``(example, completion, **kwargs)``, or a
+    class built with ``**kwargs`` whose instance is called ``(example, completion)``. A number becomes an ``ok``
+    verdict with that score; a `RewardResult` is passed on as it is (``score=None`` abstains); anything else is a
+    `RewardContractError`, which stops the run instead of abstaining on every rollout.
+
+    The calls are checked against the callable's signature now, so a misspelt keyword fails at start."""
+
+    def __init__(self, config: CustomComponentConfig) -> None:
+        self.config = config
+        what = f"reward component {config.name!r}: function = {config.function!r}"
+        target = load_object(config.function, what=f"reward component {config.name!r}: function")
+        if isinstance(target, type):
+            _check_signature(target, (), config.kwargs, what=what)
+            self._call, self._kwargs = target(**config.kwargs), {}
+        else:
+            self._call, self._kwargs = target, dict(config.kwargs)
+        if not callable(self._call):
+            raise PluginLoadError(f"{what} is a {type(self._call).__name__}, not callable")
+        _check_signature(self._call, ("example", "completion"), self._kwargs, what=what)
+        self.verifier = f"custom:{config.function.rpartition(':')[2]}"
+
+    def __call__(self, example: Example, completion: str) -> RewardResult:
+        value: Any = self._call(example, completion, **self._kwargs)
+        if isinstance(value, RewardResult):
+            return value
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise RewardContractError(
+                f"reward component {self.config.name!r} ({self.config.function}) returned {value!r:.60} "
+                f"({type(value).__name__}); return a finite number or a RewardResult (score=None abstains)"
+            )
+        return RewardResult(score=float(value), status=RewardStatus.OK, verifier=self.verifier)
+
+
+def _check_signature(target: Callable[..., Any], args: tuple[str, ...], kwargs: dict[str, Any], *, what: str) -> None:
+    """A `PluginLoadError` now when ``target(*args, **kwargs)`` could not bind (a missing or misspelt argument)."""
+    try:
+        signature = inspect.signature(target)
+    except ValueError:  # some callables (builtins, C extensions) have no signature to check against
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        call = ", ".join([*args, *(f"{key}=..." for key in kwargs)])
+        raise PluginLoadError(f"{what} cannot be called ({call}): {error}") from error
+
+
 def build_component(config: RewardComponentConfig, *, count_tokens: Callable[[str], int] | None = None) -> RewardFn:
     """The reward function of one component table. ``count_tokens`` (the policy's tokenizer) is needed only by a
     length component that counts tokens."""
-    if isinstance(config, JudgeComponentConfig):
-        return build_judge(config)
-    if isinstance(config, RewardModelComponentConfig):
-        if config.backend != "http":
-            raise ValueError(
-                f'reward component {config.name!r}: backend = "{config.backend}" runs in actors that the runtime '
-                "starts (sharpen.orchestration.local.build_reward_fn); pass the started reward function to the Rubric"
+    match config:
+        case JudgeComponentConfig():
+            return build_judge(config)
+        case RewardModelComponentConfig():
+            if config.backend != "http":
+                raise ValueError(
+                    f'reward component {config.name!r}: backend = "{config.backend}" runs in actors that the runtime '
+                    "starts (sharpen.orchestration.ray.reward_actors.start_reward_model_pools) and hands to the "
+                    "Rubric"
+                )
+            assert config.url is not None  # the config checks that http has a url
+            return RewardModelClient(
+                config.url, timeout_s=config.timeout_s, max_retries=config.max_retries, batch_size=config.batch_size
             )
-        assert config.url is not None  # the config checks that http has a url
-        return RewardModelClient(
-            config.url, timeout_s=config.timeout_s, max_retries=config.max_retries, batch_size=config.batch_size
-        )
-    if config.unit == "chars":
-        return LengthReward(config, count=len)
-    if count_tokens is None:
-        raise ValueError(f"length component {config.name!r} counts tokens: pass count_tokens (the policy's tokenizer)")
-    return LengthReward(config, count=count_tokens)
+        case LengthComponentConfig(unit="chars"):
+            return LengthReward(config, count=len)
+        case LengthComponentConfig():
+            if count_tokens is None:
+                raise ValueError(
+                    f"length component {config.name!r} counts tokens: pass count_tokens (the policy's tokenizer)"
+                )
+            return LengthReward(config, count=count_tokens)
+        case CustomComponentConfig():
+            return CustomReward(config)
+        case _:
+            assert_never(config)
 
 
 def build_judge(config: JudgeComponentConfig) -> Judge:

@@ -3,7 +3,7 @@
 Owns two things. `VerifierReward`, the built-in component: extract the answer in the configured format, pick the
 verifier for the example's data source, score ``correct_weight * correct + format_weight * format``, set the status;
 a verifier that crashes abstains (``score=None``, INFRA_ERROR) so a scorer bug never reads as a wrong answer. And
-`Rubric`, which adds the ``[[reward.components]]`` (judge, reward model, length; see `components`) to it:
+`Rubric`, which adds the ``[[reward.components]]`` (judge, reward model, length, custom; see `components`) to it:
 ``score = verifier score + sum(weight_i * score_i)``. A component with weight 0 is computed and logged only; when
 a weighted one abstains, the whole verdict abstains with its status, never a made-up 0.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from sharpen.config.rewards import RewardConfig
 from sharpen.rewards.answers import extract_answer
-from sharpen.rewards.base import RewardFn
+from sharpen.rewards.base import RewardContractError, RewardFn
 from sharpen.rewards.components import build_component
 from sharpen.rewards.judge import Judge
 from sharpen.rewards.math_verify import MathVerifyVerifier
@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 def default_verifiers() -> dict[str, Verifier]:
     """One verifier per name that `sharpen.data.load_examples` writes: ``metadata["verifier"]`` when the data
-    names one (JSONL's ``data.verifier``), else ``metadata["source"]``. The math pool starts on its first use."""
+    names one (``data.verifier`` of JSONL and HF data), else ``metadata["source"]``. The math pool starts on its
+    first use."""
     return {
         "reasoning_gym": ReasoningGymVerifier(),
         "jsonl": ExactMatchVerifier(),
@@ -138,6 +139,8 @@ class Rubric:
     def _score(self, component: WeightedComponent, example: Example, completion: str) -> RewardResult:
         try:
             return component.reward_fn(example, completion)
+        except RewardContractError:  # a bug in the component, the same on every rollout: stop the run
+            raise
         except Exception:  # fault tolerance: one failing service abstains for its component, not the whole run
             logger.warning(
                 "reward component %s failed on %s; abstaining", component.name, example.task_key, exc_info=True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from sharpen.rewards.base import RewardFn
+from sharpen.rewards.base import RewardContractError, RewardFn
 from sharpen.types import Example, RewardResult, RewardStatus, Rollout
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ def _judge(rubric: RewardFn, example: Example, completion: str) -> RewardResult:
     ``infra_error`` instead of stopping the run or scoring 0."""
     try:
         return rubric(example, completion)
+    except RewardContractError:  # a reward function that returns the wrong thing would abstain on every rollout
+        raise
     except Exception as error:  # fault tolerance: a failing scorer must not stop a long run
         logger.warning("reward function failed on %s; abstaining: %r", example.task_key, error)
         return RewardResult(score=None, status=RewardStatus.INFRA_ERROR, verifier=type(rubric).__name__)

@@ -138,4 +138,4 @@ def test_the_components_example_of_docs_rewards_md_is_a_valid_recipe(tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text(block)
     config = load_config(recipe)
-    assert [c.type for c in config.reward.components] == ["judge", "reward_model", "length"]
+    assert [c.type for c in config.reward.components] == ["judge", "reward_model", "length", "custom"]

@@ -1,4 +1,5 @@
-"""load_examples: reasoning-gym determinism and metadata, JSONL parsing, and one-line DataErrors for bad input."""
+"""load_examples: reasoning-gym determinism and metadata, JSONL and Hugging Face dataset parsing, and one-line
+DataErrors for bad input."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from sharpen.config.schema import JsonlDataConfig, ReasoningGymDataConfig
+from sharpen.config.loader import load_config
+from sharpen.config.schema import HfDataConfig, JsonlDataConfig, ReasoningGymDataConfig
 from sharpen.data import DEFAULT_SYSTEM_PROMPT, DataError, load_examples, to_json_safe
 from sharpen.types import Message
 
@@ -143,3 +145,154 @@ def test_jsonl_not_utf8(tmp_path):
     path.write_bytes(b'{"prompt": "a", "answer": "b"}\n\xff\xfe\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2: not UTF-8 text"):
         load_examples(JsonlDataConfig(path=str(path)), seed=0)
+
+
+# --- Hugging Face datasets -----------------------------------------------------------------------------------
+
+_ROWS = {"prompt": ["What is 2+2?", "Say hi"], "answer": ["4", "hi"], "level": [1, 2]}
+_CHATS = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+    [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say hi"}],
+]
+
+
+def _dataset(columns: dict[str, list]):
+    import datasets
+
+    return datasets.Dataset.from_dict(columns)
+
+
+def _hf(path: Path | str, **kwargs) -> HfDataConfig:
+    return HfDataConfig(path=str(path), **kwargs)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".json", ".jsonl", ".csv"])
+def test_hf_data_files_of_every_format_give_the_same_examples(tmp_path, suffix):
+    path = tmp_path / f"tasks{suffix}"
+    dataset = _dataset(_ROWS)
+    if suffix == ".parquet":
+        dataset.to_parquet(path)
+    elif suffix == ".csv":
+        dataset.to_csv(path, index=False)
+    else:
+        dataset.to_json(path, lines=suffix == ".jsonl")
+    examples = load_examples(_hf(path), seed=0)
+    assert [e.task_key for e in examples] == ["tasks/0", "tasks/1"]
+    assert examples[0].prompt == (
+        Message(role="system", content=DEFAULT_SYSTEM_PROMPT),
+        Message(role="user", content="What is 2+2?"),
+    )
+    assert [e.answer for e in examples] == ["4", "hi"]
+    assert examples[1].metadata == {"level": 2, "source": "hf", "verifier": "exact_match"}
+
+
+def test_hf_column_mapping_message_prompts_limit_and_a_glob(tmp_path):
+    columns = {"question": [_CHATS[1][1:], _CHATS[1], [{"role": "user", "content": "x"}]], "solution": [1, 2, 3]}
+    _dataset(columns).to_parquet(tmp_path / "train-0.parquet")
+    _dataset({"question": [[{"role": "user", "content": "later"}]], "solution": [4]}).to_parquet(
+        tmp_path / "train-1.parquet"
+    )
+    config = _hf(
+        tmp_path / "train-*.parquet", prompt_column="question", answer_column="solution", limit=3, verifier="math"
+    )
+    examples = load_examples(config, seed=0)
+    assert [e.answer for e in examples] == ["1", "2", "3"]
+    assert examples[0].prompt[1:] == (Message(role="user", content="Say hi"),)
+    assert [m.content for m in examples[1].prompt] == ["Be terse.", "Say hi"]  # the row's own system message is kept
+    assert examples[0].metadata == {"source": "hf", "verifier": "math"}
+    assert (
+        len(
+            load_examples(_hf(tmp_path / "train-*.parquet", prompt_column="question", answer_column="solution"), seed=0)
+        )
+        == 4
+    )
+
+
+def test_hf_messages_column_cuts_the_final_assistant_message_into_the_answer(tmp_path):
+    _dataset({"messages": [_CHATS[0]]}).to_parquet(tmp_path / "chat.parquet")
+    (example,) = load_examples(_hf(tmp_path / "chat.parquet", messages_column="messages", system_prompt=""), seed=0)
+    assert example.prompt == (Message(role="user", content="What is 2+2?"),)  # the policy never sees the answer
+    assert example.answer == "4"
+
+    _dataset({"messages": _CHATS, "answer": ["four", "hi"]}).to_parquet(tmp_path / "both.parquet")
+    examples = load_examples(_hf(tmp_path / "both.parquet", messages_column="messages"), seed=0)
+    assert [e.answer for e in examples] == ["four", "hi"]  # an answer column wins over the assistant message
+    assert examples[0].prompt[-1] == Message(role="user", content="What is 2+2?")
+
+    _dataset({"messages": _CHATS}).to_parquet(tmp_path / "open.parquet")
+    with pytest.raises(DataError) as info:
+        load_examples(_hf(tmp_path / "open.parquet", messages_column="messages"), seed=0)
+    assert str(info.value) == (
+        f"{tmp_path / 'open.parquet'} row 1: column 'messages': the conversation does not end with an assistant "
+        "message and the dataset has no column 'answer' (data.answer_column) to take the answer from"
+    )
+
+
+def test_hf_saved_dataset_folders_and_their_splits(tmp_path):
+    import datasets
+
+    _dataset(_ROWS).save_to_disk(tmp_path / "saved")
+    assert [e.task_key for e in load_examples(_hf(tmp_path / "saved"), seed=0)] == ["saved/0", "saved/1"]
+
+    test = _dataset({"prompt": ["held out"], "answer": ["x"], "level": [3]})
+    datasets.DatasetDict(train=_dataset(_ROWS), test=test).save_to_disk(tmp_path / "splits")
+    assert len(load_examples(_hf(tmp_path / "splits"), seed=0)) == 2
+    (held_out,) = load_examples(_hf(tmp_path / "splits", split="test"), seed=0)
+    assert held_out.task_key == "splits/test/0" and held_out.answer == "x"
+    with pytest.raises(DataError, match=r"^data\.split = 'dev': .*splits has splits train, test$"):
+        load_examples(_hf(tmp_path / "splits", split="dev"), seed=0)
+
+    folder = tmp_path / "repo" / "data"  # a downloaded Hub dataset repository: split names from the file names
+    folder.mkdir(parents=True)
+    _dataset(_ROWS).to_parquet(folder / "train-00000-of-00001.parquet")
+    test.to_parquet(folder / "test-00000-of-00001.parquet")
+    assert [e.answer for e in load_examples(_hf(folder, split="test"), seed=0)] == ["x"]
+
+
+@pytest.mark.parametrize(
+    ("columns", "kwargs", "expected"),
+    [
+        (
+            {"question": ["a"], "answer": ["b"]},
+            {},
+            "no column 'prompt' (data.prompt_column); the dataset has: question, answer",
+        ),
+        ({"prompt": ["a"]}, {}, "no column 'answer' (data.answer_column); the dataset has: prompt"),
+        ({"prompt": ["a"]}, {"messages_column": "chat"}, "no column 'chat' (data.messages_column)"),
+        ({"prompt": ["a", "b"], "answer": ["x", None]}, {}, "row 1: column 'answer' must be a string or a number"),
+        ({"prompt": ["a", " "], "answer": ["x", "y"]}, {}, "row 1: column 'prompt': empty prompt"),
+        ({"prompt": [[{"role": "bot", "content": "x"}]], "answer": ["y"]}, {}, "row 0: column 'prompt': message 0"),
+        ({"chat": [[{"role": "assistant", "content": "x"}]]}, {"messages_column": "chat"}, "only an assistant message"),
+        ({"chat": ["a"], "answer": ["b"]}, {"messages_column": "chat"}, "row 0: column 'chat': must be a list of"),
+    ],
+)
+def test_hf_bad_data_is_one_line_naming_file_row_and_column(tmp_path, columns, kwargs, expected):
+    path = tmp_path / "tasks.parquet"
+    _dataset(columns).to_parquet(path)
+    with pytest.raises(DataError) as info:
+        load_examples(_hf(path, **kwargs), seed=0)
+    assert str(info.value).startswith(str(path)) and expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_hf_bad_paths(tmp_path):
+    (tmp_path / "tasks.txt").write_text("hello\n")
+    (tmp_path / "broken.parquet").write_text("not parquet\n")
+    (tmp_path / "empty.csv").write_text("prompt,answer\n")
+    for path, message in [
+        (tmp_path / "nope.parquet", r"^data\.path: not found: .*nope\.parquet$"),
+        (tmp_path / "*.arrow", r"^data\.path: no file matches .*\*\.arrow$"),
+        (
+            tmp_path / "tasks.txt",
+            r"^data\.path: cannot tell the format of .*tasks\.txt from its suffix \(known: .parquet",
+        ),
+        (tmp_path / "broken.parquet", r"^data\.path: cannot read .*broken\.parquet as a dataset: "),
+        (tmp_path / "empty.csv", r"^data\.path: cannot read .*empty\.csv as a dataset: .*no data"),
+    ]:
+        with pytest.raises(DataError, match=message):
+            load_examples(_hf(path), seed=0)
+
+
+def test_hf_data_section_from_a_recipe(tmp_path):
+    config = load_config(None, ['data.type="hf"', "data.path=x.parquet", "data.messages_column=messages"])
+    assert config.data == HfDataConfig(path="x.parquet", messages_column="messages")
