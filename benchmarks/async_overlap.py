@@ -26,7 +26,8 @@ from typing import Any
 from sharpen.config import SharpenConfig, load_config
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import read_jsonl
-from sharpen.orchestration.local import build_trainer, load_tokenizer, run_local
+from sharpen.orchestration.build import build_trainer, load_tokenizer
+from sharpen.orchestration.embedded import run_embedded
 from sharpen.rollout.engines.scripted import ScriptedEngine
 from sharpen.testing import save_tiny_llama
 from sharpen.types import Completion, Example, RewardResult, RewardStatus, SamplingParams, TrainBatch
@@ -110,7 +111,7 @@ def scripted(steps: int, ratios: list[float], base: float) -> None:
                     seconds=gen,
                 )
                 trainer = SleepingTrainer(build_trainer(config, model_path=model, tokenizer=tokenizer), seconds=train)
-                run_dir = run_local(config, reward_fn=length_reward, engine=engine, trainer=trainer)  # pyright: ignore
+                run_dir = run_embedded(config, reward_fn=length_reward, engine=engine, trainer=trainer)  # pyright: ignore
                 seconds[mode] = seconds_per_step(run_dir)
             (sync_s, phases), (async_s, _) = seconds["sync"], seconds["async"]
             generation = phases["generate"] + phases["score"]
@@ -138,7 +139,7 @@ def recipe(path: Path, steps: int) -> None:
                 ],
             )
             started = time.perf_counter()
-            run_dir = run_local(config)
+            run_dir = run_embedded(config)
             total = time.perf_counter() - started
             rows = read_jsonl(run_dir / "metrics.jsonl")
             per_step = [r["time/step"] for r in rows]

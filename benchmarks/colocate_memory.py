@@ -37,8 +37,8 @@ def run_once(recipe: Path, out: Path, *, colocate: bool, steps: int) -> dict[str
     ]
     code = (
         "import sys, json; from pathlib import Path; from sharpen.config import load_config; "
-        "from sharpen.orchestration.local import run_local; "
-        "print(run_local(load_config(Path(sys.argv[1]), json.loads(sys.argv[2]))))"
+        "from sharpen.orchestration.embedded import run_embedded; "
+        "print(run_embedded(load_config(Path(sys.argv[1]), json.loads(sys.argv[2]))))"
     )
     subprocess.run([sys.executable, "-c", code, str(recipe), json.dumps(overrides)], check=True)
     from sharpen.monitoring import read_jsonl

@@ -15,7 +15,8 @@ from test_tiny_loop import is_volatile, tiny_config, vowel_reward
 from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import read_jsonl
-from sharpen.orchestration.local import build_run_engine, build_trainer, load_tokenizer, run_local
+from sharpen.orchestration.build import build_run_engine, build_trainer, load_tokenizer
+from sharpen.orchestration.embedded import run_embedded
 from sharpen.rollout.engines.scripted import ScriptedEngine
 from sharpen.types import Completion, SamplingParams, TrainBatch
 
@@ -113,11 +114,13 @@ def components(config: SharpenConfig, *, engine: str, **slow: float) -> tuple[Re
 
 def test_async_with_zero_staleness_reproduces_the_sync_run(tiny_model_path: Path, tmp_path: Path) -> None:
     probes = {"monitoring.parity_probe_every": "1"}  # the probe runs between steps in both modes
-    sync = run_local(tiny_config(tiny_model_path, tmp_path, name="sync", num_steps=3, **probes), reward_fn=vowel_reward)
+    sync = run_embedded(
+        tiny_config(tiny_model_path, tmp_path, name="sync", num_steps=3, **probes), reward_fn=vowel_reward
+    )
     config = async_config(
         tiny_model_path, tmp_path, name="async", num_steps=3, **{"rollout.max_staleness": "0", **probes}
     )
-    asynchronous = run_local(config, reward_fn=vowel_reward)
+    asynchronous = run_embedded(config, reward_fn=vowel_reward)
     sync_rows, async_rows = read_jsonl(sync / "metrics.jsonl"), read_jsonl(asynchronous / "metrics.jsonl")
     # Everything but the weight-load metrics, which async mode reports with the batch that waited for the load
     # (one step later than sync mode reports the same load).
@@ -152,7 +155,7 @@ def test_no_trained_token_is_older_than_the_bound(
     )
     trainer, engine = components(config, engine="scripted", seconds=engine_seconds)
     trainer.step_seconds = trainer_seconds
-    run_dir = run_local(config, reward_fn=vowel_reward, engine=engine, trainer=trainer)  # pyright: ignore
+    run_dir = run_embedded(config, reward_fn=vowel_reward, engine=engine, trainer=trainer)  # pyright: ignore
     assert [step for step, _ in trainer.batches] == list(range(6))
     staleness = [step - v for step, rollouts in trainer.batches for r in rollouts for v in r["versions"]]
     assert staleness and min(staleness) >= 0 and max(staleness) <= bound
@@ -175,7 +178,7 @@ def test_two_async_runs_train_on_identical_batches(tiny_model_path: Path, tmp_pa
         options = {"rollout.max_staleness": "2", "weight_sync.verify": str(engine == "hf").lower()}
         config = async_config(tiny_model_path, tmp_path, name=f"{name}-{engine}", num_steps=4, **options)
         trainer, slow_engine = components(config, engine=engine, jitter=0.1)
-        run_dir = run_local(config, reward_fn=vowel_reward, engine=slow_engine, trainer=trainer)  # pyright: ignore
+        run_dir = run_embedded(config, reward_fn=vowel_reward, engine=slow_engine, trainer=trainer)  # pyright: ignore
         runs.append((trainer.batches, comparable(read_jsonl(run_dir / "metrics.jsonl"))))
     (first_batches, first_rows), (second_batches, second_rows) = runs
     assert first_batches == second_batches
@@ -185,15 +188,15 @@ def test_two_async_runs_train_on_identical_batches(tiny_model_path: Path, tmp_pa
 
 def test_async_resume_after_a_crash_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path: Path) -> None:
     options = {"rollout.max_staleness": "2", "run.checkpoint_every": "2"}
-    full = run_local(
+    full = run_embedded(
         async_config(tiny_model_path, tmp_path, name="full", num_steps=5, **options), reward_fn=vowel_reward
     )
     config = async_config(tiny_model_path, tmp_path, name="crash", num_steps=5, **options)
     trainer, engine = components(config, engine="hf")
     with pytest.raises(RuntimeError, match="died in step 3"):
         trainer.fail_at = 3  # after the checkpoint at step 2, which keeps batches 2 and 3 (made by versions 0, 1)
-        run_local(config, reward_fn=vowel_reward, engine=engine, trainer=trainer)  # pyright: ignore
-    resumed = run_local(config, resume=True, reward_fn=vowel_reward)
+        run_embedded(config, reward_fn=vowel_reward, engine=engine, trainer=trainer)  # pyright: ignore
+    resumed = run_embedded(config, resume=True, reward_fn=vowel_reward)
     # The resumed engine takes version 2 when the run starts, not when batch 4 needs it: the loads' own metrics
     # are reported at different steps; everything trained on is the same.
     loads = ("sync/", "async/num_weight_loads")

@@ -11,7 +11,7 @@ import pytest
 from sharpen.cli.main import main
 from sharpen.config import load_config
 from sharpen.monitoring import read_jsonl
-from sharpen.orchestration.local import run_local
+from sharpen.orchestration.embedded import run_embedded
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "environments.md"
 
@@ -47,7 +47,7 @@ def test_the_documented_environment_trains_and_replays(
         "monitoring.num_recorded_rollouts": "8",
     }
     config = load_config("reverse.toml", [f"{k}={v}" for k, v in overrides.items()])
-    run_dir = run_local(config)
+    run_dir = run_embedded(config)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 2 and all(row["reward/num_abstained"] == 0 for row in rows)
     recorded = read_jsonl(run_dir / "rollouts.jsonl")

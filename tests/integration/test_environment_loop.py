@@ -16,7 +16,7 @@ from sharpen.config.environments import (
 )
 from sharpen.config.schema import EnvironmentTasksDataConfig, ScriptedEngineConfig
 from sharpen.monitoring import read_jsonl
-from sharpen.orchestration.local import run_local
+from sharpen.orchestration.embedded import run_embedded
 
 TOOL_CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "3 + 4"}}</tool_call>'
 
@@ -30,7 +30,7 @@ def test_grpo_on_the_calculator_environment_trains_on_generated_tokens_only(
     config.environment = CalculatorEnvironmentConfig(max_turns=3)
     config.rollout.max_new_tokens = 40
     config.monitoring.num_recorded_rollouts = 8
-    run_dir = run_local(config, reward_fn=vowel_reward)
+    run_dir = run_embedded(config, reward_fn=vowel_reward)
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1]
@@ -60,7 +60,7 @@ def test_a_game_that_makes_its_own_tasks_rewards_from_the_environment(tiny_model
     config.environment = GuessNumberEnvironmentConfig(max_turns=4, low=1, high=4)
     config.data = EnvironmentTasksDataConfig(size=16)
     config.rollout.engine = ScriptedEngineConfig(completions=["1", "2", "3", "4"])
-    run_dir = run_local(config)
+    run_dir = run_embedded(config)
     [row] = read_jsonl(run_dir / "metrics.jsonl")
     assert row["reward/num_abstained"] == 0
     assert 0.0 < row["reward/mean"] <= 1.0
@@ -76,7 +76,7 @@ def test_grpo_on_the_python_environment_runs_code_in_the_sandbox(tiny_model_path
     config.environment = PythonEnvironmentConfig(max_turns=3)
     config.rollout.max_new_tokens = 40
     config.monitoring.num_recorded_rollouts = 8
-    run_dir = run_local(config, reward_fn=vowel_reward)
+    run_dir = run_embedded(config, reward_fn=vowel_reward)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert len(rows) == 2 and all(row["reward/num_abstained"] == 0 for row in rows)
     recorded = read_jsonl(run_dir / "rollouts.jsonl")

@@ -59,8 +59,8 @@ def kill_and_wait(actor: object) -> None:
 
 def test_a_ray_reward_model_scores_like_a_direct_forward_on_every_actor(tiny_reward_model_path: Path) -> None:
     from sharpen.config import SharpenConfig
-    from sharpen.orchestration.local import build_reward_fn
-    from sharpen.orchestration.ray.reward_actors import RewardModelPool
+    from sharpen.orchestration.build import build_reward_fn
+    from sharpen.orchestration.ray.reward_actors import RewardModelPool, start_reward_model_pools
     from sharpen.rewards import RewardFn, Rubric
     from sharpen.rewards.rm_server import RewardModelScorer
 
@@ -82,7 +82,7 @@ def test_a_ray_reward_model_scores_like_a_direct_forward_on_every_actor(tiny_rew
         local.score_pairs([([{"role": m.role, "content": m.content} for m in e.prompt], c)])[0][0] for e, c in pairs
     ]
     with contextlib.ExitStack() as stack:
-        rubric = build_reward_fn(config, stack)
+        rubric = build_reward_fn(config, stack, served=start_reward_model_pools(config, stack=stack))
         assert isinstance(rubric, Rubric)
         pool = rubric.components[0].reward_fn
         assert isinstance(pool, RewardModelPool) and isinstance(pool, RewardFn) and pool.num_alive == 2

@@ -11,7 +11,7 @@ import pytest
 
 from sharpen.config import load_config
 from sharpen.monitoring import read_jsonl
-from sharpen.orchestration.local import run_local
+from sharpen.orchestration.embedded import run_embedded
 from sharpen.types import Example, RewardResult, RewardStatus
 
 RECIPES = sorted(p for p in (Path(__file__).parents[2] / "recipes").glob("*.toml") if p.stem != "demo")
@@ -50,7 +50,7 @@ def test_recipe_runs_with_the_tiny_model(recipe: Path, tiny_model_path: Path, tm
         # nothing to train on (tests/unit/orchestration covers the filter itself).
         overrides.append("trainer.algorithm.mask_truncated=false")
     config = load_config(recipe, overrides)
-    rows = read_jsonl(run_local(config, reward_fn=vowel_reward) / "metrics.jsonl")
+    rows = read_jsonl(run_embedded(config, reward_fn=vowel_reward) / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1]
     for row in rows:
         assert "train/skipped" not in row

@@ -12,7 +12,7 @@ import pytest
 
 from sharpen.config import SharpenConfig, load_config
 from sharpen.monitoring import read_jsonl, read_timeline
-from sharpen.orchestration.local import run_local
+from sharpen.orchestration.embedded import run_embedded
 from sharpen.types import Example, RewardResult, RewardStatus
 
 VOLATILE_PREFIXES = ("time/", "throughput/", "memory/")
@@ -80,7 +80,7 @@ def test_tiny_run_writes_everything_and_syncs(tiny_model_path: Path, tmp_path: P
         **evaluation,
         **{"evaluation.ks": "[1, 2]", "monitoring.parity_probe_every": "2"},
     )
-    run_dir = run_local(config, reward_fn=vowel_reward)
+    run_dir = run_embedded(config, reward_fn=vowel_reward)
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2]
@@ -111,9 +111,9 @@ def test_tiny_run_writes_everything_and_syncs(tiny_model_path: Path, tmp_path: P
 
 @pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path: Path) -> None:
-    full = run_local(tiny_config(tiny_model_path, tmp_path, name="full", num_steps=4), reward_fn=vowel_reward)
-    run_local(tiny_config(tiny_model_path, tmp_path, name="split", num_steps=2), reward_fn=vowel_reward)
-    split = run_local(
+    full = run_embedded(tiny_config(tiny_model_path, tmp_path, name="full", num_steps=4), reward_fn=vowel_reward)
+    run_embedded(tiny_config(tiny_model_path, tmp_path, name="split", num_steps=2), reward_fn=vowel_reward)
+    split = run_embedded(
         tiny_config(tiny_model_path, tmp_path, name="split", num_steps=4), resume=True, reward_fn=vowel_reward
     )
     full_rows = stable(read_jsonl(full / "metrics.jsonl"))
@@ -142,7 +142,7 @@ def test_a_nan_in_training_skips_the_step_dumps_the_batch_and_the_run_goes_on(
         return scores
 
     monkeypatch.setattr(SingleDeviceBackend, "score_tokens", nan_in_step_1)
-    run_dir = run_local(tiny_config(tiny_model_path, tmp_path, name="nan", num_steps=3), reward_fn=vowel_reward)
+    run_dir = run_embedded(tiny_config(tiny_model_path, tmp_path, name="nan", num_steps=3), reward_fn=vowel_reward)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2]  # the run went on
     assert [row["train/num_nonfinite_updates"] for row in rows] == [0.0, 1.0, 0.0]
@@ -179,7 +179,7 @@ class _FlakyRewardWorker:
 def test_a_run_whose_reward_worker_fails_intermittently_completes_and_abstains(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
-    run_dir = run_local(
+    run_dir = run_embedded(
         tiny_config(tiny_model_path, tmp_path, name="flaky", num_steps=3), reward_fn=_FlakyRewardWorker()
     )
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -10,7 +10,8 @@ import pytest
 from test_tiny_loop import is_volatile
 
 from sharpen.config.schema import TrainerConfig, VllmEngineConfig
-from sharpen.orchestration.phases import WeightSync, assign_advantages
+from sharpen.orchestration.phases import assign_advantages
+from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import EngineError
 from sharpen.rollout.weight_sync import WeightSyncError
 from sharpen.rollout.weight_sync.buckets import SharedMemorySlot
@@ -156,7 +157,7 @@ def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path:
 
     from sharpen.config import load_config
     from sharpen.monitoring import read_jsonl
-    from sharpen.orchestration.local import run_local
+    from sharpen.orchestration.embedded import run_embedded
 
     def config(name: str, num_steps: int):
         return load_config(
@@ -173,9 +174,9 @@ def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path:
             ],
         )
 
-    full = read_jsonl(run_local(config("full", 2), engine=engine) / "metrics.jsonl")
-    run_local(config("split", 1), engine=engine)
-    split = read_jsonl(run_local(config("split", 2), resume=True, engine=engine) / "metrics.jsonl")
+    full = read_jsonl(run_embedded(config("full", 2), engine=engine) / "metrics.jsonl")
+    run_embedded(config("split", 1), engine=engine)
+    split = read_jsonl(run_embedded(config("split", 2), resume=True, engine=engine) / "metrics.jsonl")
     stable = [[{k: v for k, v in row.items() if not is_volatile(k)} for row in rows] for rows in (full, split)]
     assert [row["step"] for row in split] == [0, 1]
     assert stable[1][1] == stable[0][1]
@@ -189,7 +190,7 @@ def test_async_in_flight_updates_on_vllm(engine, smollm2_path: Path, tmp_path: P
 
     from sharpen.config import load_config
     from sharpen.monitoring import read_jsonl
-    from sharpen.orchestration.local import run_local
+    from sharpen.orchestration.embedded import run_embedded
 
     config = load_config(
         Path(__file__).parents[2] / "recipes" / "demo.toml",
@@ -209,7 +210,7 @@ def test_async_in_flight_updates_on_vllm(engine, smollm2_path: Path, tmp_path: P
             "monitoring.progress=false",
         ],
     )
-    run_dir = run_local(config, engine=engine)
+    run_dir = run_embedded(config, engine=engine)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2]
     assert all(row["async/staleness_max"] <= 1 for row in rows)
@@ -241,7 +242,7 @@ def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, t
     from sharpen.environments import EpisodeLimits
     from sharpen.environments.calculator import CalculatorEnvironment
     from sharpen.environments.guess_number import GuessNumberEnvironment
-    from sharpen.rollout.episodes import generate_groups
+    from sharpen.rollout.episodes import EpisodeRunner
 
     sync = WeightSync(probe_ids=tokenizer.encode("Turn by turn."), tolerance=TOLERANCE, verify=True)
     sync(trainer, engine, version=7)  # the trainer and the engine hold the same weights
@@ -260,16 +261,9 @@ def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, t
         make, examples = GuessNumberEnvironment, GuessNumberEnvironment.make_tasks(1, seed=0, low=1, high=100)
     else:
         make, examples = _OneWordChat, [Example(task_key="chat/0", prompt=(Message(role="user", content="-"),))]
-    [group] = generate_groups(
-        engine,
-        examples,
-        tokenizer=tokenizer,
-        sampling=SamplingParams(max_new_tokens=128),
-        num_samples=4,
-        seed=0,
-        make_environment=make,
-        limits=EpisodeLimits(max_turns=3, max_tokens=700),
-    )
+    [group] = EpisodeRunner(
+        tokenizer=tokenizer, make_environment=make, limits=EpisodeLimits(max_turns=3, max_tokens=700)
+    ).generate_groups(engine, examples, sampling=SamplingParams(max_new_tokens=128), num_samples=4, seed=0)
     for rollout in group.rollouts:
         episode = rollout.episode
         assert episode is not None and episode.environment == environment and episode.turns

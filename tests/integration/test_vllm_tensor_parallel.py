@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sharpen.config.schema import TrainerConfig, VllmEngineConfig
-from sharpen.orchestration.phases import WeightSync
+from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.testing import save_tiny_llama
 from sharpen.trainer import SingleDeviceBackend, Trainer
 

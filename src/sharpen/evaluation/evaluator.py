@@ -1,10 +1,10 @@
 """`evaluate`: sample a model on tasks and measure it (pass@k, maj@k, mean@k) with the training machinery.
 
 Owns the evaluation pass: batches of examples go through the same episode loop as training
-(`sharpen.rollout.episodes.generate_groups`, so environments, limits and token handling are identical) and every
+(`sharpen.rollout.episodes.EpisodeRunner`, so environments, limits and token handling are identical) and every
 sample is scored by the same rule (`sharpen.rewards.scoring.score_rollout`); then only each sample's outcome (score,
 status, extracted answer) is kept, so memory stays bounded by one batch of rollouts. It builds no component (the
-caller passes a live engine, tokenizer, environment factory and reward function) and never touches a trainer.
+caller passes a live engine, the run's episode runner and reward function) and never touches a trainer.
 The metrics' definitions (correct, abstained, ties) are `sharpen.evaluation.metrics`'.
 
 Sampling seeds: batch b is generated with seed ``"{seed}/eval/{first example index}"``, from which the episode loop
@@ -20,7 +20,6 @@ from typing import Any
 
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.schema import SharpenConfig
-from sharpen.environments import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
 from sharpen.evaluation.metrics import (
     SampleOutcome,
     TaskMetrics,
@@ -32,7 +31,7 @@ from sharpen.evaluation.report import EvalReport
 from sharpen.rewards import AnswerFormat, RewardFn, extract_answer
 from sharpen.rewards.scoring import score_rollout
 from sharpen.rollout.engines import InferenceEngine
-from sharpen.rollout.episodes import generate_groups
+from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Example, RewardStatus, RolloutGroup, SamplingParams
 
 
@@ -51,23 +50,21 @@ def evaluate(
     engine: InferenceEngine,
     examples: Sequence[Example],
     *,
-    tokenizer: Any,
+    runner: EpisodeRunner,
     rubric: RewardFn,
     sampling: SamplingParams,
     num_samples: int,
     ks: Sequence[int] = (1,),
     seed: int | str = 0,
-    make_environment: EnvironmentFactory = SingleTurnEnvironment,
-    limits: EpisodeLimits | None = None,
     answer_format: AnswerFormat = "answer_tag",
     prompts_per_batch: int = 8,
-    sandbox: Any = None,
 ) -> EvalReport:
     """``num_samples`` samples of every example, ``prompts_per_batch`` examples per call of the episode loop.
 
     ``ks``: the k of pass@k, maj@k and mean@k (1 is always included; each at most ``num_samples``).
-    ``answer_format``: how maj@k reads a sample's final answer (use the rubric's). ``seed`` seeds sampling and,
-    as the episode seed, the environments. The engine is used as it is (its weights, its policy version)."""
+    ``answer_format``: how maj@k reads a sample's final answer (use the rubric's). ``seed`` seeds sampling (the
+    environments are seeded by ``runner``'s episode seed). The engine is used as it is (its weights, its policy
+    version)."""
     ks = check_ks(ks, num_samples)
     _check_batching(examples, prompts_per_batch)
     started = time.perf_counter()
@@ -77,17 +74,12 @@ def evaluate(
     generate_seconds = 0.0
     for first in range(0, len(examples), prompts_per_batch):
         batch_started = time.perf_counter()
-        groups = generate_groups(
+        groups = runner.generate_groups(
             engine,
             list(examples[first : first + prompts_per_batch]),
-            tokenizer=tokenizer,
             sampling=sampling,
             num_samples=num_samples,
             seed=f"{seed}/eval/{first}",
-            make_environment=make_environment,
-            limits=limits,
-            episode_seed=seed,
-            sandbox=sandbox,
         )
         generate_seconds += time.perf_counter() - batch_started
         for group in groups:

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sharpen.orchestration.buffer import ProducedBatch, load_pending, save_pending
+from sharpen.orchestration.batches.base import ProducedBatch, load_pending, save_pending
 
 if TYPE_CHECKING:
     from sharpen.data import ExampleSampler
-    from sharpen.trainer import Trainer
+    from sharpen.orchestration.handles import TrainerHandle
 
 _PREFIX = "step_"
 
@@ -40,7 +40,7 @@ def save_checkpoint(
     run_dir: Path,
     *,
     next_step: int,
-    trainer: Trainer,
+    trainer: TrainerHandle,
     sampler_state: dict[str, Any],
     pending: Sequence[ProducedBatch] = (),
 ) -> Path:
@@ -60,7 +60,9 @@ def save_checkpoint(
     return target
 
 
-def load_checkpoint(folder: Path, *, trainer: Trainer, sampler: ExampleSampler) -> tuple[int, list[ProducedBatch]]:
+def load_checkpoint(
+    folder: Path, *, trainer: TrainerHandle, sampler: ExampleSampler
+) -> tuple[int, list[ProducedBatch]]:
     """Restore everything; returns the step to run next and the batches the checkpoint kept for it."""
     state = json.loads((folder / "state.json").read_text())
     trainer.load_checkpoint(folder)

@@ -1,6 +1,6 @@
 """`sharpen eval`'s runtime: build a recipe's tokenizer, engine, environment and rubric, and evaluate its model.
 
-Owns the wiring only, with `local.py`'s builders so an evaluated model is sampled and scored as in training; the
+Owns the wiring only, with `build.py`'s builders so an evaluated model is sampled and scored as in training; the
 evaluation itself is `sharpen.evaluation.evaluate`. No trainer is built: the model is ``model.path`` as it is on
 disk (a pulled model, or a run's exported ``run_dir/model``).
 """
@@ -14,9 +14,16 @@ from sharpen.config import SharpenConfig
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
-from sharpen.environments.registry import build_environment_factory, build_sandbox, episode_limits
+from sharpen.environments.registry import build_environment_factory, build_sandbox
 from sharpen.evaluation import EvalReport, eval_sampling, evaluate
-from sharpen.orchestration.local import build_reward_fn, build_run_engine, load_run_examples, load_tokenizer
+from sharpen.orchestration.build import (
+    build_episode_runner,
+    build_reward_fn,
+    build_run_engine,
+    load_run_examples,
+    load_tokenizer,
+    uses_ray_reward_models,
+)
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.trainer.backends.single_device import resolve_device
@@ -35,7 +42,7 @@ def run_eval(
     """
     _check_model_path(config.model.path)
     model_path = resolve_model_path(config.model.path)  # user errors first: before anything slow is loaded
-    make_environment = build_environment_factory(config.environment)
+    build_environment_factory(config.environment)  # user errors first
     examples = load_run_examples(config)
     if eval_config.num_tasks is not None:
         if eval_config.num_tasks > len(examples):
@@ -47,24 +54,27 @@ def run_eval(
         sandbox = build_sandbox(config.environment)
         if sandbox is not None:
             stack.callback(sandbox.close)
-        rubric = reward_fn or build_reward_fn(config, stack)
+        if reward_fn is None:
+            served = {}
+            if uses_ray_reward_models(config):
+                from sharpen.orchestration.ray.reward_actors import start_reward_model_pools  # Ray only when asked
+
+                served = start_reward_model_pools(config, stack=stack)
+            reward_fn = build_reward_fn(config, stack, served=served)
         live_engine = engine or build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=device)
         if engine is None:
             stack.callback(live_engine.close)
         return evaluate(
             live_engine,
             examples,
-            tokenizer=tokenizer,
-            rubric=rubric,
+            runner=build_episode_runner(config, tokenizer=tokenizer, sandbox=sandbox),
+            rubric=reward_fn,
             sampling=eval_sampling(config, eval_config),
             num_samples=eval_config.num_samples,
             ks=eval_config.ks,
             seed=config.run.seed,
-            make_environment=make_environment,
-            limits=episode_limits(config.environment),
             answer_format=config.reward.answer_format,
             prompts_per_batch=eval_config.prompts_per_batch,
-            sandbox=sandbox,
         )
 
 

@@ -1,4 +1,4 @@
-"""The loop's phases as small functions: score, assign advantages, sync weights, summarise rewards.
+"""The loop's phases as small functions: score, add KL penalties, assign advantages, summarise rewards.
 
 Each takes components as arguments and returns data or metrics; the order in which they run is `loop.py`'s.
 """
@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,20 +16,11 @@ from sharpen.config.schema import AlgorithmConfig, RewardConfig
 from sharpen.orchestration.filters import is_informative, shape_overlong_reward
 from sharpen.rewards import RewardFn
 from sharpen.rewards.scoring import score_rollout
-from sharpen.rollout.weight_sync import ProbeCheck, verify_probe
-from sharpen.trainer.algorithms import compute_grpo_advantages
-from sharpen.trainer.algorithms.estimators import (
-    compute_drgrpo_advantages,
-    compute_reinforce_pp_advantages,
-    compute_reinforce_pp_baseline_advantages,
-    compute_remax_advantages,
-    compute_rloo_advantages,
-)
+from sharpen.trainer.algorithms import compute_advantages
 from sharpen.types import Rollout, RolloutGroup
 
 if TYPE_CHECKING:
-    from sharpen.rollout.engines import InferenceEngine
-    from sharpen.trainer import Trainer
+    from sharpen.orchestration.handles import TrainerHandle
 
 
 def score_groups(
@@ -56,21 +45,12 @@ def score_groups(
             rollout.reward = reward
 
 
-def add_kl_penalties(trainer: Trainer, groups: list[RolloutGroup]) -> None:
+def add_kl_penalties(trainer: TrainerHandle, groups: list[RolloutGroup]) -> None:
     """``kl_in_reward``: each rollout gets per-token reward terms -kl_coef * KL_t(engine || reference), which the
     advantages then see (sequence estimators through `Rollout.total_score`, GAE token by token)."""
     rollouts = [r for g in groups for r in g.rollouts if r.num_loss_tokens]
     for rollout, penalties in zip(rollouts, trainer.kl_penalties(rollouts), strict=True):
         rollout.token_rewards = penalties
-
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "grpo": compute_grpo_advantages,
-    "drgrpo": compute_drgrpo_advantages,
-    "rloo": compute_rloo_advantages,
-    "reinforce_pp": compute_reinforce_pp_advantages,
-    "reinforce_pp_baseline": compute_reinforce_pp_baseline_advantages,
-}
 
 
 def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
@@ -95,13 +75,10 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> No
         for col, score in enumerate(group.scores):
             if score is not None:
                 scores[row, col] = score
-    if config.advantage == "remax":
-        baselines = torch.tensor(
-            [float("nan") if g.baseline_score is None else g.baseline_score for g in groups], dtype=torch.float64
-        )
-        advantages = compute_remax_advantages(scores, baselines)
-    else:
-        advantages = ADVANTAGE_ESTIMATORS[config.advantage](scores)
+    baselines = torch.tensor(
+        [float("nan") if g.baseline_score is None else g.baseline_score for g in groups], dtype=torch.float64
+    )
+    advantages = compute_advantages(config.advantage, scores, baselines=baselines)
     for row, group in enumerate(groups):
         for col, rollout in enumerate(group.rollouts):
             value = float(advantages[row, col])
@@ -137,66 +114,3 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         for reason, count in Counter(e.stop_reason for e in episodes).items():
             metrics[f"rollout/stop_{reason}"] = count / len(episodes)
     return metrics
-
-
-class WeightSync:
-    """Moves the trainer's weights into the engine and proves they arrived (probe check).
-
-    Synchronous mode calls it after every step. Asynchronous mode splits it in two, because the trainer and the
-    engine hold a version at different times: the trainer's probe `reference` is taken when a version is
-    published, and `load` checks the engine against it when the producer loads that version."""
-
-    def __init__(self, *, probe_ids: list[int], tolerance: float, verify: bool) -> None:
-        self.probe_ids = probe_ids
-        self.tolerance = tolerance
-        self.verify = verify
-        self.previous_engine: dict[int, list[float]] = {}  # by replica
-        self.previous_trainer: list[float] | None = None
-
-    def __call__(self, trainer: Trainer, engine: InferenceEngine, *, version: int) -> dict[str, float]:
-        return self.load(trainer.named_weights(), engine, version=version, reference=lambda: self.reference(trainer))
-
-    def reference(self, trainer: Trainer) -> list[float] | None:
-        """The trainer's probe logprobs now (None when verification is off)."""
-        return trainer.compute_logprobs(self.probe_ids) if self.verify else None
-
-    def load(
-        self,
-        weights: Iterable[tuple[str, torch.Tensor]],
-        engine: InferenceEngine,
-        *,
-        version: int,
-        reference: Callable[[], list[float] | None],
-    ) -> dict[str, float]:
-        """Load ``weights`` (version ``version``) into the engine and, when verifying, compare the probe logprobs of
-        the engine (of each replica, behind a router) with ``reference()``, the trainer's at that version."""
-        started = time.perf_counter()
-        metrics = engine.load_weights(weights, version=version)
-        metrics["sync/seconds"] = time.perf_counter() - started
-        trainer_logprobs = reference()
-        if trainer_logprobs is not None:
-            replicas: list[InferenceEngine] = getattr(engine, "replicas", None) or [engine]
-            checks = [
-                self.compare(replica.score(self.probe_ids), trainer_logprobs, version=version, replica=index)
-                for index, replica in enumerate(replicas)
-            ]
-            self.previous_trainer = trainer_logprobs
-            worst = max(checks, key=lambda check: check.mismatch_mean)
-            metrics.update(worst.metrics())
-        return metrics
-
-    def compare(
-        self, engine_logprobs: list[float], trainer_logprobs: list[float], *, version: int, replica: int = 0
-    ) -> ProbeCheck:
-        """Check one engine (``replica``: which one behind a router) against the trainer; the caller then records
-        ``trainer_logprobs`` as the previous sync's."""
-        check = verify_probe(
-            engine=engine_logprobs,
-            trainer=trainer_logprobs,
-            previous_engine=self.previous_engine.get(replica),
-            previous_trainer=self.previous_trainer,
-            tolerance=self.tolerance,
-            version=version,
-        )
-        self.previous_engine[replica] = engine_logprobs
-        return check

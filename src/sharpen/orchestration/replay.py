@@ -15,7 +15,7 @@ from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.environments.registry import build_environment_factory, build_sandbox, episode_limits
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME
-from sharpen.orchestration.local import load_run_examples
+from sharpen.orchestration.build import load_run_examples
 from sharpen.rollout.replay import ReplayReport, replay_episode
 
 

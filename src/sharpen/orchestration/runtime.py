@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from sharpen.config import SharpenConfig
 from sharpen.config.loader import ConfigError, format_validation_error
 from sharpen.config.runtime import RuntimeConfig
-from sharpen.orchestration.local import run_local
+from sharpen.orchestration.embedded import run_embedded
 from sharpen.rewards import RewardFn
 
 
@@ -33,7 +33,7 @@ def run(
         from sharpen.orchestration.ray.runtime import run_ray
 
         return run_ray(config, resume=resume, reward_fn=reward_fn)
-    return run_local(config, resume=resume, reward_fn=reward_fn)
+    return run_embedded(config, resume=resume, reward_fn=reward_fn)
 
 
 def with_runtime(config: SharpenConfig, runtime: RuntimeConfig) -> SharpenConfig:

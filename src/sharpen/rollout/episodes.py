@@ -73,110 +73,87 @@ class _Episode:
         return None if budget is None else max(budget - self.env_seconds, 0.0)
 
 
-def generate_groups(
-    engine: InferenceEngine,
-    examples: list[Example],
-    *,
-    tokenizer: Any,
-    sampling: SamplingParams,
-    num_samples: int,
-    seed: int | str,
-    make_environment: EnvironmentFactory = SingleTurnEnvironment,
-    limits: EpisodeLimits | None = None,
-    episode_seed: int | str = 0,
-    sandbox: Any = None,
-) -> list[RolloutGroup]:
-    """``num_samples`` episodes per example, each token stamped with the engine's policy version when it was made.
+@dataclass(frozen=True, kw_only=True)
+class EpisodeRunner:
+    """Runs episodes against an engine: everything an episode needs besides the engine, the examples and the
+    sampling, built once per run (training, periodic evaluation, ReMax baselines and `sharpen eval` share one).
 
-    ``seed`` seeds sampling (it differs per step); ``episode_seed`` (the run seed) seeds environments, through
-    ``EpisodeContext.seed = derive_seed(episode_seed, task_key, sample_index)``. ``sampling.max_new_tokens`` is the
-    limit of one turn."""
-    return asyncio.run(
-        run_episodes(
-            engine,
-            examples,
-            tokenizer=tokenizer,
-            sampling=sampling,
-            num_samples=num_samples,
-            seed=seed,
-            make_environment=make_environment,
-            limits=limits or EpisodeLimits(),
-            episode_seed=episode_seed,
+    ``episode_seed`` (the run seed) seeds environments, through ``EpisodeContext.seed = derive_seed(episode_seed,
+    task_key, sample_index)``; ``sandbox`` is the pool of environments that run code (None when none needs it)."""
+
+    tokenizer: Any
+    make_environment: EnvironmentFactory = SingleTurnEnvironment
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
+    episode_seed: int | str = 0
+    sandbox: Any = None
+
+    def generate_groups(
+        self,
+        engine: InferenceEngine,
+        examples: list[Example],
+        *,
+        sampling: SamplingParams,
+        num_samples: int,
+        seed: int | str,
+    ) -> list[RolloutGroup]:
+        """``num_samples`` episodes per example, each token stamped with the engine's policy version when it was
+        made. ``seed`` seeds sampling (it differs per step); ``sampling.max_new_tokens`` is the limit of one turn."""
+        return asyncio.run(self.run(engine, examples, sampling=sampling, num_samples=num_samples, seed=seed))
+
+    async def run(
+        self,
+        engine: InferenceEngine,
+        examples: list[Example],
+        *,
+        sampling: SamplingParams,
+        num_samples: int,
+        seed: int | str,
+    ) -> list[RolloutGroup]:
+        """`generate_groups` for callers that already run an event loop."""
+        limits, tokenizer = self.limits, self.tokenizer
+        episodes = [self._new_episode(examples[i], i, s) for i in range(len(examples)) for s in range(num_samples)]
+        observations = await asyncio.gather(*(_reset(e, examples[e.example_index]) for e in episodes))
+        for episode, observation in zip(episodes, observations, strict=True):
+            if observation is not None:
+                episode.prompt_ids = render_prompt(tokenizer, observation)
+        turn = 0
+        while live := [e for e in episodes if not e.is_done]:
+            requests = [_request(e, sampling, limits=limits, seed=seed, turn=turn) for e in live]
+            completions = engine.generate([ids for ids, _ in requests], [params for _, params in requests])
+            version = engine.policy_version
+            for episode, completion in zip(live, completions, strict=True):
+                versions = completion.versions or [version] * len(completion.token_ids)
+                _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
+                episode.last_text = completion.text
+            results = await asyncio.gather(*(_step(e, c.text) for e, c in zip(live, completions, strict=True)))
+            for episode, completion, result in zip(live, completions, results, strict=True):
+                _advance(episode, completion, result, tokenizer, version=version, limits=limits, turn=turn)
+            turn += 1
+        return _groups(examples, episodes)
+
+    def _new_episode(self, example: Example, example_index: int, sample_index: int) -> _Episode:
+        environment, limits, sandbox = self.make_environment(), self.limits, self.sandbox
+        context = EpisodeContext(
+            seed=derive_seed(self.episode_seed, example.task_key, sample_index),
+            sample_index=sample_index,
+            max_turns=limits.max_turns,
+            max_tokens=limits.max_tokens,
+            wall_seconds=limits.wall_seconds,
             sandbox=sandbox,
         )
-    )
-
-
-async def run_episodes(
-    engine: InferenceEngine,
-    examples: list[Example],
-    *,
-    tokenizer: Any,
-    sampling: SamplingParams,
-    num_samples: int,
-    seed: int | str,
-    make_environment: EnvironmentFactory,
-    limits: EpisodeLimits,
-    episode_seed: int | str,
-    sandbox: Any,
-) -> list[RolloutGroup]:
-    """`generate_groups` for callers that already run an event loop."""
-    episodes = [
-        _new_episode(make_environment(), examples[i], i, s, limits=limits, episode_seed=episode_seed, sandbox=sandbox)
-        for i in range(len(examples))
-        for s in range(num_samples)
-    ]
-    observations = await asyncio.gather(*(_reset(e, examples[e.example_index]) for e in episodes))
-    for episode, observation in zip(episodes, observations, strict=True):
-        if observation is not None:
-            episode.prompt_ids = render_prompt(tokenizer, observation)
-    turn = 0
-    while live := [e for e in episodes if not e.is_done]:
-        requests = [_request(e, sampling, limits=limits, seed=seed, turn=turn) for e in live]
-        completions = engine.generate([ids for ids, _ in requests], [params for _, params in requests])
-        version = engine.policy_version
-        for episode, completion in zip(live, completions, strict=True):
-            versions = completion.versions or [version] * len(completion.token_ids)
-            _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
-            episode.last_text = completion.text
-        results = await asyncio.gather(*(_step(e, c.text) for e, c in zip(live, completions, strict=True)))
-        for episode, completion, result in zip(live, completions, results, strict=True):
-            _advance(episode, completion, result, tokenizer, version=version, limits=limits, turn=turn)
-        turn += 1
-    return _groups(examples, episodes)
-
-
-def _new_episode(
-    environment: Environment,
-    example: Example,
-    example_index: int,
-    sample_index: int,
-    *,
-    limits: EpisodeLimits,
-    episode_seed: int | str,
-    sandbox: Any,
-) -> _Episode:
-    context = EpisodeContext(
-        seed=derive_seed(episode_seed, example.task_key, sample_index),
-        sample_index=sample_index,
-        max_turns=limits.max_turns,
-        max_tokens=limits.max_tokens,
-        wall_seconds=limits.wall_seconds,
-        sandbox=sandbox,
-    )
-    record = EpisodeRecord(
-        environment=environment.name,
-        environment_version=environment.version,
-        seed=context.seed,
-        sandbox_backend=None if sandbox is None else str(sandbox.report.backend),
-    )
-    return _Episode(
-        example_index=example_index,
-        sample_index=sample_index,
-        environment=environment,
-        context=context,
-        record=record,
-    )
+        record = EpisodeRecord(
+            environment=environment.name,
+            environment_version=environment.version,
+            seed=context.seed,
+            sandbox_backend=None if sandbox is None else str(sandbox.report.backend),
+        )
+        return _Episode(
+            example_index=example_index,
+            sample_index=sample_index,
+            environment=environment,
+            context=context,
+            record=record,
+        )
 
 
 async def _reset(episode: _Episode, example: Example) -> list[Any] | None:

@@ -63,12 +63,12 @@ def test_eval_prints_the_table_and_writes_the_report(tiny_model_path, tmp_path, 
     ],
 )
 def test_eval_user_errors_are_one_line(tiny_model_path, tmp_path, capsys, monkeypatch, flags, message):
-    import sharpen.orchestration.local as local
+    import sharpen.orchestration.build as build
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a user error must be reported before the engine is built")
 
-    monkeypatch.setattr(local, "build_engine", forbidden)
+    monkeypatch.setattr(build, "build_engine", forbidden)
     assert main([*_args(tiny_model_path, tmp_path), *flags]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith(message), err

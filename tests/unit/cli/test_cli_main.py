@@ -39,14 +39,14 @@ def nothing_heavy(monkeypatch):
     """Fail the test if `train` gets as far as the tokenizer, the trainer's model or the engine."""
     import transformers
 
-    import sharpen.orchestration.local as local
+    import sharpen.orchestration.build as build
 
     def forbidden(*args, **kwargs):
         raise AssertionError("a user error must be reported before the heavy components are built")
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", forbidden)
-    monkeypatch.setattr(local, "SingleDeviceBackend", forbidden)
-    monkeypatch.setattr(local, "build_engine", forbidden)
+    monkeypatch.setattr(build, "SingleDeviceBackend", forbidden)
+    monkeypatch.setattr(build, "build_engine", forbidden)
 
 
 def test_train_with_an_unknown_key(in_tmp, capsys):
@@ -61,12 +61,12 @@ def test_train_with_a_missing_recipe(in_tmp, capsys):
 
 
 def test_train_with_a_missing_model_fails_before_loading_anything(in_tmp, capsys, nothing_heavy, monkeypatch):
-    import sharpen.orchestration.local as local
+    import sharpen.orchestration.build as build
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the model path is resolved before the data is loaded")
 
-    monkeypatch.setattr(local, "load_examples", forbidden)
+    monkeypatch.setattr(build, "load_examples", forbidden)
     assert main(["train", "model.path=/nonexistent/model"]) == EXIT_USER_ERROR
     line = _one_error_line(capsys)
     assert line.startswith("sharpen: model.path: '/nonexistent/model' does not exist")

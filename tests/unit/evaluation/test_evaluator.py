@@ -16,6 +16,7 @@ from sharpen.environments import EpisodeContext, StepResult
 from sharpen.evaluation import EvalReport, evaluate
 from sharpen.rewards import ExactMatchVerifier, Rubric
 from sharpen.rollout.engines.scripted import ScriptedEngine
+from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Completion, Example, Message, SamplingParams
 
 EOS = 0
@@ -89,7 +90,7 @@ def _evaluate(engine: ScriptedEngine, *, prompts_per_batch: int = 2, **options) 
     return evaluate(
         engine,
         EXAMPLES,
-        tokenizer=_FakeTokenizer(),
+        runner=EpisodeRunner(tokenizer=_FakeTokenizer(), episode_seed=5),
         rubric=Rubric(RewardConfig(), verifiers={"jsonl": _CrashOnBoom()}),
         sampling=SamplingParams(max_new_tokens=64, temperature=0.6),
         num_samples=4,
@@ -165,12 +166,11 @@ def test_an_episode_the_environment_broke_abstains():
     report = evaluate(
         engine,
         EXAMPLES[:1],
-        tokenizer=_FakeTokenizer(),
+        runner=EpisodeRunner(tokenizer=_FakeTokenizer(), make_environment=_BrokenOnSecondSample),
         rubric=Rubric(RewardConfig()),
         sampling=SamplingParams(max_new_tokens=64),
         num_samples=3,
         ks=[3],
-        make_environment=_BrokenOnSecondSample,
     )
     [task] = report.tasks
     assert (task.num_samples, task.num_abstained, task.num_correct) == (3, 1, 2)
@@ -216,7 +216,7 @@ def test_evaluate_rejects_bad_arguments():
         evaluate(
             _engine(),
             [],
-            tokenizer=_FakeTokenizer(),
+            runner=EpisodeRunner(tokenizer=_FakeTokenizer()),
             rubric=Rubric(RewardConfig()),
             sampling=SamplingParams(max_new_tokens=8),
             num_samples=1,

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from sharpen.rollout.engines.scripted import ScriptedEngine
-from sharpen.rollout.episodes import derive_seed, generate_groups
+from sharpen.rollout.episodes import EpisodeRunner, derive_seed
 from sharpen.types import Completion, Example, Message, SamplingParams
 
 EOS = 0
@@ -56,7 +56,9 @@ def test_generate_groups_structure_versions_truncation_and_seeds():
     engine.generate = recording_generate  # type: ignore[method-assign]
     examples = [_example(0, "hi"), _example(1, "yo!")]
     sampling = SamplingParams(max_new_tokens=5, temperature=0.7)
-    groups = generate_groups(engine, examples, tokenizer=_FakeTokenizer(), sampling=sampling, num_samples=3, seed=11)
+    groups = EpisodeRunner(tokenizer=_FakeTokenizer()).generate_groups(
+        engine, examples, sampling=sampling, num_samples=3, seed=11
+    )
 
     assert [g.example for g in groups] == examples
     assert [[r.sample_index for r in g.rollouts] for g in groups] == [[0, 1, 2], [0, 1, 2]]
@@ -97,7 +99,9 @@ def test_seeds_depend_on_the_run_seed_not_on_the_batch():
         engine.generate = recording_generate  # type: ignore[method-assign]
         examples = [_example(i, f"q{i}") for i in range(num_examples)]
         sampling = SamplingParams(max_new_tokens=4)
-        generate_groups(engine, examples, tokenizer=_FakeTokenizer(), sampling=sampling, num_samples=2, seed=run_seed)
+        EpisodeRunner(tokenizer=_FakeTokenizer()).generate_groups(
+            engine, examples, sampling=sampling, num_samples=2, seed=run_seed
+        )
         return captured
 
     assert seeds(5, 2) == seeds(5, 3)[:4]  # adding an example does not reshuffle the others' seeds
@@ -116,8 +120,8 @@ def test_loop_style_string_seed_gives_per_step_seeds():
     engine.generate = recording_generate  # type: ignore[method-assign]
     sampling = SamplingParams(max_new_tokens=4)
     for step in range(2):  # the loop seeds each step with f"{run.seed}/{step}"
-        generate_groups(
-            engine, [_example(0, "q")], tokenizer=_FakeTokenizer(), sampling=sampling, num_samples=2, seed=f"7/{step}"
+        EpisodeRunner(tokenizer=_FakeTokenizer()).generate_groups(
+            engine, [_example(0, "q")], sampling=sampling, num_samples=2, seed=f"7/{step}"
         )
     assert captured == [derive_seed(f"7/{step}", 0, s) for step in range(2) for s in range(2)]
     assert len(set(captured)) == 4

@@ -16,7 +16,7 @@ from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.orchestration.phases import score_groups
 from sharpen.rewards import Rubric
 from sharpen.rollout.engines.scripted import ScriptedEngine
-from sharpen.rollout.episodes import generate_groups
+from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Completion, Example, Message, RewardStatus, SamplingParams
 
 TOOL_CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "12 + 7"}}</tool_call>'
@@ -57,16 +57,9 @@ def _example() -> Example:
 def test_tool_episode_training_tokens_are_exactly_what_the_engine_saw_and_made(tokenizer):
     engine = _engine(tokenizer, [TOOL_CALL, "<answer>19</answer>"])
     engine.policy_version = 5
-    [group] = generate_groups(
-        engine,
-        [_example()],
-        tokenizer=tokenizer,
-        sampling=SamplingParams(max_new_tokens=64),
-        num_samples=1,
-        seed=0,
-        make_environment=CalculatorEnvironment,
-        limits=EpisodeLimits(max_turns=4),
-    )
+    [group] = EpisodeRunner(
+        tokenizer=tokenizer, make_environment=CalculatorEnvironment, limits=EpisodeLimits(max_turns=4)
+    ).generate_groups(engine, [_example()], sampling=SamplingParams(max_new_tokens=64), num_samples=1, seed=0)
     [rollout] = group.rollouts
     tokens = rollout.prompt_ids + rollout.completion_ids
     first, second = engine.requests  # type: ignore[attr-defined]
@@ -105,8 +98,8 @@ def test_tool_episode_training_tokens_are_exactly_what_the_engine_saw_and_made(t
 
 def test_single_turn_environment_reproduces_single_turn_rollouts(tokenizer):
     engine = _engine(tokenizer, ["<answer>19</answer>"])
-    [group] = generate_groups(
-        engine, [_example()], tokenizer=tokenizer, sampling=SamplingParams(max_new_tokens=64), num_samples=2, seed=0
+    [group] = EpisodeRunner(tokenizer=tokenizer).generate_groups(
+        engine, [_example()], sampling=SamplingParams(max_new_tokens=64), num_samples=2, seed=0
     )
     for rollout in group.rollouts:
         assert rollout.loss_mask is None
@@ -115,15 +108,12 @@ def test_single_turn_environment_reproduces_single_turn_rollouts(tokenizer):
 
 
 def _run(tokenizer, texts, make_environment, limits, *, max_new_tokens=64, num_samples=1, example=None):
-    [group] = generate_groups(
+    [group] = EpisodeRunner(tokenizer=tokenizer, make_environment=make_environment, limits=limits).generate_groups(
         _engine(tokenizer, texts),
         [example or _example()],
-        tokenizer=tokenizer,
         sampling=SamplingParams(max_new_tokens=max_new_tokens),
         num_samples=num_samples,
         seed=0,
-        make_environment=make_environment,
-        limits=limits,
     )
     return group
 

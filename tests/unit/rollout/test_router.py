@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sharpen.orchestration.phases import WeightSync
+from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.weight_sync import WeightSyncError

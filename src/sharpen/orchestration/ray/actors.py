@@ -1,6 +1,6 @@
 """The bodies of the Ray actors: one holds the run's `Trainer`, one its `InferenceEngine`.
 
-Each builds its component with the embedded runtime's builders (`build_trainer`, `build_run_engine`), so a
+Each builds its component with the builders of `sharpen.orchestration.build` (`build_trainer`, `build_run_engine`), so a
 component is the same object in both runtimes, and exposes its methods to the proxies in `proxies.py`. Plain
 classes: `runtime.py` turns them into actors with the resources of the config. Nothing here waits on another actor.
 
@@ -22,7 +22,7 @@ import torch
 from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
-from sharpen.orchestration.local import build_run_engine, build_trainer, load_tokenizer
+from sharpen.orchestration.build import build_run_engine, build_trainer, load_tokenizer
 from sharpen.rollout.engines import WeightGroupEngine, sleepable
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device

@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from sharpen.monitoring import Span, Timeline
+from sharpen.rollout.engines import InferenceEngine, replicas_of, sleepable
 from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
@@ -134,8 +135,8 @@ class ActorProxy:
 
 
 class TrainerProxy(ActorProxy):
-    """The `Trainer` methods the loop, the phases and checkpointing call. Paths must be visible to the actor
-    (one node, or a shared filesystem)."""
+    """A `TrainerHandle` whose trainer lives in an actor: each method of the protocol is one call. Paths must be
+    visible to the actor (one node, or a shared filesystem)."""
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.call("step", batch)
@@ -148,6 +149,10 @@ class TrainerProxy(ActorProxy):
 
     def named_weights(self) -> RemoteWeights:
         return RemoteWeights(self)
+
+    def snapshot_weights(self) -> FrozenWeights:
+        """This version's weights, put into the object store by the trainer actor (later steps do not change it)."""
+        return RemoteWeights(self).freeze()
 
     def save_checkpoint(self, folder: Path) -> None:
         self.call("save_checkpoint", folder)
@@ -241,11 +246,11 @@ class BroadcastEngines:
     trainer rank 0 to every engine actor of the weight group at once, in checksummed buckets. Other weights (an
     async run's frozen snapshots, tensors in the driver) go the object-store way of the wrapped engine."""
 
-    def __init__(self, inner: Any, *, trainer: TrainerProxy, engines: list[EngineProxy]) -> None:
+    def __init__(self, inner: InferenceEngine, *, trainer: TrainerProxy, engines: list[EngineProxy]) -> None:
         self.inner = inner
         self.trainer = trainer
         self.engines = engines
-        self.replicas = getattr(inner, "replicas", None)
+        self.replicas = replicas_of(inner)  # the probe check after a sync scores each of them
 
     @property
     def policy_version(self) -> PolicyVersion:
@@ -268,13 +273,20 @@ class BroadcastEngines:
         return {**metrics, "sync/num_receivers": float(len(self.engines))}
 
     def sleep(self) -> dict[str, float]:
-        return self.inner.sleep()
+        return sleepable(self.inner).sleep()
 
     def wake_up(self) -> dict[str, float]:
-        return self.inner.wake_up()
+        return sleepable(self.inner).wake_up()
 
     def close(self) -> None:
         self.inner.close()
+
+
+def weight_group_ranks(members: list[int]) -> tuple[int, list[int]]:
+    """The weight group's size and each engine's first rank, for engines taking ``members[i]`` ranks each (vLLM:
+    one per worker, any other engine one); rank 0 is the trainer's sender."""
+    first_ranks = [1 + sum(members[:index]) for index in range(len(members))]
+    return 1 + sum(members), first_ranks
 
 
 def join_weight_group(
@@ -284,9 +296,7 @@ def join_weight_group(
     engine whose workers receive the broadcast themselves (vLLM) brings one rank per worker."""
     first = trainer.ranks[0] if isinstance(trainer, TrainerGroupProxy) else trainer
     master_addr, master_port = first.call("rendezvous_address")
-    members = [int(engine.call("num_weight_group_members")) for engine in engines]
-    world_size = 1 + sum(members)
-    first_ranks = [1 + sum(members[:index]) for index in range(len(engines))]
+    world_size, first_ranks = weight_group_ranks([int(engine.call("num_weight_group_members")) for engine in engines])
     joining = [
         (engine, engine.submit("join_weight_group", master_addr, master_port, rank, world_size, backend))
         for rank, engine in zip(first_ranks, engines, strict=True)

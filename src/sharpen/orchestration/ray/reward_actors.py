@@ -19,8 +19,10 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from sharpen.config import SharpenConfig
 from sharpen.config.rewards import RewardModelComponentConfig
 from sharpen.config.runtime import RuntimeConfig
+from sharpen.orchestration.ray.cluster import start_ray
 from sharpen.orchestration.ray.proxies import ActorCallError, wait_for
 from sharpen.rewards.rm_client import VERIFIER
 from sharpen.rewards.rm_server import RewardModelScorer
@@ -155,14 +157,21 @@ def _kill_all(actors: list[Any]) -> None:
         ray.kill(actor, no_restart=True)
 
 
+def start_reward_model_pools(config: SharpenConfig, *, stack: contextlib.ExitStack) -> dict[str, RewardModelPool]:
+    """A pool for every reward-model component of ``config`` served by Ray actors, by component name."""
+    return {
+        component.name: start_reward_model_pool(component, runtime=config.runtime, stack=stack)
+        for component in config.reward.components
+        if component.type == "reward_model" and component.backend == "ray"
+    }
+
+
 def start_reward_model_pool(
     config: RewardModelComponentConfig, *, runtime: RuntimeConfig, stack: contextlib.ExitStack
 ) -> RewardModelPool:
     """Start ``config.num_actors`` actors on the run's Ray cluster (a local instance, sized by ``runtime``, when
     this process is not connected yet; shut down with ``stack``) and wait for them to load the model. The actors
     are killed when ``stack`` closes."""
-    from sharpen.orchestration.ray.runtime import start_ray  # not at the top: it brings the whole runtime
-
     assert config.backend == "ray" and config.model_path is not None  # the config checks both
     if start_ray(runtime):
         stack.callback(ray.shutdown)

@@ -1,10 +1,11 @@
 """The Ray runtime: the same loop as the embedded runtime, with the trainer and the engine in Ray actors.
 
-Owns connecting to (or starting) Ray, placing the two actors with the resources of `RuntimeConfig`, and stopping
-them. Everything else (run directory, resume, export, sinks, sandboxes, the loop itself) is `run_local`'s, which
-receives the actors' proxies as a caller-owned trainer and engine. The trainer is one actor, or several FSDP2
-rank actors behind one `TrainerGroupProxy` (``runtime.trainer_ranks``); the engine is one actor, or
-``rollout.num_engines`` replica actors behind an `EngineRouter`; all actors share one placement group.
+Owns connecting to (or starting) Ray, placing the actors with the resources of `RuntimeConfig`, and stopping
+them. Everything else (run directory, resume, export, sinks, sandboxes, the loop itself) is
+`sharpen.orchestration.session.run_session`'s, which receives the actors' proxies as the run's trainer and engine.
+The trainer is one actor, or several FSDP2 rank actors behind one `TrainerGroupProxy` (``runtime.trainer_ranks``);
+the engine is one actor, or ``rollout.num_engines`` replica actors behind an `EngineRouter`; all actors share one
+placement group.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError
@@ -23,8 +24,9 @@ from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.monitoring import Timeline
-from sharpen.orchestration.local import run_local
+from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
+from sharpen.orchestration.ray.cluster import start_ray
 from sharpen.orchestration.ray.proxies import (
     ActorCallError,
     BroadcastEngines,
@@ -33,24 +35,13 @@ from sharpen.orchestration.ray.proxies import (
     TrainerProxy,
     join_weight_group,
 )
+from sharpen.orchestration.ray.reward_actors import start_reward_model_pools
+from sharpen.orchestration.session import run_session
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.engines.router import EngineRouter
-from sharpen.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-
-def start_ray(runtime: RuntimeConfig) -> bool:
-    """Connect to ``runtime.address`` or start a local instance; False when this process was already connected
-    (then whoever connected it shuts it down)."""
-    if ray.is_initialized():
-        return False
-    if runtime.address is None:
-        ray.init(num_cpus=runtime.num_cpus, include_dashboard=False)
-    else:
-        ray.init(address=runtime.address)
-    return True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,19 +160,22 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
         proxies.append(trainer)
         engines = start_engines(config, group, plan)
         proxies.extend(engines)
-        engine: InferenceEngine | BroadcastEngines = (
+        engine: InferenceEngine = (
             engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])
         )
         if config.weight_sync.transport == "broadcast":
             join_weight_group(trainer, engines, timeout_s=runtime.start_timeout_s, backend=config.broadcast_backend)
             engine = BroadcastEngines(engine, trainer=trainer, engines=engines)
-        # The proxies stand in for the components the loop types as `Trainer` and `InferenceEngine`.
-        run_dir = run_local(
+
+        def placed(model_path: Path, tokenizer: Any) -> tuple[TrainerHandle, InferenceEngine]:
+            return trainer, engine
+
+        run_dir = run_session(
             config,
+            place=placed,
             resume=resume,
             reward_fn=reward_fn,
-            engine=cast(InferenceEngine, engine),
-            trainer=cast(Trainer, trainer),
+            serve_rewards=lambda stack: start_reward_model_pools(config, stack=stack),
             attach_timeline=attach_timeline,
         )
         for proxy in proxies:

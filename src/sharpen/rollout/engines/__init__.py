@@ -1,24 +1,38 @@
 """Inference engines behind one protocol: vLLM (real), transformers (fallback, tests), scripted (unit tests).
-Heavy engines are imported lazily by `build_engine`, so importing this package costs nothing."""
+The registry is `build_engine` (one ``case`` per engine config; pyright checks it is exhaustive). Heavy engines are
+imported lazily there, so importing this package costs nothing."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, assert_never
 
 from sharpen.config.schema import EngineConfig, HfEngineConfig, ScriptedEngineConfig, VllmEngineConfig
 from sharpen.rollout.engines.base import (
     EngineError,
+    FreezableWeights,
     InferenceEngine,
+    ReplicatedEngine,
     SleepableEngine,
     WeightGroupEngine,
+    replicas_of,
     sleepable,
 )
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["EngineError", "InferenceEngine", "SleepableEngine", "WeightGroupEngine", "build_engine", "sleepable"]
+__all__ = [
+    "EngineError",
+    "FreezableWeights",
+    "InferenceEngine",
+    "ReplicatedEngine",
+    "SleepableEngine",
+    "WeightGroupEngine",
+    "build_engine",
+    "replicas_of",
+    "sleepable",
+]
 
 
 def build_engine(
@@ -35,20 +49,22 @@ def build_engine(
 ) -> InferenceEngine:
     """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process;
     ``sleep_mode`` prepares an engine that needs it for `SleepableEngine.sleep` (vLLM's sleep mode)."""
-    if isinstance(config, VllmEngineConfig):
-        from sharpen.rollout.engines.vllm import VllmEngine
+    match config:
+        case VllmEngineConfig():
+            from sharpen.rollout.engines.vllm import VllmEngine
 
-        return VllmEngine(
-            config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes, sleep_mode=sleep_mode
-        )
-    if isinstance(config, HfEngineConfig):
-        from sharpen.rollout.engines.hf import HfEngine
+            return VllmEngine(
+                config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes, sleep_mode=sleep_mode
+            )
+        case HfEngineConfig():
+            from sharpen.rollout.engines.hf import HfEngine
 
-        return HfEngine(model_path, dtype=dtype, device=device)
-    if isinstance(config, ScriptedEngineConfig):
-        from sharpen.rollout.engines.scripted import ScriptedEngine
+            return HfEngine(model_path, dtype=dtype, device=device)
+        case ScriptedEngineConfig():
+            from sharpen.rollout.engines.scripted import ScriptedEngine
 
-        if encode is None:
-            raise ValueError("the scripted engine needs an encode function")
-        return ScriptedEngine(config.completions, encode=encode, eos_token_id=eos_token_id)
-    raise ValueError(f"unknown engine config {config!r}")
+            if encode is None:
+                raise ValueError("the scripted engine needs an encode function")
+            return ScriptedEngine(config.completions, encode=encode, eos_token_id=eos_token_id)
+        case _:
+            assert_never(config)

@@ -7,7 +7,7 @@ weights match. Each engine carries the `PolicyVersion` of the weights it holds; 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from sharpen.types import Completion, PolicyVersion, SamplingParams
@@ -72,6 +72,29 @@ class WeightGroupEngine(Protocol):
     def receive_broadcast(self, *, version: PolicyVersion) -> dict[str, float]:
         """Take one broadcast sync (verified bucket by bucket) and hold version ``version``; ``sync/*`` metrics."""
         ...
+
+
+@runtime_checkable
+class ReplicatedEngine(Protocol):
+    """An engine that fronts several replicas (a router): a weight sync is verified on each of them."""
+
+    @property
+    def replicas(self) -> Sequence[InferenceEngine]: ...
+
+
+def replicas_of(engine: InferenceEngine) -> list[InferenceEngine]:
+    """The replicas behind ``engine`` (a router's), or the engine itself."""
+    return list(engine.replicas) if isinstance(engine, ReplicatedEngine) else [engine]
+
+
+@runtime_checkable
+class FreezableWeights(Protocol):
+    """Weights held in another process (a Ray trainer actor's): iterating fetches them, `freeze` pins this version
+    once (an object-store copy) so that several replicas can read it without fetching it again."""
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def freeze(self) -> Iterable[tuple[str, torch.Tensor]]: ...
 
 
 class EngineError(RuntimeError):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from sharpen.rollout.engines.base import EngineError, InferenceEngine, sleepable
+from sharpen.rollout.engines.base import EngineError, FreezableWeights, InferenceEngine, sleepable
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
@@ -144,9 +144,8 @@ def _sum_metrics(results: list[dict[str, float]]) -> dict[str, float]:
 def _reusable(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
     """Weights every replica can read: a one-shot iterator (a trainer's gather) becomes a list of the same
     tensors (no copies); remote weights are frozen once (put into the object store once, not per replica)."""
-    freeze = getattr(weights, "freeze", None)
-    if callable(freeze):
-        return cast("Iterable[tuple[str, Any]]", freeze())
+    if isinstance(weights, FreezableWeights):
+        return weights.freeze()
     if isinstance(weights, (list, tuple)):
         return weights
     return list(weights)

@@ -10,19 +10,11 @@ from typing import Any
 
 import pytest
 
+from sharpen.config.schema import RolloutConfig
 from sharpen.monitoring import PhaseTimer
-from sharpen.orchestration.buffer import (
-    AsyncBatches,
-    ProducedBatch,
-    ProducerStopped,
-    PublishedWeights,
-    VersionedEngine,
-    WeightStore,
-    load_pending,
-    save_pending,
-    snapshot_weights,
-    staleness_metrics,
-)
+from sharpen.orchestration.batches import AsyncBatches, ProducedBatch, load_pending, save_pending, staleness_metrics
+from sharpen.orchestration.batches.weights import ProducerStopped, PublishedWeights, VersionedEngine, WeightStore
+from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.types import Completion, Example, Message, Rollout, RolloutGroup, SamplingParams
 
 EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="hi"),))
@@ -173,42 +165,53 @@ def test_staleness_metrics_count_trained_tokens_only() -> None:
 
 
 class FakeTrainer:
-    def __init__(self) -> None:
-        import torch
+    """The trainer side of a `TrainerHandle` the producer uses: weight snapshots (probes are off here)."""
 
-        self.weight = torch.zeros(2)
+    def snapshot_weights(self) -> list[tuple[str, Any]]:
+        return []
 
-    def named_weights(self) -> Iterable[tuple[str, Any]]:
-        yield "w", self.weight
+
+def no_probe() -> WeightSync:
+    return WeightSync(probe_ids=[1, 2], tolerance=1e-3, verify=False)
+
+
+class Maker:
+    """A batch maker that records (step, engine version) of every batch it makes."""
+
+    def __init__(self, *, produce_seconds: float = 0.0, fail_at: int | None = None) -> None:
+        self.produced: list[tuple[int, int]] = []
+        self.produce_seconds = produce_seconds
+        self.fail_at = fail_at
+
+    def collect(self, engine: Any, *, step: int, timer: PhaseTimer) -> ProducedBatch:
+        if step == self.fail_at:
+            raise RuntimeError(f"reward worker crashed in step {step}")
+        with timer.phase("generate"):
+            time.sleep(self.produce_seconds)
+            engine.generate([[0]], [SamplingParams(max_new_tokens=1)])
+        self.produced.append((step, engine.policy_version))
+        return ProducedBatch(
+            step=step,
+            groups=[group(step, [engine.policy_version])],
+            metrics={"sampling/step": float(step)},
+            sampler_state={"drawn": len(self.produced)},
+        )
 
 
 def make_batches(
     *, max_staleness: int, num_steps: int = 6, produce_seconds: float = 0.0, fail_at: int | None = None
 ) -> tuple[AsyncBatches, list[tuple[int, int]], CountingEngine]:
     engine = CountingEngine()
-    produced: list[tuple[int, int]] = []  # (step, engine version when it was produced)
-
-    def produce(step: int, view: Any, timer: PhaseTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
-        if step == fail_at:
-            raise RuntimeError(f"reward worker crashed in step {step}")
-        with timer.phase("generate"):
-            time.sleep(produce_seconds)
-            view.generate([[0]], [SamplingParams(max_new_tokens=1)])
-        produced.append((step, view.policy_version))
-        return [group(step, [view.policy_version])], {"sampling/step": float(step)}
-
+    maker = Maker(produce_seconds=produce_seconds, fail_at=fail_at)
     batches = AsyncBatches(
-        produce=produce,
+        maker,
         engine=engine,
-        sampler_state=lambda: {"drawn": len(produced)},
-        load=load,
-        reference=lambda trainer: None,
-        make_timer=PhaseTimer,
+        weight_sync=no_probe(),
+        rollout=RolloutConfig(mode="async", max_staleness=max_staleness),
         start_step=0,
         num_steps=num_steps,
-        max_staleness=max_staleness,
     )
-    return batches, produced, engine
+    return batches, maker.produced, engine
 
 
 def test_producer_runs_ahead_only_as_far_as_the_bound() -> None:
@@ -279,24 +282,15 @@ def test_pending_waits_for_the_batches_made_by_older_weights_and_they_round_trip
 def test_a_run_resumed_with_kept_batches_trains_on_them_first() -> None:
     engine = CountingEngine()
     kept = [ProducedBatch(step=3, groups=[group(3, [1])]), ProducedBatch(step=4, groups=[group(4, [2])])]
-    steps: list[int] = []
-
-    def produce(step: int, view: Any, timer: PhaseTimer) -> tuple[list[RolloutGroup], dict[str, float]]:
-        steps.append(step)
-        view.generate([[0]], [SamplingParams(max_new_tokens=1)])
-        return [group(step, [view.policy_version])], {}
-
+    maker = Maker()
     engine.policy_version = 3
     batches = AsyncBatches(
-        produce=produce,
+        maker,
         engine=engine,
-        sampler_state=dict,
-        load=load,
-        reference=lambda trainer: None,
-        make_timer=PhaseTimer,
+        weight_sync=no_probe(),
+        rollout=RolloutConfig(mode="async", max_staleness=2),
         start_step=3,
         num_steps=6,
-        max_staleness=2,
         pending=kept,
     )
     try:
@@ -306,7 +300,7 @@ def test_a_run_resumed_with_kept_batches_trains_on_them_first() -> None:
         assert batches.take(5).groups[0].rollouts[0].versions == [3]  # step 5 - bound 2 = version 3
     finally:
         batches.close()
-    assert steps == [5]
+    assert [step for step, _ in maker.produced] == [5]
 
 
 def test_overlap_measures_generation_inside_a_window() -> None:
@@ -320,10 +314,3 @@ def test_overlap_measures_generation_inside_a_window() -> None:
         assert batches.overlap(ended + 1, ended + 2) == 0.0
     finally:
         batches.close()
-
-
-def test_snapshots_are_copies() -> None:
-    trainer = FakeTrainer()
-    snapshot = snapshot_weights(trainer)  # pyright: ignore[reportArgumentType]
-    trainer.weight += 1
-    assert [tensor.tolist() for _, tensor in snapshot] == [[0.0, 0.0]]

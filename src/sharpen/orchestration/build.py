@@ -1,0 +1,197 @@
+"""Building: config in, live components out. Every component of a run is built here, the same way whichever runtime
+runs it (the Ray actors build their trainer and engine with these functions too).
+
+Owns the mapping from config sections to constructors and the wiring of `Components`. It has no process knowledge:
+it does not decide where a component lives (the runtimes do, and hand in the trainer and engine they placed), opens
+no run directory and starts no thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sharpen.config import SharpenConfig
+from sharpen.config.models import resolve_model_path
+from sharpen.data import ExampleSampler, load_examples, render_prompt
+from sharpen.data.humaneval import humaneval_examples
+from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
+from sharpen.environments.sandbox import Sandbox, SandboxPool
+from sharpen.monitoring import ParityProbe, RolloutRecorder, build_probe_set, build_sinks, build_timeline
+from sharpen.orchestration.handles import TrainerHandle
+from sharpen.orchestration.loop import Components
+from sharpen.orchestration.weight_sync import WeightSync
+from sharpen.rewards import RewardFn, Rubric
+from sharpen.rewards.code_tests import HumanEvalReward, pytest_ro_binds
+from sharpen.rollout.engines import InferenceEngine, build_engine
+from sharpen.rollout.engines.router import EngineRouter
+from sharpen.rollout.episodes import EpisodeRunner
+from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
+from sharpen.trainer.backends.base import TrainerBackend
+from sharpen.types import Example
+
+
+def load_run_examples(config: SharpenConfig) -> list[Example]:
+    """The run's tasks: from its data source, or made by its environment (``data.type = "environment"``)."""
+    if config.data.type == "environment":
+        return environment_tasks(config.environment, size=config.data.size, seed=config.run.seed)
+    if config.data.type == "humaneval":
+        return humaneval_examples(config.data.limit)
+    return load_examples(config.data, seed=config.run.seed)
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    """The model folder's tokenizer (and chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def uses_ray_reward_models(config: SharpenConfig) -> bool:
+    """Whether a reward component is a reward model served by Ray actors (the runtime starts them)."""
+    return any(c.type == "reward_model" and c.backend == "ray" for c in config.reward.components)
+
+
+def build_reward_fn(
+    config: SharpenConfig, stack: contextlib.ExitStack, *, served: Mapping[str, RewardFn] | None = None
+) -> RewardFn:
+    """The run's reward function: the `Rubric`, whose default component is HumanEval's own tests in a sandbox for
+    HumanEval data, else the verifier rubric, plus the configured ``reward.components``. ``served``: components,
+    by name, that the runtime started elsewhere (reward models on Ray actors). What it opens (the sandbox) is
+    closed with ``stack``."""
+    base = None
+    if config.data.type == "humaneval":
+        sandbox_config = config.reward.sandbox.model_copy(
+            update={"extra_ro_binds": [*config.reward.sandbox.extra_ro_binds, *pytest_ro_binds()]}
+        )
+        base = HumanEvalReward(stack.enter_context(Sandbox(sandbox_config)))
+    count_tokens = None
+    if any(c.type == "length" and c.unit == "tokens" for c in config.reward.components):
+        tokenizer = load_tokenizer(resolve_model_path(config.model.path))
+        count_tokens = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    return Rubric(config.reward, base=base, components=dict(served or {}), count_tokens=count_tokens)
+
+
+def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any, device: str) -> InferenceEngine:
+    """The recipe's inference engine (rollout.engine) on ``model_path``, behind a router when rollout.num_engines
+    asks for replicas; ``device`` is used by the hf engine."""
+    replicas = [
+        build_engine(
+            config.rollout.engine,
+            model_path=model_path,
+            dtype=config.model.dtype,
+            seed=config.run.seed,
+            device=device,
+            encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
+            eos_token_id=tokenizer.eos_token_id,
+            bucket_bytes=config.weight_sync.bucket_mb << 20,
+            sleep_mode=config.runtime.colocate,
+        )
+        for _ in range(config.rollout.num_engines)
+    ]
+    return replicas[0] if len(replicas) == 1 else EngineRouter(replicas)
+
+
+def build_trainer(
+    config: SharpenConfig, *, model_path: Path, tokenizer: Any, backend: TrainerBackend | None = None
+) -> Trainer:
+    """The recipe's trainer: the policy ``backend`` (default: one device), and the reference policy and critic
+    when the algorithm needs them."""
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    backend = backend or SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
+    reference = None
+    if config.trainer.algorithm.kl_coef > 0:
+        reference = ReferencePolicy(
+            model_path=model_path,
+            dtype=config.model.dtype,
+            device=backend.device,
+            bf16_autocast=config.trainer.bf16_autocast,
+        )
+    critic = None
+    if config.trainer.algorithm.advantage == "gae":
+        critic = ValueModel(
+            config.trainer.critic,
+            model_path=model_path,
+            dtype=config.model.dtype,
+            device=backend.device,
+            bf16_autocast=config.trainer.bf16_autocast,
+            gradient_checkpointing=config.trainer.gradient_checkpointing,
+            betas=config.trainer.betas,
+            weight_decay=config.trainer.weight_decay,
+        )
+    return Trainer(
+        config.trainer,
+        backend=backend,
+        pad_token_id=pad_token_id,
+        temperature=config.rollout.temperature,
+        max_new_tokens=config.rollout.max_new_tokens,
+        reference=reference,
+        critic=critic,
+    )
+
+
+def build_episode_runner(config: SharpenConfig, *, tokenizer: Any, sandbox: SandboxPool | None) -> EpisodeRunner:
+    """The run's episode runner: its environment, limits and sandbox; environments are seeded from the run seed."""
+    return EpisodeRunner(
+        tokenizer=tokenizer,
+        make_environment=build_environment_factory(config.environment),
+        limits=episode_limits(config.environment),
+        episode_seed=config.run.seed,
+        sandbox=sandbox,
+    )
+
+
+def build_components(
+    config: SharpenConfig,
+    run_dir: Path,
+    *,
+    examples: list[Example],
+    resume_from_step: int | None,
+    tokenizer: Any,
+    trainer: TrainerHandle,
+    engine: InferenceEngine,
+    reward_fn: RewardFn,
+    runner: EpisodeRunner,
+) -> Components:
+    """Everything the loop drives, around the trainer and engine the runtime placed."""
+    return Components(
+        config=config,
+        run_dir=run_dir,
+        tokenizer=tokenizer,
+        engine=engine,
+        trainer=trainer,
+        sampler=ExampleSampler(examples, seed=config.run.seed),
+        rubric=reward_fn,
+        sink=build_sinks(
+            config.monitoring,
+            run_dir,
+            num_steps=config.run.num_steps,
+            resume_from_step=resume_from_step,
+            run_config=config.model_dump(mode="json"),
+        ),
+        timeline=build_timeline(config.monitoring, run_dir),
+        eval_examples=examples[: config.evaluation.num_tasks] if config.evaluation.every_steps else [],
+        recorder=RolloutRecorder(
+            run_dir / "rollouts.jsonl",
+            num_per_step=config.monitoring.num_recorded_rollouts,
+            resume_from_step=resume_from_step,
+        ),
+        runner=runner,
+        weight_sync=WeightSync(
+            probe_ids=tokenizer.encode(config.weight_sync.probe_text),
+            tolerance=config.weight_sync.tolerance,
+            verify=config.weight_sync.verify,
+        ),
+    )
+
+
+def build_parity_probe(config: SharpenConfig, c: Components, examples: list[Example]) -> ParityProbe | None:
+    """The run's parity probes: its first tasks' prompts, completed greedily by the engine once (at the start, or
+    at the resumed weights)."""
+    monitoring = config.monitoring
+    if not monitoring.parity_probe_every:
+        return None
+    prompts = [render_prompt(c.tokenizer, example.prompt) for example in examples[: monitoring.parity_probe_size]]
+    return build_probe_set(prompts, c.engine, max_new_tokens=monitoring.parity_probe_max_new_tokens)

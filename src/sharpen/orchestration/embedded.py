@@ -1,0 +1,52 @@
+"""The embedded runtime: the trainer and the engine live in this process (the engine's own workers may be child
+processes of it), built with `build.py`'s builders; the run itself is `session.run_session`'s.
+
+Owns only that placement and the closing of the engine it built. An engine or trainer the caller passes is used
+as it is and not closed here (one engine per test session, say).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sharpen.config import SharpenConfig
+from sharpen.orchestration.build import build_run_engine, build_trainer
+from sharpen.orchestration.handles import TrainerHandle
+from sharpen.orchestration.session import run_session
+from sharpen.rewards import RewardFn
+from sharpen.rollout.engines import InferenceEngine
+from sharpen.trainer import Trainer
+
+
+def run_embedded(
+    config: SharpenConfig,
+    *,
+    resume: bool = False,
+    reward_fn: RewardFn | None = None,
+    engine: InferenceEngine | None = None,
+    trainer: Trainer | None = None,
+) -> Path:
+    """Run (or resume) a recipe in this process; returns the run directory.
+
+    ``reward_fn`` replaces the configured rubric (any callable ``(example, completion) -> RewardResult``);
+    ``engine`` and ``trainer`` reuse components the caller owns (they are not closed here)."""
+    with contextlib.ExitStack() as owned:
+
+        def place(model_path: Path, tokenizer: Any) -> tuple[TrainerHandle, InferenceEngine]:
+            live_trainer = trainer or build_trainer(config, model_path=model_path, tokenizer=tokenizer)
+            live_engine = engine
+            if live_engine is None:
+                device = str(live_trainer.backend.device)  # the hf engine samples on the trainer's device
+                live_engine = build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=device)
+                owned.callback(live_engine.close)
+            return live_trainer, live_engine
+
+        def serve_rewards(stack: contextlib.ExitStack) -> Mapping[str, RewardFn]:
+            from sharpen.orchestration.ray.reward_actors import start_reward_model_pools  # Ray only when asked for
+
+            return start_reward_model_pools(config, stack=stack)
+
+        return run_session(config, place=place, resume=resume, reward_fn=reward_fn, serve_rewards=serve_rewards)

@@ -1,0 +1,57 @@
+"""What crosses a process boundary between orchestration and the trainer: named protocols, so the loop, the batch
+sources and checkpointing type their trainer as `TrainerHandle` whether it is a `Trainer` in this process or a
+proxy of Ray actors, instead of casting proxies to `Trainer` or probing them with ``getattr``.
+
+Owns only the protocols; the in-process `sharpen.trainer.Trainer` and `sharpen.orchestration.ray.proxies`'s
+`TrainerProxy` implement them (pyright checks both where they are handed to the loop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from sharpen.types import Rollout, TrainBatch
+
+if TYPE_CHECKING:
+    import torch
+
+
+class WeightSnapshot(Protocol):
+    """The trainer's weights at one version, unchanged by later steps, iterable any number of times (async mode
+    publishes one per version; every engine replica may read it)."""
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class TrainerHandle(Protocol):
+    """The trainer as orchestration drives it."""
+
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step (or several: mini-batches, epochs) on ``batch``; returns ``train/*`` metrics."""
+        ...
+
+    def compute_logprobs(self, token_ids: list[int]) -> list[float]:
+        """Logprobs of ``token_ids[1:]`` at temperature 1 (the weight-sync and parity probes)."""
+        ...
+
+    def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
+        """Per-token KL penalties of each rollout against the reference policy (``kl_in_reward``)."""
+        ...
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The current full weights (HF checkpoint names), to be read once, now."""
+        ...
+
+    def snapshot_weights(self) -> WeightSnapshot:
+        """The current weights as a snapshot that later steps do not change."""
+        ...
+
+    def save_checkpoint(self, folder: Path) -> None: ...
+
+    def load_checkpoint(self, folder: Path) -> None: ...
+
+    def export(self, folder: Path) -> None:
+        """Write the policy as a HF model folder that transformers and vLLM load."""
+        ...

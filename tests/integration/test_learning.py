@@ -1,0 +1,54 @@
+"""The promise of the whole loop in miniature: under GRPO the reward of a tiny task goes up, fast, on the CPU.
+
+A 2-layer random Llama (SmolLM2's tokenizer), the transformers engine, 4 prompts x 4 samples of 8 tokens per step,
+and a reward the random policy can climb: the fraction of vowels in the completion. Measured here (one thread,
+0.3 s a step, 30 steps): 0.32 over the first steps -> 0.50 over the last, where the policy settles on tokens that
+are half vowels. The test asks for +0.1 between the means of the first and last five steps, leaving room for another
+CPU's float rounding to take another path up.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from sharpen.api import load_config, run
+from sharpen.monitoring import read_jsonl
+from sharpen.types import Example, RewardResult, RewardStatus
+
+
+def vowel_fraction(example: Example, completion: str) -> RewardResult:
+    score = sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
+    return RewardResult(score=score, status=RewardStatus.OK, components={"vowels": score}, verifier="vowels")
+
+
+def test_grpo_raises_the_reward_of_a_tiny_task(tiny_model_path: Path, tmp_path: Path) -> None:
+    overrides = {
+        "run.name": json.dumps("learn"),
+        "run.output_dir": json.dumps(str(tmp_path)),
+        "run.num_steps": "30",
+        "run.export_model": "false",
+        "model.path": json.dumps(str(tiny_model_path)),
+        "data.size": "64",
+        "rollout.engine.type": '"hf"',
+        "rollout.prompts_per_step": "4",
+        "rollout.num_samples_per_prompt": "4",
+        "rollout.max_new_tokens": "8",
+        "trainer.micro_batch_size": "16",
+        "trainer.learning_rate": "5e-2",
+        "trainer.num_threads": "1",
+        "monitoring.progress": "false",
+        "monitoring.parity_probe_every": "0",
+    }
+    previous_threads = torch.get_num_threads()
+    try:
+        run_dir = run(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), reward_fn=vowel_fraction)
+    finally:
+        torch.set_num_threads(previous_threads)
+    rewards = [row["reward/mean"] for row in read_jsonl(run_dir / "metrics.jsonl")]
+    assert len(rewards) == 30
+    first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+    assert last >= first + 0.1, f"reward did not go up: {first:.3f} -> {last:.3f} ({rewards})"
