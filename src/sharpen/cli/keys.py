@@ -1,6 +1,8 @@
-"""`sharpen config --keys`: every config key with its type, default and help, generated from the schema.
+"""`sharpen config --keys`: every config key a user sets, with its type, default and help, generated from the schema.
 
-The schema's field docstrings are the only help text, so this listing can never drift from the code.
+The schema's field docstrings are the only help text, so this listing can never drift from the code. Fields and
+sections marked `sharpen.config.section.internal` (test fakes, knobs the runtime derives) are left out; they stay
+settable.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from sharpen.config.schema import SharpenConfig
+from sharpen.config.section import is_internal
 
 
 def _sections(annotation: Any) -> list[type[BaseModel]]:
-    """The pydantic models inside an annotation (a model, or a discriminated union of models)."""
+    """The pydantic models inside an annotation (a model, or a discriminated union of models), internal ones left
+    out."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
+        return [] if is_internal(annotation) else [annotation]
     origin = typing.get_origin(annotation)
     if origin is typing.Annotated:
         return _sections(typing.get_args(annotation)[0])
@@ -33,6 +37,8 @@ def _type_name(annotation: Any) -> str:
 
 def _walk(model: type[BaseModel], prefix: str, lines: list[str]) -> None:
     for name, field in model.model_fields.items():
+        if is_internal(field):
+            continue
         key = f"{prefix}{name}"
         is_list = typing.get_origin(field.annotation) is list  # an array of tables, e.g. [[reward.components]]
         sections = _sections(typing.get_args(field.annotation)[0] if is_list else field.annotation)

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--resume", action="store_true", help="continue the run in its run directory from its last checkpoint"
     )
+    train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show vLLM's, Ray's and other libraries' output here (it always goes to run_dir/sharpen.log)",
+    )
 
     evaluation = commands.add_parser(
         "eval", help="sample a recipe's model (model.path) on its tasks and report pass@k, maj@k and mean@k"
@@ -141,9 +146,20 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(recipe, overrides)
     if args.command == "eval":
         return _eval(config, args)
+    return _train(config, args)
+
+
+def _train(config: SharpenConfig, args: argparse.Namespace) -> int:
+    """Run the recipe with only sharpen's own lines on the terminal; the libraries' output goes to the run's log,
+    which is set up here, before the run directory's other contents (the run decides whether it may use it)."""
+    from sharpen.monitoring.run_log import LOG_FILE_NAME, capture_run_output
     from sharpen.orchestration.runtime import run
 
-    run_dir = run(config, resume=args.resume)
+    log_path = Path(config.run.output_dir) / config.run.name / LOG_FILE_NAME
+    with capture_run_output(log_path, verbose=args.verbose) as terminal:
+        if not args.verbose:
+            terminal.print_line(f"libraries' output (vLLM, Ray, transformers, warnings): {log_path}")
+        run_dir = run(config, resume=args.resume)
     print(f"run directory: {run_dir}")
     return 0
 
@@ -168,8 +184,6 @@ def _eval_config(config: SharpenConfig, args: argparse.Namespace) -> EvalConfig:
 
 
 def _eval(config: SharpenConfig, args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     eval_config = _eval_config(config, args)
     output = Path(args.output) if args.output else Path(config.run.output_dir) / config.run.name / "eval.json"
     from sharpen.orchestration.evaluate import run_eval
@@ -189,8 +203,6 @@ def _eval(config: SharpenConfig, args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from sharpen.orchestration.replay import replay_recorded
 
     record, report = replay_recorded(Path(args.run_dir), step=args.step, index=args.index)
@@ -207,8 +219,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _serve_rm(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     if not Path(args.model_path).is_dir():
         raise ConfigError(f"serve-rm: model path {args.model_path!r} is not a folder")
     from sharpen.rewards.rm_server import RewardModelScorer, RewardModelServer

@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from sharpen.config.sandbox import SandboxConfig
 from sharpen.config.section import Section
 
 
@@ -46,9 +45,9 @@ class CalculatorEnvironmentConfig(ToolSection):
 
 
 class PythonEnvironmentConfig(ToolSection):
+    """The policy's programs run in the run's sandbox (the top-level ``[sandbox]`` section)."""
+
     type: Literal["python"] = "python"
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    """Where the policy's programs run (isolation, limits, concurrency)."""
 
 
 class GuessNumberEnvironmentConfig(EpisodeLimitsSection):

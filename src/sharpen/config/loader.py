@@ -62,6 +62,11 @@ def _known_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]
     return list(getattr(current, "model_fields", {}))
 
 
+_MOVED_KEYS = {"environment.sandbox": "sandbox", "reward.sandbox": "sandbox"}
+"""Keys that moved, and where to: an older recipe's error then says what to change (the python environment and
+the code-test rewards share one sandbox section)."""
+
+
 def format_validation_error(error: ValidationError) -> str:
     lines: list[str] = []
     for item in error.errors():
@@ -73,6 +78,8 @@ def format_validation_error(error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             hint = difflib.get_close_matches(str(loc[-1]), _known_keys(SharpenConfig, loc), n=1)
             suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            if key in _MOVED_KEYS:
+                suggestion = f" (it moved to [{_MOVED_KEYS[key]}])"
             lines.append(f"{key}: unknown key{suggestion}")
         elif item["type"] == "union_tag_not_found":
             lines.append(f"{key}: missing key 'type' (it chooses the implementation)")

@@ -14,7 +14,6 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, field_validator, model_validator
 
-from sharpen.config.sandbox import SandboxConfig
 from sharpen.config.section import Section
 
 RESERVED_COMPONENT_NAMES = (
@@ -201,8 +200,6 @@ class RewardConfig(Section):
     -overlong_penalty at the limit (0: off)."""
     overlong_penalty: float = Field(default=1.0, ge=0.0)
     """The largest overlong punishment."""
-    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
-    """Where code-test rewards (HumanEval) run the policy's programs."""
     hack_policy: Literal["screen", "penalise"] = "screen"
     """What happens to a rollout whose reward carries hack flags (exit before asserts, a conftest, a judge canary):
     ``screen`` leaves it out of the gradient and counts it (``hack/num_screened``); ``penalise`` scores it

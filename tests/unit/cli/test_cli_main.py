@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from sharpen.cli.main import EXIT_USER_ERROR, build_parser, main
 from sharpen.config import SharpenConfig, load_config
+from sharpen.config.section import is_internal
 
 
 def _one_error_line(capsys) -> str:
@@ -84,27 +85,55 @@ def test_train_with_a_bad_data_row_fails_before_loading_the_model(in_tmp, capsys
     assert line == f"sharpen: {data}:2: missing field 'answer' (data.answer_field); the object has: prompt"
 
 
-def _all_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
-    """Every dotted leaf key, including those of each implementation of a typed (``type``-chosen) section."""
+def _user_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
+    """Every dotted leaf key a user sets, including those of each implementation of a typed (``type``-chosen)
+    section; fields and sections marked internal are left out."""
     keys = set()
     for name, field in model.model_fields.items():
+        if is_internal(field):
+            continue
         members = get_args(field.annotation) if field.discriminator else (field.annotation,)
-        sections = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+        sections = [m for m in members if isinstance(m, type) and issubclass(m, BaseModel) and not is_internal(m)]
         if sections:
             for section in sections:
-                keys |= _all_keys(section, f"{prefix}{name}.")
+                keys |= _user_keys(section, f"{prefix}{name}.")
         else:
             keys.add(f"{prefix}{name}")
     return keys
 
 
-def test_config_keys_lists_every_key(capsys):
-    keys = _all_keys(SharpenConfig)
-    assert {"trainer.algorithm.clip_eps_high", "data.path", "data.task", "rollout.engine.completions"} <= keys
+INTERNAL_KEYS = (
+    "rollout.engine.completions",  # the scripted engine, a fake for tests
+    "weight_sync.probe_text",
+    "trainer.num_threads",  # derived from the machine
+    "sandbox.python_executable",
+    "sandbox.prepare_ahead",
+    "sandbox.work_root",
+)
+
+
+def test_config_keys_lists_every_key_a_user_sets(capsys):
+    keys = _user_keys(SharpenConfig)
+    assert {"trainer.algorithm.clip_eps_high", "data.path", "data.task", "sandbox.memory_mb"} <= keys
     assert main(["config", "--keys"]) == 0
     out = capsys.readouterr().out
     missing = sorted(key for key in keys if key not in out)
     assert not missing, f"config --keys leaves out: {missing}"
+    listed = {line.split(":")[0].strip() for line in out.splitlines() if line.startswith("  ") and ":" in line}
+    assert not listed & set(INTERNAL_KEYS), "internal knobs are not a user's to set"
+    assert "type = 'scripted'" not in out
+
+
+def test_internal_keys_stay_settable():
+    overrides = [
+        'rollout.engine={type = "scripted", completions = ["4"]}',
+        'weight_sync.probe_text="1 + 1 = 2"',
+        "trainer.num_threads=1",
+        "sandbox.prepare_ahead=false",
+    ]
+    config = load_config(None, overrides)
+    assert config.rollout.engine.type == "scripted" and config.weight_sync.probe_text == "1 + 1 = 2"
+    assert config.trainer.resolved_num_threads == 1 and not config.sandbox.prepare_ahead
 
 
 def test_config_prints_the_resolved_config_as_loadable_toml(tmp_path, capsys):
@@ -141,6 +170,7 @@ def test_cli_surface_is_frozen():
         "train recipe",
         "train overrides",
         "train --resume",
+        "train --verbose",
         "eval",
         "eval recipe",
         "eval overrides",

@@ -38,7 +38,7 @@ def _episode(sandbox, actions: list[str]):
 
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make system-deps)")
 def test_programs_run_in_the_sandbox_and_their_output_comes_back():
-    pool = build_sandbox(PythonEnvironmentConfig(sandbox=SandboxConfig(backend="bwrap", wall_seconds=5)))
+    pool = build_sandbox(PythonEnvironmentConfig(), SandboxConfig(backend="bwrap", wall_seconds=5))
     assert pool is not None and pool.report.backend == "bwrap"
     try:
         ok, failing, secret, answer = _episode(

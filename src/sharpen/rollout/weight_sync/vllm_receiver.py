@@ -14,6 +14,11 @@ tensors; a tied output embedding (SmolLM2's ``lm_head``) shares its parameter wi
 no tensor of its own, so on the CPU its prepacked oneDNN matrix stayed stale (the probe check measured a 0.05
 nats/token mismatch). Every module that shares a weight with another is therefore re-processed after a sync.
 
+vLLM warns "RotaryEmbedding: Failed to load weights" and "ParallelLMHead: Failed to load weights" on every sync:
+`finalize_layerwise_reload` warns for each layer that received no tensor and then restores its current ones. The
+rotary cache is computed, never in a checkpoint, and the tied head has no tensor of its own, so those two layers
+never receive one: the warnings are expected (docs/weight-sync.md) and the restored tensors are right.
+
 The same worker can instead be a member of a weight group (`broadcast.py`, ``weight_sync.transport =
 "broadcast"``): ``sharpen_join_weight_group`` joins it (gloo, or NCCL on the worker's own GPU), and
 ``sharpen_receive_broadcast`` takes one broadcast sync straight into the model through the same layerwise reload,

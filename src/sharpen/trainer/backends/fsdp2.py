@@ -133,8 +133,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
 
         if not dist.is_initialized():
             raise ValueError("FSDP2Backend needs a process group: call init_distributed() on every rank first")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.resolved_num_threads)
         self.config = config
         self.model_path = Path(model_path)
         self.device = _rank_device(config.device)

@@ -76,8 +76,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
     def __init__(self, config: TrainerConfig, *, model_path: Path, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(config.resolved_num_threads)
         self.config = config
         self.model_path = Path(model_path)
         self.device = resolve_device(config.device)
