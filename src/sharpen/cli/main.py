@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     evaluation.add_argument(
         "--output", default=None, metavar="FILE.json", help="where to write the report (default: run_dir/eval.json)"
     )
+    evaluation.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show vLLM's and other libraries' output here (it always goes to a .log beside the report)",
+    )
 
     config = commands.add_parser("config", help="print the resolved config of a recipe (or every key with its help)")
     _add_recipe_arguments(config)
@@ -186,9 +191,14 @@ def _eval_config(config: SharpenConfig, args: argparse.Namespace) -> EvalConfig:
 def _eval(config: SharpenConfig, args: argparse.Namespace) -> int:
     eval_config = _eval_config(config, args)
     output = Path(args.output) if args.output else Path(config.run.output_dir) / config.run.name / "eval.json"
+    from sharpen.monitoring.run_log import capture_run_output
     from sharpen.orchestration.evaluate import run_eval
 
-    report = run_eval(config, eval_config)
+    log_path = output.with_suffix(".log")
+    with capture_run_output(log_path, verbose=args.verbose) as terminal:
+        if not args.verbose:
+            terminal.print_line(f"libraries' output (vLLM, transformers, warnings): {log_path}")
+        report = run_eval(config, eval_config)
     if sys.stdout.isatty():
         from rich.console import Console
 

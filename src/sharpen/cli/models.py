@@ -39,17 +39,28 @@ def pull_model(name: str, *, force: bool = False) -> Path:
         return target
     gguf = gguf_location(name)
 
+    from sharpen.monitoring.run_log import capture_run_output
+
+    log_path = target.with_name(target.name + ".pull.log")
+    with capture_run_output(log_path, verbose=False) as terminal:
+        terminal.print_line(f"converting {gguf.name} (transformers' output: {log_path})")
+        started = time.perf_counter()
+        _convert(gguf, target)
+    print(f"converted {gguf.name} -> {target} in {time.perf_counter() - started:.1f}s")
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # save_pretrained refuses a GGUF-quantized config: rebuild a plain model from a clean config.
     config_dict = quantized.config.to_dict()
     config_dict.pop("quantization_config", None)
     config = AutoConfig.for_model(**config_dict)
-    config.torch_dtype = torch.float32
+    config.dtype = torch.float32
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(quantized.state_dict())
     model.generation_config = quantized.generation_config
@@ -61,5 +72,3 @@ def pull_model(name: str, *, force: bool = False) -> Path:
     tokenizer.save_pretrained(staging)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
-    print(f"converted {gguf.name} -> {target} in {time.perf_counter() - started:.1f}s")
-    return target

@@ -178,6 +178,7 @@ def test_cli_surface_is_frozen():
         "eval --ks",
         "eval --num-tasks",
         "eval --output",
+        "eval --verbose",
         "inspect",
         "inspect run_dir",
         "replay",
