@@ -237,22 +237,3 @@ class BucketReceiver:
             "verify_seconds": self.verify_seconds,
             "load_seconds": self.load_seconds,
         }
-
-
-class LocalBucketTarget:
-    """A `BucketReceiver` in this process, called directly (tests, and receivers that share the sender's host)."""
-
-    def __init__(self, receiver: BucketReceiver) -> None:
-        self.receiver = receiver
-
-    def begin(self, sync_id: str, version: int) -> None:
-        self.receiver.begin(sync_id, version)
-
-    def load(self, manifest: BucketManifest) -> None:
-        self.receiver.load(manifest)
-
-    def finish(self, sync_id: str, num_buckets: int, checksum: str) -> dict[str, Any]:
-        return self.receiver.finish(sync_id, num_buckets, checksum)
-
-    def abort(self, sync_id: str) -> None:
-        self.receiver.abort(sync_id)

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, group_key, shared_memory_dir
-from sharpen.rollout.weight_sync.streaming import BucketedSender, BucketReceiver, LocalBucketTarget, iter_groups
+from sharpen.rollout.weight_sync.streaming import BucketedSender, BucketReceiver, iter_groups
 
 
 def _weights(num_layers: int = 4) -> list[tuple[str, torch.Tensor]]:
@@ -24,6 +25,25 @@ def _weights(num_layers: int = 4) -> list[tuple[str, torch.Tensor]]:
         ]
     weights += [("model.norm.weight", torch.ones(16)), ("model.step", torch.tensor([7], dtype=torch.int64))]
     return weights
+
+
+class LocalBucketTarget:
+    """The sender's target: a `BucketReceiver` in this process, called directly."""
+
+    def __init__(self, receiver: BucketReceiver) -> None:
+        self.receiver = receiver
+
+    def begin(self, sync_id: str, version: int) -> None:
+        self.receiver.begin(sync_id, version)
+
+    def load(self, manifest: BucketManifest) -> None:
+        self.receiver.load(manifest)
+
+    def finish(self, sync_id: str, num_buckets: int, checksum: str) -> dict[str, Any]:
+        return self.receiver.finish(sync_id, num_buckets, checksum)
+
+    def abort(self, sync_id: str) -> None:
+        self.receiver.abort(sync_id)
 
 
 class _Collector:
