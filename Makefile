@@ -10,8 +10,8 @@ export VLLM_TARGET_DEVICE ?= cpu
 
 install: $(STAMP)
 
-# pip runs quietly (-q: its warnings and errors still show); `make PIP_QUIET= install` shows everything.
-PIP_QUIET ?= -q
+# pip runs quietly (-qq: only its errors show); `make PIP_QUIET= install` shows everything.
+PIP_QUIET ?= -qq
 PIP := $(BIN)/pip $(PIP_QUIET) --disable-pip-version-check
 
 $(STAMP): pyproject.toml
