@@ -182,6 +182,16 @@ class RolloutConfig(Section):
     a completion still running when new weights arrive is regenerated from its start with them."""
     update_chunk_tokens: int = Field(default=32, ge=1)
     """Async mode with in_flight or abort updates: tokens generated between two checks for newer weights."""
+    episode_scheduling: Literal["async", "lockstep"] = "async"
+    """How multi-turn episodes share the engine. ``async``: each episode is its own task that asks for its next turn
+    as soon as its environment has answered (the requests waiting together go to the engine as one batch), so no
+    episode waits for the slowest environment of a turn. ``lockstep``: each turn, every live episode's request in one
+    batch, then every environment. With instant environments both make the same batches; on an engine that seeds
+    each request (vLLM) the rollouts are the same either way, while the hf engine seeds a whole batch, so there
+    only lockstep keeps a run with slow or uneven environments reproducible."""
+    max_concurrent_episodes: int = Field(default=0, ge=0)
+    """Async scheduling: episodes running at once (their environments open, their requests in flight); 0: all
+    episodes of a batch."""
 
     @model_validator(mode="after")
     def _check_async(self) -> RolloutConfig:

@@ -140,6 +140,8 @@ def build_episode_runner(config: SharpenConfig, *, tokenizer: Any, sandbox: Sand
         limits=episode_limits(config.environment),
         episode_seed=config.run.seed,
         sandbox=sandbox,
+        scheduling=config.rollout.episode_scheduling,
+        max_concurrent=config.rollout.max_concurrent_episodes,
     )
 
 

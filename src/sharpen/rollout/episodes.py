@@ -5,23 +5,30 @@ the token list: the engine's tokens as they came, then the environment's observa
 (`sharpen.data.render_continuation`). Past turns are never re-rendered or re-tokenised, so the trainer sees exactly
 the tokens the engine conditioned on; the loss mask is True only on tokens the engine generated.
 
-Episodes run in lockstep turns: each turn, every live episode's next request goes to the engine in one batch (so the
-engine batches as in single-turn generation), then every environment steps concurrently (asyncio). Every sample gets
-its own sampling seed per turn, derived from (run seed, step, example index, sample index, turn), so a run is
-reproducible whatever the engine's batching; turn 0 uses the single-turn derivation, so a single-turn environment
-reproduces single-turn generation exactly. Limits (turns, tokens, the environment's wall clock) are enforced here,
-not by environments. Rewards are not computed here (see `sharpen.orchestration.phases.score_groups`).
+Each episode is its own asyncio task (``scheduling = "async"``, the default): it asks the engine for a turn
+(`RequestBatcher`: the requests waiting together go to the engine as one batch), steps its environment and asks again,
+without waiting for the other episodes' turns; at most ``max_concurrent`` episodes run at once. With instant
+environments the batches are exactly those of ``scheduling = "lockstep"``, where each turn every live episode's
+request goes to the engine in one batch and then every environment steps; with slow or uneven environments an
+episode no longer waits for the slowest one of its turn. Every sample gets its own sampling seed per turn, derived
+from (run seed, step, example index, sample index, turn), so on an engine that honours per-request seeds the
+rollouts do not depend on the scheduling, the concurrency or the number of replicas; turn 0 uses the single-turn
+derivation, so a single-turn environment reproduces single-turn generation exactly. Limits (turns, tokens, the
+environment's wall clock) are enforced here, not by environments. Rewards are not computed here (see
+`sharpen.orchestration.phases.score_groups`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from sharpen.data import render_continuation, render_prompt
 from sharpen.environments import (
@@ -33,6 +40,7 @@ from sharpen.environments import (
 )
 from sharpen.environments.base import Environment
 from sharpen.rollout.engines.base import InferenceEngine
+from sharpen.rollout.engines.batcher import RequestBatcher
 from sharpen.types import Completion, EpisodeRecord, Example, Rollout, RolloutGroup, SamplingParams, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -86,6 +94,10 @@ class EpisodeRunner:
     limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     episode_seed: int | str = 0
     sandbox: Any = None
+    scheduling: Literal["async", "lockstep"] = "async"
+    """Episodes as independent tasks (async), or every live episode's turn in one batch, then every environment."""
+    max_concurrent: int = 0
+    """Episodes running at once (async scheduling; 0: all of them)."""
 
     def generate_groups(
         self,
@@ -110,8 +122,68 @@ class EpisodeRunner:
         seed: int | str,
     ) -> list[RolloutGroup]:
         """`generate_groups` for callers that already run an event loop."""
-        limits, tokenizer = self.limits, self.tokenizer
         episodes = [self._new_episode(examples[i], i, s) for i in range(len(examples)) for s in range(num_samples)]
+        if self.scheduling == "lockstep":
+            await self._run_lockstep(engine, examples, episodes, sampling=sampling, seed=seed)
+        else:
+            bound = asyncio.Semaphore(self.max_concurrent) if self.max_concurrent else None
+            # one worker thread: the engine generates a batch while the loop steps environments
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharpen-engine") as worker:
+                batcher = RequestBatcher(engine, executor=worker)
+                await asyncio.gather(
+                    *(
+                        self._run_episode(batcher, episode, examples[episode.example_index], sampling, seed, bound)
+                        for episode in episodes
+                    )
+                )
+        return _groups(examples, episodes)
+
+    async def _run_episode(
+        self,
+        batcher: RequestBatcher,
+        episode: _Episode,
+        example: Example,
+        sampling: SamplingParams,
+        seed: int | str,
+        bound: asyncio.Semaphore | None,
+    ) -> None:
+        """One episode from reset to its end, turn by turn, as its own task."""
+        async with bound if bound is not None else contextlib.nullcontext():
+            batcher.open()
+            try:
+                await self._run_turns(batcher, episode, example, sampling, seed)
+            finally:
+                batcher.close()
+
+    async def _run_turns(
+        self, batcher: RequestBatcher, episode: _Episode, example: Example, sampling: SamplingParams, seed: int | str
+    ) -> None:
+        observation = await _reset(episode, example)
+        if observation is not None:
+            episode.prompt_ids = render_prompt(self.tokenizer, observation)
+        turn = 0
+        while not episode.is_done:
+            ids, params = _request(episode, sampling, limits=self.limits, seed=seed, turn=turn)
+            key = (episode.example_index, episode.sample_index)
+            completion, version = await batcher.generate_one(ids, params, key=key)
+            versions = completion.versions or [version] * len(completion.token_ids)
+            _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
+            episode.last_text = completion.text
+            result = await _step(episode, completion.text)
+            _advance(episode, completion, result, self.tokenizer, version=version, limits=self.limits, turn=turn)
+            turn += 1
+
+    async def _run_lockstep(
+        self,
+        engine: InferenceEngine,
+        examples: list[Example],
+        episodes: list[_Episode],
+        *,
+        sampling: SamplingParams,
+        seed: int | str,
+    ) -> None:
+        """Every live episode's turn in one engine call, then every environment's step."""
+        limits, tokenizer = self.limits, self.tokenizer
         observations = await asyncio.gather(*(_reset(e, examples[e.example_index]) for e in episodes))
         for episode, observation in zip(episodes, observations, strict=True):
             if observation is not None:
@@ -129,7 +201,6 @@ class EpisodeRunner:
             for episode, completion, result in zip(live, completions, results, strict=True):
                 _advance(episode, completion, result, tokenizer, version=version, limits=limits, turn=turn)
             turn += 1
-        return _groups(examples, episodes)
 
     def _new_episode(self, example: Example, example_index: int, sample_index: int) -> _Episode:
         environment, limits, sandbox = self.make_environment(), self.limits, self.sandbox

@@ -1,0 +1,168 @@
+"""Per-request generation on top of a batched engine: `RequestBatcher.generate_one` is awaited by each episode
+on its own, and the requests that are waiting together go to the engine as one batch.
+
+Owns forming batches, nothing about any engine. A request joins the pending batch; the batch is sent once the event
+loop has gone ``settle_ticks`` turns without a new request (every episode that could ask in the meantime has asked)
+and it is worth sending: it holds at least half of the open episodes (those that registered with `open`; the others
+are in their environments), or its oldest request has waited as long as the last batch took to generate, so a few
+slow environments cost a batch at most that much latency instead of splitting every turn into small batches. It is
+sent at once when it holds ``max_batch_size`` requests. Within a batch, requests are ordered by the key each brings
+(the episode runner's (example, sample)), so the engine sees the same batch in the same order whatever order the
+coroutines happened to run in: with instant environments every turn's batch is exactly the lockstep loop's.
+
+One batch is in flight at a time (engines are not required to take concurrent calls). With an ``executor`` (one
+worker thread) the batch generates there while the event loop goes on stepping environments, and the requests that
+arrive meanwhile form the next batch, sent as soon as the engine is free; without one, the engine call blocks the
+loop, as the lockstep loop did. Each completion is stamped with the engine's policy version read right after its
+batch (unless the engine stamped it per token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from sharpen.rollout.engines.base import InferenceEngine
+from sharpen.types import Completion, PolicyVersion, SamplingParams
+
+
+@dataclass(kw_only=True)
+class _Request:
+    key: Sequence[Any]
+    prompt: list[int]
+    params: SamplingParams
+    arrived: float
+    future: asyncio.Future[tuple[Completion, PolicyVersion]] = field(repr=False)
+
+
+class RequestBatcher:
+    """``await generate_one(prompt, params, key=...)`` for many coroutines, one ``engine.generate`` per batch."""
+
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        *,
+        executor: Executor | None = None,
+        max_batch_size: int = 1 << 16,
+        settle_ticks: int = 3,
+    ) -> None:
+        if max_batch_size < 1 or settle_ticks < 1:
+            raise ValueError("RequestBatcher: max_batch_size and settle_ticks must be at least 1")
+        self.engine = engine
+        self.executor = executor
+        self.max_batch_size = max_batch_size
+        self.settle_ticks = settle_ticks
+        self.batch_sizes: list[int] = []
+        """The size of every batch sent so far (for metrics and tests)."""
+        self._pending: list[_Request] = []
+        self._scheduled = False
+        self._is_busy = False
+        self._quiet_ticks = 0
+        self._num_open = 0
+        self._last_batch_seconds = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def open(self) -> None:
+        """An episode starts asking (it counts towards "half of the open episodes")."""
+        self._num_open += 1
+
+    def close(self) -> None:
+        """An episode is done asking: a pending batch may now be worth sending."""
+        self._num_open -= 1
+        self._next()
+
+    async def generate_one(
+        self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = ()
+    ) -> tuple[Completion, PolicyVersion]:
+        """The completion of one request and the policy version the engine held when it was made."""
+        loop = asyncio.get_running_loop()
+        request = _Request(key=key, prompt=prompt, params=params, arrived=loop.time(), future=loop.create_future())
+        self._pending.append(request)
+        self._quiet_ticks = 0
+        if self._is_busy:
+            pass  # sent when the engine is free
+        elif len(self._pending) >= self.max_batch_size:
+            self._send()
+        elif not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._tick)
+        return await request.future
+
+    def _tick(self) -> None:
+        if not self._pending or self._is_busy:
+            self._scheduled = False
+            return
+        self._quiet_ticks += 1
+        if self._quiet_ticks < self.settle_ticks and len(self._pending) < self.max_batch_size:
+            asyncio.get_running_loop().call_soon(self._tick)
+            return
+        self._scheduled = False
+        loop = asyncio.get_running_loop()
+        waited = loop.time() - min(request.arrived for request in self._pending)
+        if 2 * len(self._pending) >= self._num_open or waited >= self._last_batch_seconds:
+            self._send()
+        elif self._timer is None:  # sent when the oldest request has waited a batch's time, unless sooner
+            self._timer = loop.call_later(self._last_batch_seconds - waited, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._next()
+
+    def _send(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        batch = sorted(self._pending[: self.max_batch_size], key=lambda request: tuple(request.key))
+        self._pending = self._pending[self.max_batch_size :]
+        self._quiet_ticks = 0
+        self.batch_sizes.append(len(batch))
+        if self.executor is None:
+            try:
+                self._deliver(batch, self._generate(batch))
+            except Exception as error:  # every waiting episode sees the engine's error
+                self._fail(batch, error)
+            self._next()
+            return
+        self._is_busy = True
+        running = asyncio.get_running_loop().run_in_executor(self.executor, self._generate, batch)
+        running.add_done_callback(lambda done: self._done(batch, done))
+
+    def _generate(self, batch: list[_Request]) -> tuple[list[Completion], PolicyVersion]:
+        started = time.perf_counter()
+        completions = self.engine.generate([r.prompt for r in batch], [r.params for r in batch])
+        self._last_batch_seconds = time.perf_counter() - started
+        return completions, self.engine.policy_version
+
+    def _done(self, batch: list[_Request], done: asyncio.Future[tuple[list[Completion], PolicyVersion]]) -> None:
+        self._is_busy = False
+        error = done.exception()
+        if error is not None:
+            self._fail(batch, error)
+        else:
+            self._deliver(batch, done.result())
+        self._next()
+
+    def _next(self) -> None:
+        """Start settling the next batch from what arrived meanwhile."""
+        if self._pending and not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._tick)
+
+    @staticmethod
+    def _deliver(batch: list[_Request], result: tuple[list[Completion], PolicyVersion]) -> None:
+        completions, version = result
+        for request, completion in zip(batch, completions, strict=True):
+            if not completion.versions:
+                completion = replace(completion, versions=[version] * len(completion.token_ids))
+            if not request.future.done():  # its episode may have been cancelled meanwhile
+                request.future.set_result((completion, version))
+
+    @staticmethod
+    def _fail(batch: list[_Request], error: BaseException) -> None:
+        for request in batch:
+            if not request.future.done():
+                request.future.set_exception(error)

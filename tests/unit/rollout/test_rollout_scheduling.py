@@ -1,0 +1,167 @@
+"""Episodes as independent tasks: the same rollouts whatever the concurrency, the number of replicas or the
+scheduling (on an engine that seeds each request), lockstep's batches when environments are instant, and no episode
+waiting for a slow environment of another."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from sharpen.environments import EpisodeContext, EpisodeLimits, StepResult
+from sharpen.rollout.engines.batcher import RequestBatcher
+from sharpen.rollout.engines.router import EngineRouter
+from sharpen.rollout.episodes import EpisodeRunner
+from sharpen.types import Completion, Example, Message, RolloutGroup, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+class SeededEngine:
+    """A completion that is a function of the request alone (its prompt and seed), as vLLM's per-request seeds
+    make it: 1-4 word tokens and the end of turn. Records the size of every batch it is given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.policy_version = 7
+        self.batch_sizes: list[int] = []
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        self.batch_sizes.append(len(prompts))
+        out = []
+        for prompt, param in zip(prompts, params, strict=True):
+            digest = hashlib.blake2b(f"{prompt}/{param.seed}".encode(), digest_size=8).digest()
+            words = [f" w{b}" for b in digest[: 1 + digest[7] % 4]]
+            text = "".join(words)
+            ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
+            out.append(Completion(token_ids=ids, logprobs=[-0.1 * (b % 7) for b in ids], text=text))
+        return out
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return [0.0] * (len(token_ids) - 1)
+
+    def load_weights(self, weights, *, version: int) -> dict[str, float]:
+        self.policy_version = version
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class SlowTool:
+    """Three turns; each step takes a heavy-tailed, per-(task, sample, turn) latency, or none (``instant``)."""
+
+    instant: bool = False
+    name: str = "slow_tool"
+    version: str = "1"
+
+    async def reset(self, example: Example, context: EpisodeContext) -> list[Message]:
+        self.key, self.sample, self.turn = example.task_key, context.sample_index, 0
+        return list(example.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        self.turn += 1
+        if not self.instant:
+            digest = hashlib.blake2b(f"{self.key}/{self.sample}/{self.turn}".encode(), digest_size=2).digest()
+            await asyncio.sleep(0.001 / (1.0 - 0.9 * digest[0] / 256.0) ** 1.5)  # Pareto-like: 1 ms to 30 ms
+        if self.turn >= 3:
+            return StepResult(terminated=True, reward=1.0)
+        return StepResult(observation=[Message(role="user", content=f"result {len(action)}")])
+
+
+def examples(n: int) -> list[Example]:
+    return [Example(task_key=f"t/{i}", prompt=(Message(role="user", content=f"task {i}"),)) for i in range(n)]
+
+
+def run(engine, tokenizer, *, instant: bool = False, **runner_options) -> list[RolloutGroup]:
+    runner = EpisodeRunner(
+        tokenizer=tokenizer,
+        make_environment=lambda: SlowTool(instant=instant),
+        limits=EpisodeLimits(max_turns=3),
+        **runner_options,
+    )
+    return runner.generate_groups(
+        engine, examples(6), sampling=SamplingParams(max_new_tokens=16), num_samples=4, seed="0/3"
+    )
+
+
+def tokens(groups: list[RolloutGroup]) -> list[tuple]:
+    return [
+        (r.example.task_key, r.sample_index, r.prompt_ids, r.completion_ids, r.loss_mask, r.versions)
+        for g in groups
+        for r in g.rollouts
+    ]
+
+
+def test_rollouts_do_not_depend_on_concurrency_replicas_or_scheduling(tokenizer) -> None:
+    reference = tokens(run(SeededEngine(tokenizer), tokenizer, scheduling="lockstep"))
+    assert len(reference) == 24 and all(len(t[3]) > 0 for t in reference)
+    assert all(not all(t[4]) for t in reference), "three turns: the observations are masked out"
+    for concurrency in (1, 5, 64):
+        assert tokens(run(SeededEngine(tokenizer), tokenizer, max_concurrent=concurrency)) == reference
+    router = EngineRouter([SeededEngine(tokenizer) for _ in range(4)])
+    assert tokens(run(router, tokenizer, max_concurrent=64)) == reference
+    assert sum(router.num_routed) == 24 * 3 and min(router.num_routed) > 0
+
+
+def test_with_instant_environments_async_makes_lockstep_batches(tokenizer) -> None:
+    lockstep, independent = SeededEngine(tokenizer), SeededEngine(tokenizer)
+    run(lockstep, tokenizer, instant=True, scheduling="lockstep")
+    run(independent, tokenizer, instant=True)
+    assert lockstep.batch_sizes == [24, 24, 24]
+    assert independent.batch_sizes == lockstep.batch_sizes
+
+
+def test_a_slow_environment_does_not_hold_back_the_other_episodes(tokenizer) -> None:
+    events: list[str] = []
+
+    class OneSlow(SlowTool):
+        async def step(self, action: str) -> StepResult:
+            self.turn += 1
+            if self.key == "t/0":
+                await asyncio.sleep(0.3)
+                events.append(f"slow step {self.turn}")
+            if self.turn >= 3:
+                events.append(f"{self.key} done")
+                return StepResult(terminated=True)
+            return StepResult(observation=[Message(role="user", content="go on")])
+
+    def order(scheduling: str) -> list[str]:
+        events.clear()
+        runner = EpisodeRunner(
+            tokenizer=tokenizer, make_environment=OneSlow, limits=EpisodeLimits(max_turns=3), scheduling=scheduling
+        )
+        runner.generate_groups(
+            SeededEngine(tokenizer), examples(4), sampling=SamplingParams(max_new_tokens=8), num_samples=1, seed=0
+        )
+        return list(events)
+
+    independent = order("async")  # the fast episodes run all their turns while the slow one's first step runs
+    assert independent.index("slow step 1") > max(independent.index(f"t/{i} done") for i in (1, 2, 3))
+    lockstep = order("lockstep")  # every turn waits for the slow environment
+    assert lockstep.index("slow step 2") < min(lockstep.index(f"t/{i} done") for i in (1, 2, 3))
+
+
+def test_an_engine_error_reaches_every_waiting_episode() -> None:
+    class Broken:
+        policy_version = 0
+
+        def generate(self, prompts, params):
+            raise RuntimeError("engine died")
+
+    async def main() -> list[BaseException | object]:
+        batcher = RequestBatcher(Broken())  # type: ignore[arg-type]
+        calls = [batcher.generate_one([1, 2], SamplingParams(max_new_tokens=2), key=(i,)) for i in range(3)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [str(r) for r in results] == ["engine died"] * 3
