@@ -192,6 +192,9 @@ class RolloutConfig(Section):
     max_concurrent_episodes: int = Field(default=0, ge=0)
     """Async scheduling: episodes running at once (their environments open, their requests in flight); 0: all
     episodes of a batch."""
+    request_timeout_s: float | None = Field(default=600.0, gt=0.0)
+    """Async scheduling: a generation request the engine has not answered within this many seconds stops the run
+    with an error naming the engine, instead of a hang (None: wait as long as it takes)."""
 
     @model_validator(mode="after")
     def _check_async(self) -> RolloutConfig:

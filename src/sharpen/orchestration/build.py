@@ -142,6 +142,7 @@ def build_episode_runner(config: SharpenConfig, *, tokenizer: Any, sandbox: Sand
         sandbox=sandbox,
         scheduling=config.rollout.episode_scheduling,
         max_concurrent=config.rollout.max_concurrent_episodes,
+        request_timeout_s=config.rollout.request_timeout_s,
     )
 
 

@@ -26,7 +26,6 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -39,8 +38,8 @@ from sharpen.environments import (
     StepResult,
 )
 from sharpen.environments.base import Environment
-from sharpen.rollout.engines.base import InferenceEngine
-from sharpen.rollout.engines.batcher import RequestBatcher
+from sharpen.rollout.engines.base import EngineError, InferenceEngine
+from sharpen.rollout.engines.batcher import DaemonWorker, RequestBatcher
 from sharpen.types import Completion, EpisodeRecord, Example, Rollout, RolloutGroup, SamplingParams, TurnRecord
 
 logger = logging.getLogger(__name__)
@@ -98,6 +97,9 @@ class EpisodeRunner:
     """Episodes as independent tasks (async), or every live episode's turn in one batch, then every environment."""
     max_concurrent: int = 0
     """Episodes running at once (async scheduling; 0: all of them)."""
+    request_timeout_s: float | None = None
+    """Async scheduling: a request the engine has not answered within this many seconds stops the run with an
+    `EngineError` naming the engine (None: wait as long as it takes)."""
 
     def generate_groups(
         self,
@@ -128,14 +130,23 @@ class EpisodeRunner:
         else:
             bound = asyncio.Semaphore(self.max_concurrent) if self.max_concurrent else None
             # one worker thread: the engine generates a batch while the loop steps environments
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharpen-engine") as worker:
-                batcher = RequestBatcher(engine, executor=worker)
-                await asyncio.gather(
-                    *(
-                        self._run_episode(batcher, episode, examples[episode.example_index], sampling, seed, bound)
-                        for episode in episodes
-                    )
+            worker = DaemonWorker()
+            batcher = RequestBatcher(engine, executor=worker)
+            tasks = [
+                asyncio.ensure_future(
+                    self._run_episode(batcher, episode, examples[episode.example_index], sampling, seed, bound)
                 )
+                for episode in episodes
+            ]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                # a hung engine call cannot be interrupted: leave its thread behind instead of waiting for it
+                worker.shutdown(wait=False, cancel_futures=True)
+                raise
+            worker.shutdown(wait=True)
         return _groups(examples, episodes)
 
     async def _run_episode(
@@ -149,11 +160,11 @@ class EpisodeRunner:
     ) -> None:
         """One episode from reset to its end, turn by turn, as its own task."""
         async with bound if bound is not None else contextlib.nullcontext():
-            batcher.open()
+            batcher.episode_started()
             try:
                 await self._run_turns(batcher, episode, example, sampling, seed)
             finally:
-                batcher.close()
+                batcher.episode_ended()
 
     async def _run_turns(
         self, batcher: RequestBatcher, episode: _Episode, example: Example, sampling: SamplingParams, seed: int | str
@@ -165,7 +176,15 @@ class EpisodeRunner:
         while not episode.is_done:
             ids, params = _request(episode, sampling, limits=self.limits, seed=seed, turn=turn)
             key = (episode.example_index, episode.sample_index)
-            completion, version = await batcher.generate_one(ids, params, key=key)
+            try:
+                completion, version = await asyncio.wait_for(
+                    batcher.generate_one(ids, params, key=key), timeout=self.request_timeout_s
+                )
+            except TimeoutError:
+                raise EngineError(
+                    f"the engine ({type(batcher.engine).__name__}) did not answer a request within "
+                    f"{self.request_timeout_s:g} s (rollout.request_timeout_s)"
+                ) from None
             versions = completion.versions or [version] * len(completion.token_ids)
             _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
             episode.last_text = completion.text

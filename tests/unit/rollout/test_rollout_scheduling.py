@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from sharpen.environments import EpisodeContext, EpisodeLimits, StepResult
+from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.batcher import RequestBatcher
 from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.episodes import EpisodeRunner
@@ -165,3 +167,51 @@ def test_an_engine_error_reaches_every_waiting_episode() -> None:
 
     results = asyncio.run(main())
     assert [str(r) for r in results] == ["engine died"] * 3
+
+
+def test_an_engine_that_stops_answering_is_one_clear_error_not_a_hang(tokenizer) -> None:
+    release = threading.Event()
+
+    class Hung(SeededEngine):
+        def generate(self, prompts, params):
+            release.wait(30)  # a stuck engine call: nothing can interrupt it
+            return super().generate(prompts, params)
+
+    runner = EpisodeRunner(tokenizer=tokenizer, request_timeout_s=0.2)
+    try:
+        with pytest.raises(EngineError, match=r"the engine \(Hung\) did not answer a request within 0.2 s"):
+            runner.generate_groups(
+                Hung(tokenizer), examples(2), sampling=SamplingParams(max_new_tokens=4), num_samples=2, seed=0
+            )
+    finally:
+        release.set()
+
+
+HUNG_RUN = """
+import time
+from sharpen.rollout.episodes import EpisodeRunner
+from sharpen.types import Example, Message, SamplingParams
+
+class Tokenizer:
+    eos_token_id = 0
+    def apply_chat_template(self, conversation, *, add_generation_prompt, tokenize):
+        return [1, 2, 3]
+
+class Hung:
+    policy_version = 0
+    def generate(self, prompts, params):
+        time.sleep(3600)
+
+runner = EpisodeRunner(tokenizer=Tokenizer(), request_timeout_s=0.2)
+example = Example(task_key="t/0", prompt=(Message(role="user", content="hi"),))
+runner.generate_groups(Hung(), [example], sampling=SamplingParams(max_new_tokens=4), num_samples=1, seed=0)
+"""
+
+
+def test_a_hung_engine_call_does_not_keep_the_process_from_exiting() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", HUNG_RUN], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "did not answer a request within 0.2 s" in done.stderr.splitlines()[-1]

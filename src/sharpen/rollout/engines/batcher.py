@@ -1,14 +1,14 @@
 """Per-request generation on top of a batched engine: `RequestBatcher.generate_one` is awaited by each episode
 on its own, and the requests that are waiting together go to the engine as one batch.
 
-Owns forming batches, nothing about any engine. A request joins the pending batch; the batch is sent once the event
-loop has gone ``settle_ticks`` turns without a new request (every episode that could ask in the meantime has asked)
-and it is worth sending: it holds at least half of the open episodes (those that registered with `open`; the others
-are in their environments), or its oldest request has waited as long as the last batch took to generate, so a few
-slow environments cost a batch at most that much latency instead of splitting every turn into small batches. It is
-sent at once when it holds ``max_batch_size`` requests. Within a batch, requests are ordered by the key each brings
-(the episode runner's (example, sample)), so the engine sees the same batch in the same order whatever order the
-coroutines happened to run in: with instant environments every turn's batch is exactly the lockstep loop's.
+Owns forming batches, nothing about any engine. A request joins the pending batch; the batch is sent once the event loop
+has gone ``settle_ticks`` turns without a new request (every episode that could ask in the meantime has asked) and it is
+worth sending: it holds at least half of the open episodes (those between `episode_started` and `episode_ended`; the
+others are in their environments), or its oldest request has waited as long as the last batch took to generate, so a few
+slow environments cost a batch at most that much latency instead of splitting every turn into small batches. It is sent
+at once when it holds ``max_batch_size`` requests. Within a batch, requests are ordered by the key each brings (the
+episode runner's (example, sample)), so the engine sees the same batch in the same order whatever order the coroutines
+happened to run in: with instant environments every turn's batch is exactly the lockstep loop's.
 
 One batch is in flight at a time (engines are not required to take concurrent calls). With an ``executor`` (one
 worker thread) the batch generates there while the event loop goes on stepping environments, and the requests that
@@ -20,14 +20,58 @@ batch (unless the engine stamped it per token).
 from __future__ import annotations
 
 import asyncio
+import queue
+import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Executor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sharpen.rollout.engines.base import InferenceEngine
 from sharpen.types import Completion, PolicyVersion, SamplingParams
+
+
+class DaemonWorker(Executor):
+    """One daemon thread that runs submitted calls in order. Unlike `ThreadPoolExecutor`'s threads, which the
+    interpreter joins at exit, a call that never returns (a hung engine) cannot keep the process from exiting after
+    the run has reported it."""
+
+    def __init__(self, name: str = "sharpen-engine") -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        assert not kwargs, "DaemonWorker.submit takes positional arguments only"
+        future: Future[Any] = Future()
+        self._calls.put((future, fn, args))
+        return future
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # handed to whoever awaits the call
+                future.set_exception(error)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            while True:
+                try:
+                    call = self._calls.get_nowait()
+                except queue.Empty:
+                    break
+                if call is not None:
+                    call[0].cancel()
+        self._calls.put(None)
+        if wait:
+            self._thread.join()
 
 
 @dataclass(kw_only=True)
@@ -66,11 +110,11 @@ class RequestBatcher:
         self._last_batch_seconds = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
-    def open(self) -> None:
+    def episode_started(self) -> None:
         """An episode starts asking (it counts towards "half of the open episodes")."""
         self._num_open += 1
 
-    def close(self) -> None:
+    def episode_ended(self) -> None:
         """An episode is done asking: a pending batch may now be worth sending."""
         self._num_open -= 1
         self._next()
