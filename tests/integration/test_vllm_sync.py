@@ -293,7 +293,10 @@ def test_multi_turn_episodes_on_vllm_are_well_formed_rollouts(engine, trainer, t
     multi_turn = sum(len(r.episode.turns) > 1 for r in group.rollouts if r.episode is not None)
     print(f"{environment}: {multi_turn} of {len(group.rollouts)} episodes took more than one turn")
     if environment == "one_word_chat":
-        assert multi_turn >= 3  # measured 4 of 4 (SmolLM2, float32)
+        # The weights here are the module trainer's after an earlier test's step, so how many turns ramble to the token
+        # limit depends on that step's float reduction order: measured 4 of 4 at the base weights, 2 or 3 of 4 after
+        # the step (threads, CPU). One multi-turn episode is enough for the checks above to cover the turns' seams.
+        assert multi_turn >= 1
 
 
 def test_the_trainers_broadcast_lands_in_the_vllm_worker_and_a_corrupted_one_is_refused(

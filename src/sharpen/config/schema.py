@@ -186,9 +186,9 @@ class RolloutConfig(Section):
     """How multi-turn episodes share the engine. ``async``: each episode is its own task that asks for its next turn
     as soon as its environment has answered (the requests waiting together go to the engine as one batch), so no
     episode waits for the slowest environment of a turn. ``lockstep``: each turn, every live episode's request in one
-    batch, then every environment. With instant environments both make the same batches; on an engine that seeds
-    each request (vLLM) the rollouts are the same either way, while the hf engine seeds a whole batch, so there
-    only lockstep keeps a run with slow or uneven environments reproducible."""
+    batch, then every environment. With instant environments both make the same batches; every request has its own
+    seed, which vLLM and the hf engine honour, so the sampled tokens do not depend on the batching either way (up to
+    the last float bits of a padded batch's logits)."""
     max_concurrent_episodes: int = Field(default=0, ge=0)
     """Async scheduling: episodes running at once (their environments open, their requests in flight); 0: all
     episodes of a batch."""

@@ -2,9 +2,11 @@
 engine of unit and integration tests with tiny models.
 
 It holds its own copy of the model, so weight sync into it is a real copy, checked like any other engine's.
-Sampling is seeded once per `generate` call from the first request's seed (batched HF sampling has no
-per-request seeds), which keeps runs reproducible for a fixed batch; seeded sampling holds a process-wide lock,
-because transformers draws from torch's global generator.
+Every request is sampled with its own seed, as vLLM does: the last logits processor (`_PerRequestSampler`) draws
+each row's token from the temperature/top-p distribution with that row's own `torch.Generator` and hands
+transformers a one-hot choice, so what a request samples does not depend on which batch it shares (the episode
+runner's batches depend on timing) and the behaviour logprobs are kept from that distribution. Requests without a
+seed draw from torch's global generator, under a process-wide lock.
 
 Sleep (``runtime.colocate``) frees every parameter's storage; waking allocates them again filled with NaN, and
 the next `load_weights` must replace every one of them (a weight it misses is an error, not stale numbers).
@@ -15,15 +17,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from sharpen.rollout.engines.base import EngineError
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 _GLOBAL_RNG = threading.Lock()
-"""Held while a seeded batch samples: engines of this process (replicas behind a router, the async producer's) would
-otherwise interleave their seeds and draws on torch's one global generator."""
+"""Held while a batch samples: rows without a seed, and transformers' own draw of the one-hot choice, use torch's one
+global generator, which engines of this process (replicas behind a router, the async producer's) share."""
 
 
 class HfEngine:
@@ -91,7 +95,6 @@ class HfEngine:
         return out
 
     def _generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
-        param = params[0]
         if len({_key(p) for p in params}) > 1:
             raise ValueError("the HF engine needs the same sampling settings (apart from seed) for a whole batch")
         width = max(len(p) for p in prompts)
@@ -100,26 +103,32 @@ class HfEngine:
         for row, ids in enumerate(prompts):  # left padding: every prompt ends where generation starts
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
-        with _GLOBAL_RNG:  # transformers samples from torch's global generator: one seeded call at a time
-            return self._seeded_generate_batch(prompts, param, input_ids, attention_mask, width)
+        with _GLOBAL_RNG:  # unseeded rows and transformers' own (one-hot) draw use torch's global generator
+            return self._seeded_generate_batch(prompts, params, input_ids, attention_mask, width)
 
     def _seeded_generate_batch(
         self,
         prompts: list[list[int]],
-        param: SamplingParams,
+        params: list[SamplingParams],
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         width: int,
     ) -> list[Completion]:
-        if param.seed is not None:
-            torch.manual_seed(param.seed)
+        param = params[0]  # the settings are the same for the whole batch; the seeds are each request's
         eos = [self.tokenizer.eos_token_id, *param.stop_token_ids]
+        sampler = None
         # temperature 0 means greedy (ReMax's baseline); otherwise sample with exactly the given settings
-        sampling_kwargs = (
-            {"do_sample": True, "temperature": param.temperature, "top_p": param.top_p, "top_k": 0}
-            if param.temperature > 0
-            else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        )
+        if param.temperature > 0:
+            sampler = _PerRequestSampler([p.seed for p in params])
+            sampling_kwargs: dict[str, Any] = {
+                "do_sample": True,
+                "temperature": param.temperature,
+                "top_p": param.top_p,
+                "top_k": 0,
+                "logits_processor": LogitsProcessorList([sampler]),
+            }
+        else:
+            sampling_kwargs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         # the auto class's return type does not satisfy `generate`'s self protocol in transformers' stubs
         result = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
             input_ids=input_ids.to(self.device),
@@ -132,9 +141,11 @@ class HfEngine:
             return_dict_in_generate=True,
         )
         new_tokens = result.sequences[:, width:]  # [batch, steps]
-        # scores are the processed logits (after temperature / top-p): their log-softmax is the behaviour policy
-        scores = torch.stack(result.scores, dim=1).float()  # [batch, steps, vocab]
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        if sampler is not None:  # the sampler kept the logprobs of its draws under temperature / top-p
+            logprobs = torch.stack(sampler.logprobs, dim=1)  # [batch, steps]
+        else:  # greedy: scores are the processed logits, their log-softmax the behaviour policy
+            scores = torch.stack(result.scores, dim=1).float()  # [batch, steps, vocab]
+            logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
         completions = []
         for row in range(len(prompts)):
             ids = new_tokens[row].tolist()
@@ -186,6 +197,34 @@ class HfEngine:
 
     def close(self) -> None:
         pass
+
+
+class _PerRequestSampler(LogitsProcessor):
+    """The last logits processor: draws each row's next token from the processed (temperature, top-p) scores with
+    that row's own generator, records its logprob, and leaves only that token possible, so transformers' own draw
+    (from torch's global generator) can pick nothing else. Rows without a seed draw from the global generator."""
+
+    def __init__(self, seeds: list[int | None]) -> None:
+        super().__init__()
+        self.generators: list[torch.Generator | None] = []
+        for seed in seeds:
+            generator = None
+            if seed is not None:
+                generator = torch.Generator()
+                generator.manual_seed(seed)
+            self.generators.append(generator)
+        self.logprobs: list[torch.Tensor] = []  # one [batch] tensor per step
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        logprobs = torch.log_softmax(scores.float(), dim=-1).cpu()  # [batch, vocab]
+        probs = logprobs.exp()
+        chosen = torch.stack(
+            [torch.multinomial(probs[row], 1, generator=generator)[0] for row, generator in enumerate(self.generators)]
+        )  # [batch]
+        self.logprobs.append(logprobs.gather(-1, chosen.unsqueeze(-1)).squeeze(-1))
+        only = torch.full_like(scores, float("-inf"))
+        only[torch.arange(len(chosen)), chosen.to(scores.device)] = 0.0
+        return only  # pyright: ignore[reportReturnType]
 
 
 def _key(params: SamplingParams) -> tuple[int, float, float, tuple[int, ...]]:
