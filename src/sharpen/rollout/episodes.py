@@ -185,8 +185,8 @@ class EpisodeRunner:
                     f"the engine ({type(batcher.engine).__name__}) did not answer a request within "
                     f"{self.request_timeout_s:g} s (rollout.request_timeout_s)"
                 ) from None
-            versions = completion.versions or [version] * len(completion.token_ids)
-            _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
+            assert completion.versions is not None  # the batcher stamps every completion's tokens
+            _append(episode, completion.token_ids, completion.logprobs, versions=completion.versions, is_generated=True)
             episode.last_text = completion.text
             result = await _step(episode, completion.text)
             _advance(episode, completion, result, self.tokenizer, version=version, limits=self.limits, turn=turn)
