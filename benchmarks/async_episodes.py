@@ -3,11 +3,14 @@
 The same engine, tasks, seeds and environment latencies for both: NUM_EPISODES episodes of TURNS turns (tool calls)
 each; every environment step waits a latency drawn per (task, sample, turn) from a heavy-tailed (Pareto) distribution
 with median --env-median-ms (a sandboxed tool, a remote API). The engine is the transformers engine on a 2-layer
-random Llama (real batched generation on the CPU), or with --engine sleep a stand-in whose batch costs
---batch-ms + --request-ms per request (the shape of a continuous-batching server). Prints episodes per second of
-each and the ratio (goal >= 1.5x), and whether both made exactly the same tokens (both engines seed each request).
+random Llama (real batched generation on the CPU), with --engine sleep a stand-in whose batch costs
+--batch-ms + --request-ms per request (the shape of a continuous-batching server), or with --engine vllm_server /
+vllm_async a real continuous-batching vLLM (CPU build) on SmolLM2-135M, served over HTTP or in this process, which
+takes each episode's requests one by one. Prints episodes per second of each and the ratio (goal >= 1.5x), and
+whether both made exactly the same tokens (every engine here seeds each request).
 
-    .venv/bin/python benchmarks/async_episodes.py [--engine hf|sleep] [--episodes 64] [--turns 4]
+    .venv/bin/python benchmarks/async_episodes.py [--engine hf|sleep|vllm_server|vllm_async] [--episodes 64]
+        [--turns 4]
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def measure(engine, tokenizer, args: argparse.Namespace, scheduling: str) -> tup
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=["hf", "sleep"], default="hf")
+    parser.add_argument("--engine", choices=["hf", "sleep", "vllm_server", "vllm_async"], default="hf")
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--samples", type=int, default=4, help="episodes per task")
     parser.add_argument("--turns", type=int, default=4)
@@ -121,8 +124,14 @@ def main() -> None:
 
         folder = save_tiny_llama(Path(tempfile.mkdtemp()) / "tiny", tokenizer_from=smollm2, hidden_size=64)
         engine = HfEngine(folder)
-    else:
+    elif args.engine == "sleep":
         engine = SleepingEngine(tokenizer, batch_ms=args.batch_ms, request_ms=args.request_ms)
+    else:
+        from sharpen.config.schema import VllmEngineConfig, VllmServerEngineConfig
+        from sharpen.rollout.engines import build_engine
+
+        config = VllmServerEngineConfig() if args.engine == "vllm_server" else VllmEngineConfig(async_engine=True)
+        engine = build_engine(config, model_path=smollm2, dtype="float32", seed=0)
     measure(engine, tokenizer, args, "lockstep")  # warm-up: first-call costs out of the comparison
     rates: dict[str, list[float]] = {"lockstep": [], "async": []}
     made: dict[str, list] = {}
@@ -139,6 +148,7 @@ def main() -> None:
     print(f"independent episodes:  {independent:8.2f} episodes/s")
     print(f"ratio (goal >= 1.5):   {independent / lockstep:8.2f}x")
     print(f"same tokens both ways: {made['lockstep'] == made['async']}")
+    engine.close()
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from sharpen.config.schema import TrainerConfig
+from sharpen.trainer import SingleDeviceBackend, Trainer
+
 
 @pytest.fixture(scope="module")
 def ray_instance() -> Iterator[None]:
@@ -25,3 +28,19 @@ def ray_instance() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def trainer(smollm2_path: Path) -> Trainer:
+    """SmolLM2 on one device at lr 1e-3, one per module (tests move its weights): the engine tests' trainer side."""
+    config = TrainerConfig(learning_rate=1e-3, micro_batch_size=4, num_threads=2)
+    return Trainer(
+        config, backend=SingleDeviceBackend(config, model_path=smollm2_path, dtype="float32"), pad_token_id=2
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_path)

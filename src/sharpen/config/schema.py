@@ -129,10 +129,67 @@ class VllmEngineConfig(Section):
     tensor_parallel_size: int = Field(default=1, ge=1)
     """GPUs (on the CPU build: sets of cores) one engine shards the model over, one vLLM worker each. Weight syncs
     reach every worker; in the Ray runtime give the engine actor as many GPUs (runtime.engine_gpus)."""
+    async_engine: bool = False
+    """Run vLLM's async engine (AsyncLLM) in this process: every episode's request goes to it on its own and vLLM
+    batches them continuously, instead of sharpen grouping the requests that wait together into batch calls."""
 
 
 class HfEngineConfig(Section):
     type: Literal["hf"] = "hf"
+
+
+class EngineServerFields(Section):
+    """Where an engine server is: a URL to connect to, or a server sharpen starts itself on ``host:port``."""
+
+    url: str | None = None
+    """The server's base URL (e.g. http://10.0.0.5:8000) to connect to; None: sharpen starts the server itself,
+    stops it at the end of the run, and writes its output to the run directory's engine logs."""
+    host: str = "127.0.0.1"
+    """The address a server sharpen starts listens on."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """The port a server sharpen starts listens on (0: any free port)."""
+    startup_timeout_s: float = Field(default=900.0, gt=0.0)
+    """How long a server sharpen starts may take to become ready before the run stops with its log's end."""
+    extra_args: list[str] = Field(default_factory=list[str])
+    """More command-line arguments for a server sharpen starts."""
+    served_model_name: str | None = None
+    """The model name the server must report (checked when connecting to a URL; None: the run's model path)."""
+
+
+class VllmServerEngineConfig(EngineServerFields):
+    """vLLM behind its HTTP server (``vllm serve``): token ids in and out, continuous batching across every
+    episode's requests, weight syncs through the development routes (VLLM_SERVER_DEV_MODE)."""
+
+    type: Literal["vllm_server"] = "vllm_server"
+    gpu_memory_utilization: float = Field(default=0.2, gt=0.0, le=1.0)
+    """Fraction of device memory vLLM may take (on the CPU: of its KV-cache budget)."""
+    max_model_len: int = Field(default=1024, ge=16)
+    """Longest prompt + completion the engine accepts."""
+    enforce_eager: bool = True
+    """Disable CUDA graphs / compilation (start-up is faster; required on the CPU build)."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs (on the CPU build: sets of cores) the server shards the model over."""
+
+
+class SglangEngineConfig(EngineServerFields):
+    """SGLang behind its native HTTP API (``/generate`` with input ids, weight-update routes)."""
+
+    type: Literal["sglang"] = "sglang"
+    mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
+    """SGLang's static memory fraction for a server sharpen starts (None: SGLang's default)."""
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    """GPUs the server shards the model over (SGLang's --tp-size)."""
+    deterministic_inference: bool = False
+    """Start the server with --enable-deterministic-inference: only then does SGLang sample each request with its
+    own seed (its ``sampling_seed``), the same in any batch; without it SGLang ignores per-request seeds. Costs
+    throughput (batch-invariant kernels)."""
+    enable_memory_saver: bool = False
+    """Start the server with --enable-memory-saver, which `sleep`/`wake_up` (``runtime.colocate``) need: without
+    it SGLang's release_memory_occupation frees nothing."""
+    weights_dir: str | None = None
+    """Folder for the safetensors snapshots that weight syncs write and the server loads
+    (/update_weights_from_disk); the server must read it at the same path (same host or shared storage). None: a
+    temporary folder on this host."""
 
 
 class ScriptedEngineConfig(Section):
@@ -145,7 +202,10 @@ class ScriptedEngineConfig(Section):
     """Texts returned in turn."""
 
 
-EngineConfig = Annotated[VllmEngineConfig | HfEngineConfig | ScriptedEngineConfig, Field(discriminator="type")]
+EngineConfig = Annotated[
+    VllmEngineConfig | VllmServerEngineConfig | SglangEngineConfig | HfEngineConfig | ScriptedEngineConfig,
+    Field(discriminator="type"),
+]
 
 
 class RolloutConfig(Section):
@@ -195,6 +255,10 @@ class RolloutConfig(Section):
     request_timeout_s: float | None = Field(default=600.0, gt=0.0)
     """Async scheduling: a generation request the engine has not answered within this many seconds stops the run
     with an error naming the engine, instead of a hang (None: wait as long as it takes)."""
+    episode_timeout_s: float | None = Field(default=None, gt=0.0)
+    """An episode still running this many seconds after it started (generation and environment together) is ended
+    where it is, as truncated (stop reason ``episode_timeout``), keeping its tokens so far: one stuck episode does not
+    hold back its batch (None: no limit; lockstep scheduling bounds only the environment's calls)."""
 
     @model_validator(mode="after")
     def _check_async(self) -> RolloutConfig:

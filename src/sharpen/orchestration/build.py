@@ -88,6 +88,8 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
             eos_token_id=tokenizer.eos_token_id,
             bucket_bytes=config.weight_sync.bucket_mb << 20,
             sleep_mode=config.runtime.colocate,
+            request_timeout_s=config.rollout.request_timeout_s,
+            log_dir=Path(config.run.output_dir) / config.run.name / "engine-logs",
         )
         for _ in range(config.rollout.num_engines)
     ]
@@ -143,6 +145,7 @@ def build_episode_runner(config: SharpenConfig, *, tokenizer: Any, sandbox: Sand
         scheduling=config.rollout.episode_scheduling,
         max_concurrent=config.rollout.max_concurrent_episodes,
         request_timeout_s=config.rollout.request_timeout_s,
+        episode_timeout_s=config.rollout.episode_timeout_s,
     )
 
 

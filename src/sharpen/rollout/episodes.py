@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -38,9 +38,18 @@ from sharpen.environments import (
     StepResult,
 )
 from sharpen.environments.base import Environment
-from sharpen.rollout.engines.base import EngineError, InferenceEngine
+from sharpen.rollout.engines.base import AsyncEngine, EngineError, InferenceEngine, request_level
 from sharpen.rollout.engines.batcher import DaemonWorker, RequestBatcher
-from sharpen.types import Completion, EpisodeRecord, Example, Rollout, RolloutGroup, SamplingParams, TurnRecord
+from sharpen.types import (
+    Completion,
+    EpisodeRecord,
+    Example,
+    PolicyVersion,
+    Rollout,
+    RolloutGroup,
+    SamplingParams,
+    TurnRecord,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,33 @@ def derive_seed(*parts: int | str) -> int:
     """A stable 63-bit seed from any parts (Python's ``hash`` is salted per process, so it is not used)."""
     digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+class _DirectRequests:
+    """Requests of episodes straight to an engine that batches them itself (`AsyncEngine`): each awaits its own."""
+
+    def __init__(self, engine: InferenceEngine, requests: AsyncEngine) -> None:
+        self.engine = engine
+        self._requests = requests
+
+    def episode_started(self) -> None:
+        pass
+
+    def episode_ended(self) -> None:
+        pass
+
+    async def generate_one(
+        self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = ()
+    ) -> tuple[Completion, PolicyVersion]:
+        completion = await self._requests.generate_async(prompt, params)
+        if completion.versions is None or len(completion.versions) != len(completion.token_ids):
+            raise EngineError(f"{type(self.engine).__name__} returned a completion without per-token versions")
+        version = completion.versions[-1] if completion.versions else self.engine.policy_version
+        return completion, version
+
+
+Requests = RequestBatcher | _DirectRequests
+"""Where an episode's requests go: grouped into batch calls, or one by one to an engine that batches them."""
 
 
 @dataclass(kw_only=True)
@@ -67,6 +103,8 @@ class _Episode:
     loss_mask: list[bool] = field(default_factory=list[bool])
     last_text: str = ""
     env_seconds: float = 0.0
+    deadline: float | None = None
+    """``time.monotonic()`` by which the episode must end (``rollout.episode_timeout_s``; None: no limit)."""
     is_done: bool = False
     is_truncated: bool = False
 
@@ -75,9 +113,18 @@ class _Episode:
         self.is_truncated = is_truncated
         self.record.stop_reason = reason
 
-    def remaining_wall_seconds(self) -> float | None:
+    def environment_budget(self) -> tuple[float | None, str]:
+        """How long the environment's next call may take, and the stop reason if it takes longer: the rest of its
+        wall-clock budget (``wall_clock``) or of the episode's time (``episode_timeout``), whichever ends first."""
         budget = self.context.wall_seconds
-        return None if budget is None else max(budget - self.env_seconds, 0.0)
+        left = None if budget is None else max(budget - self.env_seconds, 0.0)
+        episode_left = self.time_left()
+        if episode_left is not None and (left is None or episode_left < left):
+            return episode_left, "episode_timeout"
+        return left, "wall_clock"
+
+    def time_left(self) -> float | None:
+        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +147,10 @@ class EpisodeRunner:
     request_timeout_s: float | None = None
     """Async scheduling: a request the engine has not answered within this many seconds stops the run with an
     `EngineError` naming the engine (None: wait as long as it takes)."""
+    episode_timeout_s: float | None = None
+    """An episode still running this many seconds after it started (engine and environment time together) is
+    ended where it is, as truncated, with stop reason ``episode_timeout``; its tokens so far are kept (None: no
+    limit). Under lockstep scheduling it bounds environment calls only (a turn's batch is shared)."""
 
     def generate_groups(
         self,
@@ -109,10 +160,15 @@ class EpisodeRunner:
         sampling: SamplingParams,
         num_samples: int,
         seed: int | str,
+        on_group: Callable[[RolloutGroup], None] | None = None,
     ) -> list[RolloutGroup]:
         """``num_samples`` episodes per example, each token stamped with the engine's policy version when it was
-        made. ``seed`` seeds sampling (it differs per step); ``sampling.max_new_tokens`` is the limit of one turn."""
-        return asyncio.run(self.run(engine, examples, sampling=sampling, num_samples=num_samples, seed=seed))
+        made. ``seed`` seeds sampling (it differs per step); ``sampling.max_new_tokens`` is the limit of one turn.
+        ``on_group`` is called with each group as soon as its last episode ends (to score it while the other
+        episodes still run); the groups returned are the same objects, in example order."""
+        return asyncio.run(
+            self.run(engine, examples, sampling=sampling, num_samples=num_samples, seed=seed, on_group=on_group)
+        )
 
     async def run(
         self,
@@ -122,19 +178,22 @@ class EpisodeRunner:
         sampling: SamplingParams,
         num_samples: int,
         seed: int | str,
+        on_group: Callable[[RolloutGroup], None] | None = None,
     ) -> list[RolloutGroup]:
         """`generate_groups` for callers that already run an event loop."""
         episodes = [self._new_episode(examples[i], i, s) for i in range(len(examples)) for s in range(num_samples)]
+        groups = _Groups(examples, episodes, on_group)
         if self.scheduling == "lockstep":
-            await self._run_lockstep(engine, examples, episodes, sampling=sampling, seed=seed)
+            await self._run_lockstep(engine, examples, episodes, groups, sampling=sampling, seed=seed)
         else:
             bound = asyncio.Semaphore(self.max_concurrent) if self.max_concurrent else None
-            # one worker thread: the engine generates a batch while the loop steps environments
-            worker = DaemonWorker()
-            batcher = RequestBatcher(engine, executor=worker)
+            direct = request_level(engine)
+            # a batch engine: one worker thread generates a batch while the loop steps environments
+            worker = DaemonWorker() if direct is None else None
+            requests = RequestBatcher(engine, executor=worker) if direct is None else _DirectRequests(engine, direct)
             tasks = [
                 asyncio.ensure_future(
-                    self._run_episode(batcher, episode, examples[episode.example_index], sampling, seed, bound)
+                    self._run_episode(requests, episode, examples[episode.example_index], sampling, seed, bound, groups)
                 )
                 for episode in episodes
             ]
@@ -144,19 +203,22 @@ class EpisodeRunner:
                 for task in tasks:
                     task.cancel()
                 # a hung engine call cannot be interrupted: leave its thread behind instead of waiting for it
-                worker.shutdown(wait=False, cancel_futures=True)
+                if worker is not None:
+                    worker.shutdown(wait=False, cancel_futures=True)
                 raise
-            worker.shutdown(wait=True)
-        return _groups(examples, episodes)
+            if worker is not None:
+                worker.shutdown(wait=True)
+        return groups.all()
 
     async def _run_episode(
         self,
-        batcher: RequestBatcher,
+        batcher: Requests,
         episode: _Episode,
         example: Example,
         sampling: SamplingParams,
         seed: int | str,
         bound: asyncio.Semaphore | None,
+        groups: _Groups,
     ) -> None:
         """One episode from reset to its end, turn by turn, as its own task."""
         async with bound if bound is not None else contextlib.nullcontext():
@@ -165,10 +227,13 @@ class EpisodeRunner:
                 await self._run_turns(batcher, episode, example, sampling, seed)
             finally:
                 batcher.episode_ended()
+        groups.ended(episode)
 
     async def _run_turns(
-        self, batcher: RequestBatcher, episode: _Episode, example: Example, sampling: SamplingParams, seed: int | str
+        self, batcher: Requests, episode: _Episode, example: Example, sampling: SamplingParams, seed: int | str
     ) -> None:
+        if self.episode_timeout_s is not None:
+            episode.deadline = time.monotonic() + self.episode_timeout_s
         observation = await _reset(episode, example)
         if observation is not None:
             episode.prompt_ids = render_prompt(self.tokenizer, observation)
@@ -176,11 +241,16 @@ class EpisodeRunner:
         while not episode.is_done:
             ids, params = _request(episode, sampling, limits=self.limits, seed=seed, turn=turn)
             key = (episode.example_index, episode.sample_index)
+            left = episode.time_left()
+            is_episode_bound = left is not None and (self.request_timeout_s is None or left < self.request_timeout_s)
+            timeout = left if is_episode_bound else self.request_timeout_s
             try:
-                completion, version = await asyncio.wait_for(
-                    batcher.generate_one(ids, params, key=key), timeout=self.request_timeout_s
-                )
+                request = batcher.generate_one(ids, params, key=key)
+                completion, version = await asyncio.wait_for(request, timeout=timeout)
             except TimeoutError:
+                if is_episode_bound:  # the request is dropped; the episode ends with the tokens it has
+                    episode.end("episode_timeout", is_truncated=True)
+                    break
                 raise EngineError(
                     f"the engine ({type(batcher.engine).__name__}) did not answer a request within "
                     f"{self.request_timeout_s:g} s (rollout.request_timeout_s)"
@@ -197,18 +267,25 @@ class EpisodeRunner:
         engine: InferenceEngine,
         examples: list[Example],
         episodes: list[_Episode],
+        groups: _Groups,
         *,
         sampling: SamplingParams,
         seed: int | str,
     ) -> None:
         """Every live episode's turn in one engine call, then every environment's step."""
         limits, tokenizer = self.limits, self.tokenizer
+        if self.episode_timeout_s is not None:
+            for episode in episodes:
+                episode.deadline = time.monotonic() + self.episode_timeout_s
         observations = await asyncio.gather(*(_reset(e, examples[e.example_index]) for e in episodes))
         for episode, observation in zip(episodes, observations, strict=True):
             if observation is not None:
                 episode.prompt_ids = render_prompt(tokenizer, observation)
         turn = 0
         while live := [e for e in episodes if not e.is_done]:
+            for episode in episodes:
+                if episode.is_done:
+                    groups.ended(episode)
             requests = [_request(e, sampling, limits=limits, seed=seed, turn=turn) for e in live]
             completions = engine.generate([ids for ids, _ in requests], [params for _, params in requests])
             version = engine.policy_version
@@ -220,6 +297,8 @@ class EpisodeRunner:
             for episode, completion, result in zip(live, completions, results, strict=True):
                 _advance(episode, completion, result, tokenizer, version=version, limits=limits, turn=turn)
             turn += 1
+        for episode in episodes:
+            groups.ended(episode)
 
     def _new_episode(self, example: Example, example_index: int, sample_index: int) -> _Episode:
         environment, limits, sandbox = self.make_environment(), self.limits, self.sandbox
@@ -248,12 +327,11 @@ class EpisodeRunner:
 
 async def _reset(episode: _Episode, example: Example) -> list[Any] | None:
     started = time.perf_counter()
+    timeout, reason = episode.environment_budget()
     try:
-        return await asyncio.wait_for(
-            episode.environment.reset(example, episode.context), timeout=episode.remaining_wall_seconds()
-        )
+        return await asyncio.wait_for(episode.environment.reset(example, episode.context), timeout=timeout)
     except TimeoutError:
-        episode.end("wall_clock", is_truncated=True)
+        episode.end(reason, is_truncated=True)
         return None
     except Exception as error:  # an environment bug ends its episode (scored as an infra error), not the run
         logger.warning("environment %s failed in reset", episode.environment.name, exc_info=True)
@@ -266,10 +344,11 @@ async def _reset(episode: _Episode, example: Example) -> list[Any] | None:
 
 async def _step(episode: _Episode, action: str) -> StepResult:
     started = time.perf_counter()
+    timeout, reason = episode.environment_budget()
     try:
-        return await asyncio.wait_for(episode.environment.step(action), timeout=episode.remaining_wall_seconds())
+        return await asyncio.wait_for(episode.environment.step(action), timeout=timeout)
     except TimeoutError:
-        return StepResult(truncated=True, info={"stop": "wall_clock"})
+        return StepResult(truncated=True, info={"stop": reason})
     except Exception as error:  # an environment bug ends its episode (scored as an infra error), not the run
         logger.warning("environment %s failed in step", episode.environment.name, exc_info=True)
         episode.record.error = repr(error)
@@ -342,22 +421,50 @@ def _advance(
         _append(episode, ids, [0.0] * len(ids), versions=[version] * len(ids), is_generated=False)
 
 
-def _groups(examples: list[Example], episodes: list[_Episode]) -> list[RolloutGroup]:
-    groups = [RolloutGroup(example=example, rollouts=[]) for example in examples]
-    for episode in episodes:
-        is_multi_turn = not all(episode.loss_mask)
-        groups[episode.example_index].rollouts.append(
-            Rollout(
-                example=examples[episode.example_index],
-                prompt_ids=episode.prompt_ids,
-                completion_ids=episode.completion_ids,
-                completion_logprobs=episode.logprobs,
-                versions=episode.versions,
-                completion_text=episode.last_text,
-                is_truncated=episode.is_truncated,
-                loss_mask=episode.loss_mask if is_multi_turn else None,
-                episode=episode.record,
-                sample_index=episode.sample_index,
+class _Groups:
+    """The run's groups, each made (and handed to ``on_group``) once all of its episodes have ended."""
+
+    def __init__(
+        self, examples: list[Example], episodes: list[_Episode], on_group: Callable[[RolloutGroup], None] | None
+    ) -> None:
+        self.examples = examples
+        self.members: list[list[_Episode]] = [[] for _ in examples]
+        for episode in episodes:
+            self.members[episode.example_index].append(episode)
+        self.on_group = on_group
+        self.groups: list[RolloutGroup | None] = [None] * len(examples)
+        self._ended: set[int] = set()
+
+    def ended(self, episode: _Episode) -> None:
+        if id(episode) in self._ended:
+            return
+        self._ended.add(id(episode))
+        index = episode.example_index
+        if all(id(member) in self._ended for member in self.members[index]):
+            group = RolloutGroup(
+                example=self.examples[index], rollouts=[_rollout(self.examples[index], e) for e in self.members[index]]
             )
-        )
-    return groups
+            self.groups[index] = group
+            if self.on_group is not None:
+                self.on_group(group)
+
+    def all(self) -> list[RolloutGroup]:
+        missing = [self.examples[i].task_key for i, group in enumerate(self.groups) if group is None]
+        assert not missing, f"episodes of {missing} never ended"
+        return [group for group in self.groups if group is not None]
+
+
+def _rollout(example: Example, episode: _Episode) -> Rollout:
+    is_multi_turn = not all(episode.loss_mask)
+    return Rollout(
+        example=example,
+        prompt_ids=episode.prompt_ids,
+        completion_ids=episode.completion_ids,
+        completion_logprobs=episode.logprobs,
+        versions=episode.versions,
+        completion_text=episode.last_text,
+        is_truncated=episode.is_truncated,
+        loss_mask=episode.loss_mask if is_multi_turn else None,
+        episode=episode.record,
+        sample_index=episode.sample_index,
+    )

@@ -7,15 +7,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 
 from sharpen.environments import EpisodeContext, EpisodeLimits, StepResult
-from sharpen.rollout.engines.base import EngineError
+from sharpen.rollout.engines.base import EngineError, request_level
 from sharpen.rollout.engines.batcher import RequestBatcher
 from sharpen.rollout.engines.router import EngineRouter
+from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Completion, Example, Message, RolloutGroup, SamplingParams
 
@@ -56,6 +58,37 @@ class SeededEngine:
 
     def close(self) -> None:
         pass
+
+
+class RequestSeededEngine(RequestLevelEngine):
+    """`SeededEngine` taking requests one at a time on its own loop (as an engine server does), each answered after
+    a delay that differs per request, so completions come back in another order than they were asked."""
+
+    name = "request-seeded engine"
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__()
+        self.inner = SeededEngine(tokenizer)
+        self.num_requests = 0
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        self.num_requests += 1
+        await asyncio.sleep(0.001 * ((params.seed or 0) % 5))
+        (completion,) = self.inner.generate([prompt], [params])
+        return replace(completion, versions=[self.policy_version] * len(completion.token_ids))
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.inner.score(token_ids)
+
+    def load_weights(self, weights, *, version: int) -> dict[str, float]:
+        return self.inner.load_weights(weights, version=version)
+
+    def close(self) -> None:
+        self._loop.close()
 
 
 @dataclass
@@ -113,6 +146,20 @@ def test_rollouts_do_not_depend_on_concurrency_replicas_or_scheduling(tokenizer)
     router = EngineRouter([SeededEngine(tokenizer) for _ in range(4)])
     assert tokens(run(router, tokenizer, max_concurrent=64)) == reference
     assert sum(router.num_routed) == 24 * 3 and min(router.num_routed) > 0
+    # an engine that takes requests one by one (a server): the same rollouts, every request sent on its own
+    direct = RequestSeededEngine(tokenizer)
+    assert request_level(direct) is direct
+    assert tokens(run(direct, tokenizer, max_concurrent=64)) == reference
+    assert direct.num_requests == 24 * 3 and direct.inner.batch_sizes == [1] * (24 * 3)
+    servers = EngineRouter([RequestSeededEngine(tokenizer) for _ in range(4)])
+    assert request_level(servers) is servers
+    assert tokens(run(servers, tokenizer, max_concurrent=5)) == reference
+    assert sum(servers.num_routed) == 24 * 3 and min(servers.num_routed) > 0
+    mixed = EngineRouter([RequestSeededEngine(tokenizer), SeededEngine(tokenizer)])
+    assert request_level(mixed) is None  # a batch replica: requests are grouped into batches for all of them
+    assert tokens(run(mixed, tokenizer)) == reference
+    for engine in (direct, *servers.replicas, mixed.replicas[0]):
+        engine.close()
 
 
 def test_with_instant_environments_async_makes_lockstep_batches(tokenizer) -> None:
@@ -215,3 +262,85 @@ def test_a_hung_engine_call_does_not_keep_the_process_from_exiting() -> None:
     done = subprocess.run([sys.executable, "-c", HUNG_RUN], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "did not answer a request within 0.2 s" in done.stderr.splitlines()[-1]
+
+
+def test_each_group_is_handed_over_as_soon_as_its_episodes_have_ended(tokenizer) -> None:
+    handed: list[str] = []
+
+    class SlowFirstTask(SlowTool):
+        async def step(self, action: str) -> StepResult:
+            if self.key == "t/0":
+                await asyncio.sleep(0.2)
+            return await super().step(action)
+
+    def on_group(group: RolloutGroup) -> None:
+        assert len(group.rollouts) == 4 and all(r.episode.stop_reason for r in group.rollouts)
+        handed.append(group.example.task_key)
+
+    for scheduling in ("async", "lockstep"):
+        handed.clear()
+        runner = EpisodeRunner(
+            tokenizer=tokenizer,
+            make_environment=lambda: SlowFirstTask(instant=True),
+            limits=EpisodeLimits(max_turns=3),
+            scheduling=scheduling,  # type: ignore[arg-type]
+        )
+        groups = runner.generate_groups(
+            SeededEngine(tokenizer),
+            examples(3),
+            sampling=SamplingParams(max_new_tokens=8),
+            num_samples=4,
+            seed=0,
+            on_group=on_group,
+        )
+        assert sorted(handed) == ["t/0", "t/1", "t/2"] and [g.example.task_key for g in groups] == ["t/0", "t/1", "t/2"]
+        if scheduling == "async":
+            assert handed[-1] == "t/0"  # the slow task's group comes last, the others did not wait for it
+
+
+def test_an_episode_past_its_timeout_ends_truncated_and_the_others_go_on(tokenizer) -> None:
+    class StuckTool(SlowTool):
+        async def step(self, action: str) -> StepResult:
+            if self.key == "t/1" and self.sample == 2:
+                await asyncio.sleep(30)  # a tool that never answers
+            return await super().step(action)
+
+    runner = EpisodeRunner(
+        tokenizer=tokenizer,
+        make_environment=lambda: StuckTool(instant=True),
+        limits=EpisodeLimits(max_turns=3),
+        episode_timeout_s=0.5,
+    )
+    started = time.monotonic()
+    groups = runner.generate_groups(
+        SeededEngine(tokenizer), examples(3), sampling=SamplingParams(max_new_tokens=8), num_samples=4, seed=0
+    )
+    assert time.monotonic() - started < 10
+    rollouts = {(r.example.task_key, r.sample_index): r for g in groups for r in g.rollouts}
+    stuck = rollouts.pop(("t/1", 2))
+    assert stuck.episode.stop_reason == "episode_timeout" and stuck.is_truncated
+    assert stuck.completion_ids and len(stuck.episode.turns) == 1  # the first turn's tokens are kept
+    assert all(r.episode.stop_reason == "terminated" and len(r.episode.turns) == 3 for r in rollouts.values())
+
+
+def test_a_request_past_the_episode_timeout_ends_the_episode_not_the_run(tokenizer) -> None:
+    class SlowForOne(RequestSeededEngine):
+        async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+            if prompt[-1] == self.slow_token:
+                await asyncio.sleep(30)
+            return await super()._generate_one(prompt, params)
+
+    engine = SlowForOne(tokenizer)
+    engine.slow_token = -1
+    runner = EpisodeRunner(tokenizer=tokenizer, episode_timeout_s=0.5, request_timeout_s=60)
+    prompts = examples(2)
+    engine.slow_token = (
+        runner.generate_groups(engine, prompts[:1], sampling=SamplingParams(max_new_tokens=8), num_samples=1, seed=0)[0]
+        .rollouts[0]
+        .prompt_ids[-1]
+    )
+    slow = [Example(task_key="t/slow", prompt=prompts[0].prompt)]  # its prompt ends with the slow token
+    (group,) = runner.generate_groups(engine, slow, sampling=SamplingParams(max_new_tokens=8), num_samples=2, seed=0)
+    assert [r.episode.stop_reason for r in group.rollouts] == ["episode_timeout"] * 2
+    assert all(r.completion_ids == [] and r.is_truncated for r in group.rollouts)
+    engine.close()

@@ -1,13 +1,16 @@
 """`GroupCollector`: one step's batch, generated and scored — what sync and async mode both train on.
 
-Owns the order of a step's generation: draw examples, run their episodes (`EpisodeRunner`), score them, add ReMax's
-greedy baselines, and under dynamic sampling (DAPO) draw again until enough informative groups are collected. The
-engine is an argument, so the async producer can pass its versioned view of the run's engine. It does not decide
-when a batch is made (the batch sources do) and holds no state across steps, so resume stays exact.
+Owns the order of a step's generation: draw examples, run their episodes (`EpisodeRunner`), score them (each group
+in a worker thread as soon as its episodes have ended, while the others still run), add ReMax's greedy baselines,
+and under dynamic sampling (DAPO) draw again until enough informative groups are collected. The engine is an
+argument, so the async producer can pass its versioned view of the run's engine. It does not decide when a batch is
+made (the batch sources do) and holds no state across steps, so resume stays exact.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -50,6 +53,9 @@ class GroupCollector:
         groups, metrics = self._collect_groups(engine, step=step, timer=timer)
         return ProducedBatch(step=step, groups=groups, metrics=metrics, sampler_state=self.sampler.state_dict())
 
+    def _score(self, group: RolloutGroup) -> None:
+        score_groups(self.rubric, [group], config=self.config.reward, max_new_tokens=self.config.rollout.max_new_tokens)
+
     def _collect_groups(
         self, engine: InferenceEngine, *, step: int, timer: PhaseTimer
     ) -> tuple[list[RolloutGroup], dict[str, float]]:
@@ -59,16 +65,18 @@ class GroupCollector:
         if rollout.dynamic_sampling:
             buffer = DynamicSamplingBuffer(rollout.prompts_per_step, rollout.max_sampling_batches)
         for draw in range(rollout.max_sampling_batches):
-            with timer.phase("generate"):
-                groups = self.runner.generate_groups(
-                    engine,
-                    self.sampler.next_batch(rollout.prompts_per_step),
-                    sampling=self.sampling,
-                    num_samples=rollout.num_samples_per_prompt,
-                    seed=f"{config.run.seed}/{step}" if draw == 0 else f"{config.run.seed}/{step}/{draw}",
-                )
-            with timer.phase("score"):
-                score_groups(self.rubric, groups, config=config.reward, max_new_tokens=rollout.max_new_tokens)
+            with _GroupScorer(self._score) as scorer:
+                with timer.phase("generate"):
+                    groups = self.runner.generate_groups(
+                        engine,
+                        self.sampler.next_batch(rollout.prompts_per_step),
+                        sampling=self.sampling,
+                        num_samples=rollout.num_samples_per_prompt,
+                        seed=f"{config.run.seed}/{step}" if draw == 0 else f"{config.run.seed}/{step}/{draw}",
+                        on_group=scorer.submit,
+                    )
+                with timer.phase("score"):  # what is left once the last episode has ended
+                    scorer.wait()
             if config.trainer.algorithm.advantage == "remax":
                 self._add_greedy_baselines(engine, groups, timer=timer)
             if buffer is None:
@@ -96,3 +104,26 @@ class GroupCollector:
             )
         for group, baseline in zip(groups, greedy, strict=True):
             group.baseline_score = baseline.scores[0]
+
+
+class _GroupScorer:
+    """Scores each group in a worker thread as soon as its episodes have ended, while the others still run; `wait`
+    returns once every submitted group is scored (and raises the first scoring error)."""
+
+    def __init__(self, score: Callable[[RolloutGroup], None]) -> None:
+        self._score = score
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharpen-score")
+        self._scored: list[Future[None]] = []
+
+    def submit(self, group: RolloutGroup) -> None:
+        self._scored.append(self._pool.submit(self._score, group))
+
+    def wait(self) -> None:
+        for future in self._scored:
+            future.result()
+
+    def __enter__(self) -> _GroupScorer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=exc_info[0] is not None)

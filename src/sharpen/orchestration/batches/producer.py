@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING, Protocol
 
 from sharpen.monitoring import PhaseTimer
 from sharpen.orchestration.batches.base import ProducedBatch
-from sharpen.orchestration.batches.weights import ProducerStopped, PublishedWeights, VersionedEngine, WeightStore
+from sharpen.orchestration.batches.weights import (
+    ProducerStopped,
+    PublishedWeights,
+    WeightStore,
+    versioned_engine,
+)
 from sharpen.types import PolicyVersion, Rollout
 
 if TYPE_CHECKING:
@@ -69,7 +74,7 @@ class AsyncBatches:
     ) -> None:
         self.engine = engine
         self.store = WeightStore()
-        self.view = VersionedEngine(
+        self.view = versioned_engine(
             engine,
             self.store,
             load=self._load,

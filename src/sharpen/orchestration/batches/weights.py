@@ -7,12 +7,14 @@ Owns the hand-over of weight versions between the trainer's thread and the produ
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+from sharpen.rollout.engines import request_level
 from sharpen.rollout.episodes import derive_seed
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
@@ -169,6 +171,41 @@ class VersionedEngine:
             for i, output in zip(live, outputs, strict=True):
                 parts[i].extend(output, version=version, limit=params[i].max_new_tokens)
         return [part.completion(self._decode) for part in parts]
+
+
+class RequestLevelVersionedEngine(VersionedEngine):
+    """`VersionedEngine` over an engine that takes requests one at a time (`AsyncEngine`: an engine server), which
+    episodes then await one by one. ``between_batches`` and ``in_flight``: the version to use is loaded between
+    requests, one load at a time; under ``in_flight`` requests already running are frozen by the engine for the load
+    and go on with the new weights, and the engine reports which version sampled each token (no chunks, no
+    re-prefill). ``abort`` keeps `VersionedEngine`'s chunked batch calls."""
+
+    def __init__(self, engine: InferenceEngine, store: WeightStore, **kwargs: Any) -> None:
+        super().__init__(engine, store, **kwargs)
+        requests = request_level(engine)
+        if requests is None:
+            raise TypeError(f"{type(engine).__name__} does not take requests one at a time")
+        self._requests = requests
+        self._loading: asyncio.Lock | None = None
+
+    async def generate_async(self, prompt: list[int], params: SamplingParams) -> Completion:
+        if self.updates == "abort":
+            (completion,) = await asyncio.to_thread(self.generate, [prompt], [params])
+            return completion
+        wanted = self.wanted()
+        if self.engine.policy_version != wanted:
+            if self._loading is None:
+                self._loading = asyncio.Lock()
+            async with self._loading:  # one load at a time; the others wait, then find it loaded
+                await asyncio.to_thread(self.ensure, wanted)
+        return await self._requests.generate_async(prompt, params)
+
+
+def versioned_engine(engine: InferenceEngine, store: WeightStore, **kwargs: Any) -> VersionedEngine:
+    """The producer's view of ``engine``: request by request where the engine takes requests one at a time."""
+    if request_level(engine) is not None:
+        return RequestLevelVersionedEngine(engine, store, **kwargs)
+    return VersionedEngine(engine, store, **kwargs)
 
 
 @dataclass(kw_only=True)

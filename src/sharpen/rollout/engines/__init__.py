@@ -7,8 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, assert_never
 
-from sharpen.config.schema import EngineConfig, HfEngineConfig, ScriptedEngineConfig, VllmEngineConfig
+from sharpen.config.schema import (
+    EngineConfig,
+    HfEngineConfig,
+    ScriptedEngineConfig,
+    SglangEngineConfig,
+    VllmEngineConfig,
+    VllmServerEngineConfig,
+)
 from sharpen.rollout.engines.base import (
+    AsyncEngine,
     EngineError,
     FreezableWeights,
     InferenceEngine,
@@ -16,6 +24,7 @@ from sharpen.rollout.engines.base import (
     SleepableEngine,
     WeightGroupEngine,
     replicas_of,
+    request_level,
     sleepable,
 )
 
@@ -23,6 +32,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 __all__ = [
+    "AsyncEngine",
     "EngineError",
     "FreezableWeights",
     "InferenceEngine",
@@ -31,6 +41,7 @@ __all__ = [
     "WeightGroupEngine",
     "build_engine",
     "replicas_of",
+    "request_level",
     "sleepable",
 ]
 
@@ -46,15 +57,48 @@ def build_engine(
     eos_token_id: int | None = None,
     bucket_bytes: int = 128 << 20,
     sleep_mode: bool = False,
+    request_timeout_s: float | None = None,
+    log_dir: Path | None = None,
 ) -> InferenceEngine:
     """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process;
-    ``sleep_mode`` prepares an engine that needs it for `SleepableEngine.sleep` (vLLM's sleep mode)."""
+    ``sleep_mode`` prepares an engine that needs it for `SleepableEngine.sleep` (vLLM's sleep mode). Engine
+    servers give up on a request after ``request_timeout_s`` and write the output of servers they start into
+    ``log_dir`` (None: a temporary folder)."""
     match config:
+        case VllmEngineConfig(async_engine=True):
+            from sharpen.rollout.engines.vllm_async import VllmAsyncEngine
+
+            return VllmAsyncEngine(
+                config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes, sleep_mode=sleep_mode
+            )
         case VllmEngineConfig():
             from sharpen.rollout.engines.vllm import VllmEngine
 
             return VllmEngine(
                 config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes, sleep_mode=sleep_mode
+            )
+        case VllmServerEngineConfig():
+            from sharpen.rollout.engines.vllm_server import VllmServerEngine
+
+            return VllmServerEngine(
+                config,
+                model_path=model_path,
+                dtype=dtype,
+                seed=seed,
+                bucket_bytes=bucket_bytes,
+                request_timeout_s=request_timeout_s,
+                log_dir=log_dir,
+            )
+        case SglangEngineConfig():
+            from sharpen.rollout.engines.sglang import SglangEngine
+
+            return SglangEngine(
+                config,
+                model_path=model_path,
+                dtype=dtype,
+                seed=seed,
+                request_timeout_s=request_timeout_s,
+                log_dir=log_dir,
             )
         case HfEngineConfig():
             from sharpen.rollout.engines.hf import HfEngine

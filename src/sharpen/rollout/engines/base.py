@@ -39,6 +39,25 @@ class InferenceEngine(Protocol):
 
 
 @runtime_checkable
+class AsyncEngine(Protocol):
+    """An engine that takes requests one at a time and batches them itself (continuous batching: an engine server,
+    vLLM's async engine). Episodes await their own requests on it, with no batch formed on sharpen's side."""
+
+    async def generate_async(self, prompt: list[int], params: SamplingParams) -> Completion:
+        """One completion, awaitable from any event loop, with ``versions`` set: the policy version each token
+        was sampled with (a request that spans a weight update has tokens of two versions)."""
+        ...
+
+
+def request_level(engine: InferenceEngine) -> AsyncEngine | None:
+    """``engine`` as an `AsyncEngine` when it and every replica behind it take requests one at a time, else None
+    (batch engines get their requests grouped by `RequestBatcher`)."""
+    if not isinstance(engine, AsyncEngine):
+        return None
+    return engine if all(isinstance(replica, AsyncEngine) for replica in replicas_of(engine)) else None
+
+
+@runtime_checkable
 class SleepableEngine(Protocol):
     """An engine that can give its memory back while a colocated trainer steps (``runtime.colocate``)."""
 

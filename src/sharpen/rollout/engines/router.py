@@ -6,9 +6,10 @@ one to the least-loaded replica (ties to the lowest index), counting requests st
 (the async producer, an evaluation), then each replica's share runs concurrently in a thread and the completions
 come back in request order. Assignment depends only on the in-flight counts, so one caller always splits the same
 batch the same way (per-request seeds then make sampling independent of the split on engines that honour them,
-like vLLM). `load_weights` gives every replica the same weights (snapshotted once when they would otherwise be
-produced again per replica) concurrently, and checks that all replicas then hold the same version; `WeightSync`
-verifies each replica's probe through `replicas`.
+like vLLM). Replicas that take requests one at a time (`AsyncEngine`: engine servers) get them one at a time:
+`generate_async` sends each to the least-loaded replica. `load_weights` gives every replica the same weights
+(snapshotted once when they would otherwise be produced again per replica) concurrently, and checks that all
+replicas then hold the same version; `WeightSync` verifies each replica's probe through `replicas`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from sharpen.rollout.engines.base import EngineError, FreezableWeights, InferenceEngine, sleepable
+from sharpen.rollout.engines.base import EngineError, FreezableWeights, InferenceEngine, request_level, sleepable
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
@@ -81,6 +82,19 @@ class EngineRouter:
             for index, completion in zip(shares[replica], future.result(), strict=True):
                 out[index] = completion
         return [completion for completion in out if completion is not None]
+
+    async def generate_async(self, prompt: list[int], params: SamplingParams) -> Completion:
+        """One request to the least-loaded replica (replicas that take requests one by one only)."""
+        (replica,) = self._assign(1)
+        try:
+            engine = request_level(self.replicas[replica])
+            if engine is None:
+                raise EngineError(f"{self.names[replica]} takes batches only, not single requests")
+            return await engine.generate_async(prompt, params)
+        except EngineError as error:
+            raise EngineError(f"{self.names[replica]} failed in generate: {error}") from error
+        finally:
+            self._release(replica, 1)
 
     def score(self, token_ids: list[int]) -> list[float]:
         (replica,) = self._assign(1)

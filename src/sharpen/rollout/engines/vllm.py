@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -28,8 +28,10 @@ from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config.model import ModelDType
+    from vllm import RequestOutput
+    from vllm import SamplingParams as VllmSamplingParams
     from vllm.logprobs import LogprobsOnePosition
+    from vllm.outputs import CompletionOutput
 
 _RECEIVER = "sharpen.rollout.weight_sync.vllm_receiver.VllmWeightReceiver"
 
@@ -39,7 +41,7 @@ _bound_by_us: str | None = None
 """The value this module gave VLLM_CPU_OMP_THREADS_BIND (a value a user set is never replaced)."""
 
 
-def _prepare_cpu_environment(tensor_parallel_size: int = 1) -> None:
+def prepare_cpu_environment(tensor_parallel_size: int = 1) -> None:
     """Settings the CPU build needs (see MACHINE.md); a user's own values win. vLLM's CPU workers each bind their
     OpenMP threads to a set of cores, one set per tensor-parallel rank ("0-1" for one rank, "0|1" for two)."""
     global _bound_by_us
@@ -67,6 +69,119 @@ def _prepare_cpu_environment(tensor_parallel_size: int = 1) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 
+def cpu_scheduling_arguments(max_model_len: int, *, default_step_tokens: int) -> dict[str, Any]:
+    """On vLLM's CPU build: no chunked prefill, and a step's token budget that holds the longest prompt. With chunked
+    prefill, a seeded request whose prefill is split over two steps kills the engine core: vLLM 0.32 rewinds the
+    request's generator for the token it discards, which CPU generators cannot do ("CPU Generator does not use
+    offset"). A step takes 4096 prompt tokens by default (2048 in the server), so a few dozen episodes waiting
+    together were enough (tests/integration/test_vllm_server.py reproduces it). Nothing changes on GPUs."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(default_step_tokens, max_model_len)}
+
+
+def check_sleep_mode(sleep_mode: bool) -> None:
+    from vllm.platforms import current_platform
+
+    if sleep_mode and not current_platform.is_sleep_mode_available():
+        raise EngineError(
+            f"runtime.colocate needs vLLM's sleep mode, which vLLM does not offer on this platform "
+            f"({current_platform.device_type or 'cpu'}; it needs CUDA, ROCm or XPU)"
+        )
+
+
+def engine_arguments(
+    config: VllmEngineConfig, *, model_path: Path, dtype: str, seed: int, sleep_mode: bool
+) -> dict[str, Any]:
+    """The engine arguments sharpen gives vLLM (`vllm.LLM` and vLLM's async engine take the same); on the CPU build
+    also `cpu_scheduling_arguments`."""
+    return {
+        **cpu_scheduling_arguments(config.max_model_len, default_step_tokens=4096),
+        "model": str(model_path),
+        "dtype": dtype,  # validated by the config schema
+        "seed": seed,
+        "max_model_len": config.max_model_len,
+        "enforce_eager": config.enforce_eager,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": _RECEIVER,
+        "enable_sleep_mode": sleep_mode,
+        "tensor_parallel_size": config.tensor_parallel_size,
+    }
+
+
+def vllm_sampling_params(params: SamplingParams, **options: Any) -> VllmSamplingParams:
+    """vLLM's sampling parameters for one completion with the sampled tokens' logprobs; ``options`` adds more."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    return VllmSamplingParams(
+        n=1,
+        max_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=-1,
+        seed=params.seed,
+        logprobs=0,
+        stop_token_ids=list(params.stop_token_ids),
+        **options,
+    )
+
+
+def probe_params(**options: Any) -> VllmSamplingParams:
+    """Sampling parameters of the probe (`score`): the prompt's logprobs at temperature 1."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    return VllmSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, **options)
+
+
+def vllm_completion(sample: CompletionOutput, versions: list[PolicyVersion] | None = None) -> Completion:
+    ids = list(sample.token_ids)
+    if sample.logprobs is None or len(sample.logprobs) != len(ids):
+        raise EngineError(f"vLLM returned {len(sample.logprobs or [])} logprobs for {len(ids)} tokens")
+    # every sampled position has its logprobs (FlatLogprobs is typed as a sequence of optional positions)
+    steps = cast("Sequence[LogprobsOnePosition]", sample.logprobs)
+    return Completion(
+        token_ids=ids,
+        logprobs=[step[token].logprob for step, token in zip(steps, ids, strict=True)],
+        text=sample.text,
+        finish_reason="length" if sample.finish_reason == "length" else "stop",
+        versions=versions,
+    )
+
+
+def probe_logprobs(output: RequestOutput, token_ids: list[int]) -> list[float]:
+    prompt_logprobs = output.prompt_logprobs
+    if prompt_logprobs is None:
+        raise EngineError("vLLM returned no prompt logprobs for the probe")
+    # only the first prompt position has no logprobs
+    steps = cast("Sequence[LogprobsOnePosition]", prompt_logprobs[1:])
+    return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
+
+
+def check_joined(replies: list[dict[str, Any]]) -> None:
+    for worker, reply in enumerate(replies):
+        if not reply.get("ok"):
+            raise EngineError(f"vLLM worker {worker} could not join the weight group: {reply.get('error')}")
+
+
+def check_broadcast(replies: list[dict[str, Any]], *, version: PolicyVersion) -> None:
+    for worker, reply in enumerate(replies):
+        if not reply.get("ok"):
+            raise EngineError(f"vLLM worker {worker} rejected weights version {version}: {reply.get('error')}")
+
+
+def broadcast_metrics(replies: list[dict[str, Any]], *, started: float) -> dict[str, float]:
+    slowest = max(replies, key=lambda reply: reply.get("load_seconds", 0.0))
+    return {
+        "sync/seconds": time.perf_counter() - started,
+        "sync/load_seconds": float(slowest.get("load_seconds", 0.0)),
+        "sync/num_tensors": float(slowest.get("num_tensors", 0)),
+        "sync/num_workers": float(len(replies)),
+    }
+
+
 class VllmEngine:
     def __init__(
         self,
@@ -78,30 +193,13 @@ class VllmEngine:
         bucket_bytes: int = 128 << 20,
         sleep_mode: bool = False,
     ) -> None:
-        _prepare_cpu_environment(config.tensor_parallel_size)
+        prepare_cpu_environment(config.tensor_parallel_size)
         from vllm import LLM
-        from vllm.platforms import current_platform
 
-        if sleep_mode and not current_platform.is_sleep_mode_available():
-            raise EngineError(
-                f"runtime.colocate needs vLLM's sleep mode, which vLLM does not offer on this platform "
-                f"({current_platform.device_type or 'cpu'}; it needs CUDA, ROCm or XPU)"
-            )
-
+        check_sleep_mode(sleep_mode)
         self.config = config
         started = time.perf_counter()
-        self.llm = LLM(
-            model=str(model_path),
-            dtype=cast("ModelDType", dtype),  # validated by the config schema
-            seed=seed,
-            max_model_len=config.max_model_len,
-            enforce_eager=config.enforce_eager,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=_RECEIVER,
-            enable_sleep_mode=sleep_mode,
-            tensor_parallel_size=config.tensor_parallel_size,
-        )
+        self.llm = LLM(**engine_arguments(config, model_path=model_path, dtype=dtype, seed=seed, sleep_mode=sleep_mode))
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
         self.is_asleep = False
@@ -109,28 +207,14 @@ class VllmEngine:
         self.bucket_bytes = bucket_bytes
         self.sender: BucketedSender | None = None  # its shared-memory slots are made on the first sync
 
-    def _sampling_params(self, params: SamplingParams) -> Any:
-        from vllm import SamplingParams as VllmSamplingParams
-
-        return VllmSamplingParams(
-            n=1,
-            max_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=-1,
-            seed=params.seed,
-            logprobs=0,
-            stop_token_ids=list(params.stop_token_ids),
-        )
-
     def sleep(self) -> dict[str, float]:
         if self.is_asleep:
             return {"colocate/freed_bytes": 0.0}
-        before = _device_free_bytes()
+        before = device_free_bytes()
         self.llm.sleep(level=2)
         self.is_asleep = True
         self._is_cache_asleep = True
-        return {"colocate/freed_bytes": float(max(_device_free_bytes() - before, 0))}
+        return {"colocate/freed_bytes": float(max(device_free_bytes() - before, 0))}
 
     def wake_up(self) -> dict[str, float]:
         if self.is_asleep:
@@ -148,39 +232,14 @@ class VllmEngine:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         self._check_awake("generate")
         requests: Any = [{"prompt_token_ids": ids} for ids in prompts]
-        outputs = self.llm.generate(requests, [self._sampling_params(p) for p in params], use_tqdm=False)
-        completions = []
-        for output in outputs:
-            sample = output.outputs[0]
-            ids = list(sample.token_ids)
-            if sample.logprobs is None or len(sample.logprobs) != len(ids):
-                raise EngineError(f"vLLM returned {len(sample.logprobs or [])} logprobs for {len(ids)} tokens")
-            # every sampled position has its logprobs (FlatLogprobs is typed as a sequence of optional positions)
-            steps = cast("Sequence[LogprobsOnePosition]", sample.logprobs)
-            logprobs = [step[token].logprob for step, token in zip(steps, ids, strict=True)]
-            completions.append(
-                Completion(
-                    token_ids=ids,
-                    logprobs=logprobs,
-                    text=sample.text,
-                    finish_reason="length" if sample.finish_reason == "length" else "stop",
-                )
-            )
-        return completions
+        outputs = self.llm.generate(requests, [vllm_sampling_params(p) for p in params], use_tqdm=False)
+        return [vllm_completion(output.outputs[0]) for output in outputs]
 
     def score(self, token_ids: list[int]) -> list[float]:
-        from vllm import SamplingParams as VllmSamplingParams
-
         self._check_awake("score")
-        params = VllmSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         request: Any = {"prompt_token_ids": token_ids}
-        (output,) = self.llm.generate([request], params, use_tqdm=False)
-        prompt_logprobs = output.prompt_logprobs
-        if prompt_logprobs is None:
-            raise EngineError("vLLM returned no prompt logprobs for the probe")
-        # only the first prompt position has no logprobs
-        steps = cast("Sequence[LogprobsOnePosition]", prompt_logprobs[1:])
-        return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
+        (output,) = self.llm.generate([request], probe_params(), use_tqdm=False)
+        return probe_logprobs(output, token_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         """Stream the weights in buckets through shared memory into every worker; each verifies every bucket and
@@ -190,7 +249,7 @@ class VllmEngine:
         if self.sender is None:
             self.sender = BucketedSender(bucket_bytes=self.bucket_bytes)
         try:
-            report = self.sender.send(weights, version=version, target=_RpcTarget(self.llm))
+            report = self.sender.send(weights, version=version, target=RpcBucketTarget(self.llm.collective_rpc))
         except BucketError as error:
             raise EngineError(f"vLLM rejected weights version {version}: {error}") from error
         if not self._is_cache_asleep:  # sleep already dropped the cache
@@ -209,9 +268,7 @@ class VllmEngine:
         replies = self.llm.collective_rpc(
             "sharpen_join_weight_group", args=(master_addr, master_port, first_rank, world_size, backend)
         )
-        for worker, reply in enumerate(replies):
-            if not reply.get("ok"):
-                raise EngineError(f"vLLM worker {worker} could not join the weight group: {reply.get('error')}")
+        check_joined(replies)
 
     def receive_broadcast(self, *, version: PolicyVersion) -> dict[str, float]:
         """Every worker takes the trainer's broadcast of version ``version`` straight into its model; a refusal
@@ -220,19 +277,11 @@ class VllmEngine:
             raise EngineError("vLLM engine: receive_broadcast() while asleep (call wake_up() first)")
         started = time.perf_counter()
         replies = self.llm.collective_rpc("sharpen_receive_broadcast", args=(version,))
-        for worker, reply in enumerate(replies):
-            if not reply.get("ok"):
-                raise EngineError(f"vLLM worker {worker} rejected weights version {version}: {reply.get('error')}")
+        check_broadcast(replies, version=version)
         if not self._is_cache_asleep:
             self.llm.reset_prefix_cache()
         self.policy_version = version
-        slowest = max(replies, key=lambda reply: reply.get("load_seconds", 0.0))
-        return {
-            "sync/seconds": time.perf_counter() - started,
-            "sync/load_seconds": float(slowest.get("load_seconds", 0.0)),
-            "sync/num_tensors": float(slowest.get("num_tensors", 0)),
-            "sync/num_workers": float(len(replies)),
-        }
+        return broadcast_metrics(replies, started=started)
 
     def close(self) -> None:
         if self.sender is not None:
@@ -244,7 +293,7 @@ class VllmEngine:
         del self.llm
 
 
-def _device_free_bytes() -> int:
+def device_free_bytes() -> int:
     """Free memory of this process's current accelerator (0 without CUDA): the engine's workers are other processes,
     so what they free shows only device-wide."""
     import torch
@@ -255,14 +304,17 @@ def _device_free_bytes() -> int:
     return free
 
 
-class _RpcTarget:
-    """The sync protocol as collective RPCs to every vLLM worker; a worker's refusal becomes a `BucketError`."""
+class RpcBucketTarget:
+    """The sync protocol as collective RPCs to every vLLM worker; a worker's refusal becomes a `BucketError`.
 
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
+    ``collective_rpc(method, args=...)`` blocks until every worker replied (`vllm.LLM.collective_rpc`, or the
+    async engine's call run to completion on its loop)."""
+
+    def __init__(self, collective_rpc: Callable[..., list[Any]]) -> None:
+        self.collective_rpc = collective_rpc
 
     def _call(self, method: str, *args: Any) -> list[dict[str, Any]]:
-        replies = self.llm.collective_rpc(method, args=args)
+        replies = self.collective_rpc(method, args=args)
         for rank, reply in enumerate(replies):
             if not reply.get("ok"):
                 raise BucketError(f"worker {rank}: {reply.get('error')}")
@@ -275,7 +327,7 @@ class _RpcTarget:
         self._call("sharpen_load_bucket", manifest.to_dict())
 
     def abort(self, sync_id: str) -> None:
-        self.llm.collective_rpc("sharpen_abort_sync", args=(sync_id,))
+        self.collective_rpc("sharpen_abort_sync", args=(sync_id,))
 
     def finish(self, sync_id: str, num_buckets: int, checksum: str) -> dict[str, Any]:
         replies = self._call("sharpen_finish_sync", sync_id, num_buckets, checksum)

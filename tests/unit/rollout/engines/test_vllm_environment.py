@@ -24,24 +24,24 @@ def bind() -> str | None:
 
 
 def test_each_tensor_parallel_rank_gets_cores_of_its_own(machine: pytest.MonkeyPatch) -> None:
-    vllm_engine._prepare_cpu_environment(1)
+    vllm_engine.prepare_cpu_environment(1)
     assert bind() == "0-3"
-    vllm_engine._prepare_cpu_environment(2)
+    vllm_engine.prepare_cpu_environment(2)
     assert bind() == "0-1|2-3"
-    vllm_engine._prepare_cpu_environment(4)
+    vllm_engine.prepare_cpu_environment(4)
     assert bind() == "0|1|2|3"
     with pytest.raises(EngineError, match="4 cores cannot hold tensor_parallel_size = 8"):
-        vllm_engine._prepare_cpu_environment(8)
+        vllm_engine.prepare_cpu_environment(8)
 
 
 def test_a_users_binding_is_kept(machine: pytest.MonkeyPatch) -> None:
     machine.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|3")
-    vllm_engine._prepare_cpu_environment(2)
+    vllm_engine.prepare_cpu_environment(2)
     assert bind() == "1|3"
 
 
 def test_a_users_binding_for_another_number_of_workers_is_one_clear_error(machine: pytest.MonkeyPatch) -> None:
     machine.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    vllm_engine._prepare_cpu_environment(1)
+    vllm_engine.prepare_cpu_environment(1)
     with pytest.raises(EngineError, match=r"= '0-1' binds 1 vLLM worker\(s\), but tensor_parallel_size = 2"):
-        vllm_engine._prepare_cpu_environment(2)
+        vllm_engine.prepare_cpu_environment(2)

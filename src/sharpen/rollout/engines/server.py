@@ -1,0 +1,288 @@
+"""What engines behind an HTTP server share: a private event loop to await requests on, a JSON client whose every
+failure is one `EngineError` naming the engine, the URL and the cause, and a launcher for a server process that
+sharpen starts itself.
+
+Owns transport and process life, nothing about any server's routes: `vllm_server.py` and `sglang.py` speak their
+servers' APIs on top of it.
+
+- `EventLoopThread`: one asyncio loop in a daemon thread. Server engines run all their HTTP calls there, so a
+  synchronous caller (the batch `generate`, a weight sync) and a coroutine in another loop (an episode task) share
+  one connection pool: the former blocks on `run`, the latter awaits `wrap`.
+- `JsonClient`: JSON over HTTP (httpx). Connection refused, DNS failure, a timeout, a non-2xx status and a body
+  that is not JSON each become an `EngineError` that says which of them happened.
+- `ServerProcess`: starts a command in its own process group with its output in a log file, refuses a port that
+  is taken (before starting anything), waits for a readiness route while checking the process is still alive (the
+  error quotes the end of the log), and stops the whole group on `close`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from sharpen.rollout.engines.base import EngineError
+from sharpen.types import Completion, SamplingParams
+
+T = TypeVar("T")
+
+
+class EventLoopThread:
+    """An asyncio event loop running in a daemon thread (a hung request cannot keep the process from exiting)."""
+
+    def __init__(self, name: str = "sharpen-engine-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    def run(self, coroutine: Coroutine[Any, Any, T], *, timeout: float | None = None) -> T:
+        """Run ``coroutine`` on the loop and block until it is done (never call from the loop's own thread)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("EventLoopThread.run called from its own loop (await the coroutine instead)")
+        future = self.submit(coroutine)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    async def wrap(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Await ``coroutine`` from another event loop: it runs on this one."""
+        if asyncio.get_running_loop() is self.loop:
+            return await coroutine
+        return await asyncio.wrap_future(self.submit(coroutine))
+
+    def close(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class JsonClient:
+    """JSON requests to one server; ``name`` (e.g. "vllm_server engine") starts every error message.
+
+    Must be used from one event loop (an `EventLoopThread`'s): the connection pool belongs to it."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str,
+        timeout_s: float | None,
+        connect_timeout_s: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+        max_connections: int = 256,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.name = name
+        self.timeout_s = timeout_s
+        self._timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s)
+        self._headers = dict(headers or {})
+        self._limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._client: httpx.AsyncClient | None = None
+
+    def _session(self) -> httpx.AsyncClient:
+        if self._client is None:  # made on first use, inside the loop that will use it
+            self._client = httpx.AsyncClient(
+                base_url=self.base_url, timeout=self._timeout, headers=self._headers, limits=self._limits
+            )
+        return self._client
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = -1.0,
+        expect_json: bool = True,
+    ) -> Any:
+        """The decoded JSON body (None for an empty one); ``timeout_s`` overrides the client's (None: no limit;
+        the default -1 keeps the client's)."""
+        url = f"{self.base_url}{path}"
+        timeout = self._timeout if timeout_s == -1.0 else httpx.Timeout(timeout_s, connect=self._timeout.connect)
+        try:
+            response = await self._session().request(method, path, json=json, params=params, timeout=timeout)
+        except httpx.ConnectError as error:
+            cause = _cause(error)
+            raise EngineError(f"{self.name}: cannot connect to {url} ({cause}); is the server running?") from None
+        except httpx.TimeoutException as error:
+            limit = timeout.read if isinstance(error, httpx.ReadTimeout) else timeout.connect
+            raise EngineError(
+                f"{self.name}: {url} did not answer within {limit:g} s ({type(error).__name__}); the server may be "
+                "stuck or overloaded"
+            ) from None
+        except httpx.HTTPError as error:
+            raise EngineError(f"{self.name}: request to {url} failed: {_cause(error)}") from None
+        if response.status_code >= 400:
+            raise EngineError(
+                f"{self.name}: {method} {url} returned HTTP {response.status_code}: {_excerpt(response.text)}"
+            )
+        if not expect_json or not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise EngineError(
+                f"{self.name}: {url} did not return JSON (is it the right kind of server?): {_excerpt(response.text)}"
+            ) from None
+
+    async def get(self, path: str, **kwargs: Any) -> Any:
+        return await self.request("GET", path, **kwargs)
+
+    async def post(self, path: str, json: Any = None, **kwargs: Any) -> Any:
+        return await self.request("POST", path, json=json, **kwargs)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+
+def _cause(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text if len(text) < 300 else text[:300] + "..."
+
+
+def _excerpt(text: str, limit: int = 500) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (the OS's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class ServerProcess:
+    """A server sharpen started: ``command`` in its own process group, output to ``log_path``.
+
+    `wait_ready` polls ``ready_url`` until it answers 200, the process exits (the error quotes the log's end) or
+    ``startup_timeout_s`` passes. `close` sends SIGTERM to the group, then SIGKILL after ``grace_s``."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        name: str,
+        port: int,
+        host: str = "127.0.0.1",
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        if port_in_use(port, host):
+            raise EngineError(
+                f"{name}: port {port} on {host} is already in use; choose another port (0: any free port) or "
+                "stop what is listening there"
+            )
+        self.name = name
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("ab")
+        self.process = subprocess.Popen(
+            list(command),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def log_tail(self, num_lines: int = 15) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def wait_ready(self, ready_url: str, *, startup_timeout_s: float, poll_s: float = 0.5) -> float:
+        """Seconds until the server answered ``ready_url``."""
+        started = time.monotonic()
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise EngineError(
+                    f"{self.name}: the server exited with code {code} while starting (log: {self.log_path}):\n"
+                    f"{self.log_tail()}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready_url, timeout=2.0).status_code == 200:
+                    return time.monotonic() - started
+            if time.monotonic() - started > startup_timeout_s:
+                self.close()
+                raise EngineError(
+                    f"{self.name}: the server did not become ready at {ready_url} within {startup_timeout_s:g} s "
+                    f"(log: {self.log_path}):\n{self.log_tail()}"
+                )
+            time.sleep(poll_s)
+
+    @property
+    def is_running(self) -> bool:
+        return self.process.poll() is None
+
+    def close(self, grace_s: float = 20.0) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(5)
+        else:  # the server is gone; children it left in its group go too
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+        self._log.close()
+
+
+class RequestLevelEngine:
+    """Base of engines whose requests are coroutines on their own `EventLoopThread` (`_generate_one`): episodes
+    await `generate_async` from their loop; the batch `generate` runs the requests concurrently and waits, so the
+    server batches them as it would any concurrent requests."""
+
+    name = "engine"
+
+    def __init__(self) -> None:
+        self._loop = EventLoopThread(name=f"sharpen-{self.name}")
+
+    async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        raise NotImplementedError
+
+    async def generate_async(self, prompt: list[int], params: SamplingParams) -> Completion:
+        return await self._loop.wrap(self._generate_one(prompt, params))
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        async def all_of() -> list[Completion]:
+            return list(await asyncio.gather(*(self._generate_one(p, q) for p, q in zip(prompts, params, strict=True))))
+
+        return self._loop.run(all_of())
