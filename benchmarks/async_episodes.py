@@ -127,7 +127,7 @@ def main() -> None:
     elif args.engine == "sleep":
         engine = SleepingEngine(tokenizer, batch_ms=args.batch_ms, request_ms=args.request_ms)
     else:
-        from sharpen.config.schema import VllmEngineConfig, VllmServerEngineConfig
+        from sharpen.config.engines import VllmEngineConfig, VllmServerEngineConfig
         from sharpen.rollout.engines import build_engine
 
         config = VllmServerEngineConfig() if args.engine == "vllm_server" else VllmEngineConfig(async_engine=True)

@@ -19,8 +19,8 @@ import argparse
 import statistics
 import time
 
+from sharpen.config.engines import VllmEngineConfig, VllmServerEngineConfig
 from sharpen.config.models import resolve_model_path
-from sharpen.config.schema import VllmEngineConfig, VllmServerEngineConfig
 from sharpen.data import render_prompt
 from sharpen.rollout.engines import build_engine
 from sharpen.rollout.engines.vllm import vllm_sampling_params

@@ -20,8 +20,9 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[128, 32])
     args = parser.parse_args()
 
+    from sharpen.config.engines import VllmEngineConfig
     from sharpen.config.models import resolve_model_path
-    from sharpen.config.schema import TrainerConfig, VllmEngineConfig
+    from sharpen.config.schema import TrainerConfig
     from sharpen.rollout.engines.vllm import VllmEngine
     from sharpen.trainer import SingleDeviceBackend
 

@@ -9,12 +9,13 @@ import pytest
 from test_tiny_loop import tiny_config, vowel_reward
 
 from sharpen.cli.main import main
+from sharpen.config.engines import ScriptedEngineConfig
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
     GuessNumberEnvironmentConfig,
     PythonEnvironmentConfig,
 )
-from sharpen.config.schema import EnvironmentTasksDataConfig, ScriptedEngineConfig
+from sharpen.config.schema import EnvironmentTasksDataConfig
 from sharpen.monitoring import read_jsonl
 from sharpen.orchestration.embedded import run_embedded
 

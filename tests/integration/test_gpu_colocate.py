@@ -20,7 +20,8 @@ GREEDY = {"max_new_tokens": 16, "temperature": 0.0}
 
 
 def test_vllm_sleeps_frees_the_device_and_wakes_to_the_trainers_weights(smollm2_path: Path) -> None:
-    from sharpen.config.schema import TrainerConfig, VllmEngineConfig
+    from sharpen.config.engines import VllmEngineConfig
+    from sharpen.config.schema import TrainerConfig
     from sharpen.rollout.engines import EngineError
     from sharpen.rollout.engines.vllm import VllmEngine
     from sharpen.trainer import SingleDeviceBackend

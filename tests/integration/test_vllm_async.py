@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_vllm_sync import join_trainer_weight_group
 
-from sharpen.config.schema import VllmEngineConfig
+from sharpen.config.engines import VllmEngineConfig
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import AsyncEngine, EngineError, WeightGroupEngine, build_engine, request_level
 from sharpen.rollout.weight_sync.buckets import SharedMemorySlot

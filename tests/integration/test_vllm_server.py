@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_vllm_sync import assert_bounded_in_flight_run, join_trainer_weight_group
 
-from sharpen.config.schema import VllmServerEngineConfig
+from sharpen.config.engines import VllmServerEngineConfig
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import EngineError, request_level
 from sharpen.types import SamplingParams

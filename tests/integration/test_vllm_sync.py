@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_tiny_loop import is_volatile
 
-from sharpen.config.schema import VllmEngineConfig
+from sharpen.config.engines import VllmEngineConfig
 from sharpen.orchestration.phases import assign_advantages
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import EngineError

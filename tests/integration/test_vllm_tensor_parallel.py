@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import TrainerConfig, VllmEngineConfig
+from sharpen.config.engines import VllmEngineConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.testing import save_tiny_llama
 from sharpen.trainer import SingleDeviceBackend, Trainer

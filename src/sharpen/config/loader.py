@@ -14,9 +14,10 @@ from typing import Any, cast, get_args
 
 from pydantic import BaseModel, ValidationError
 
+from sharpen.config.engines import EngineConfig
 from sharpen.config.environments import EnvironmentConfig
 from sharpen.config.rewards import RewardComponentConfig
-from sharpen.config.schema import DataConfig, EngineConfig, SharpenConfig
+from sharpen.config.schema import DataConfig, SharpenConfig
 
 
 class ConfigError(ValueError):

@@ -6,16 +6,18 @@ the token list: the engine's tokens as they came, then the environment's observa
 the tokens the engine conditioned on; the loss mask is True only on tokens the engine generated.
 
 Each episode is its own asyncio task (``scheduling = "async"``, the default): it asks the engine for a turn
-(`RequestBatcher`: the requests waiting together go to the engine as one batch), steps its environment and asks again,
-without waiting for the other episodes' turns; at most ``max_concurrent`` episodes run at once. With instant
-environments the batches are exactly those of ``scheduling = "lockstep"``, where each turn every live episode's
-request goes to the engine in one batch and then every environment steps; with slow or uneven environments an
-episode no longer waits for the slowest one of its turn. Every sample gets its own sampling seed per turn, derived
-from (run seed, step, example index, sample index, turn), so on an engine that honours per-request seeds the
+(`RequestBatcher`: the requests waiting together go to the engine as one batch), steps its environment and asks
+again, without waiting for the other episodes' turns; at most ``max_concurrent`` episodes run at once. An engine
+that batches continuously itself (`AsyncEngine`: vLLM's async engine, an engine server) gets each request on its own
+instead. Each group is handed to ``on_group`` (the collector scores it) as soon as its last episode has ended. With
+instant environments the batches are exactly those of ``scheduling = "lockstep"``, where each turn every live
+episode's request goes to the engine in one batch and then every environment steps; with slow or uneven environments
+an episode no longer waits for the slowest one of its turn. Every sample gets its own sampling seed per turn,
+derived from (run seed, step, example index, sample index, turn), so on an engine that honours per-request seeds the
 rollouts do not depend on the scheduling, the concurrency or the number of replicas; turn 0 uses the single-turn
 derivation, so a single-turn environment reproduces single-turn generation exactly. Limits (turns, tokens, the
-environment's wall clock) are enforced here, not by environments. Rewards are not computed here (see
-`sharpen.orchestration.phases.score_groups`).
+environment's wall clock, the episode's timeout) are enforced here, not by environments. Rewards are not computed
+here (see `sharpen.orchestration.phases.score_groups`).
 """
 
 from __future__ import annotations

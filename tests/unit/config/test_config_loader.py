@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from sharpen.config import ConfigError, SharpenConfig, dump_config, load_config
+from sharpen.config.engines import ScriptedEngineConfig
 from sharpen.config.loader import parse_override
-from sharpen.config.schema import JsonlDataConfig, ScriptedEngineConfig
+from sharpen.config.schema import JsonlDataConfig
 
 
 def _error(path: str | Path | None, overrides: list[str]) -> str:

@@ -9,7 +9,8 @@ import pytest
 from pydantic import ConfigDict, Field
 
 from sharpen.config import ConfigError, load_config
-from sharpen.config.schema import ScriptedEngineConfig, TrainerConfig, VllmEngineConfig, WeightSyncConfig
+from sharpen.config.engines import ScriptedEngineConfig, VllmEngineConfig
+from sharpen.config.schema import TrainerConfig, WeightSyncConfig
 from sharpen.config.section import Section, internal, is_internal
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, assert_never
 
-from sharpen.config.schema import (
+from sharpen.config.engines import (
     EngineConfig,
     HfEngineConfig,
     ScriptedEngineConfig,

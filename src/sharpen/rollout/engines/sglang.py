@@ -70,7 +70,7 @@ from collections.abc import Coroutine, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sharpen.config.schema import SglangEngineConfig
+from sharpen.config.engines import SglangEngineConfig
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port
 from sharpen.types import Completion, PolicyVersion, SamplingParams

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from sharpen.config.schema import VllmEngineConfig
+from sharpen.config.engines import VllmEngineConfig
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
 from sharpen.rollout.weight_sync.streaming import BucketedSender

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sharpen.config.schema import VllmEngineConfig
+from sharpen.config.engines import VllmEngineConfig
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.rollout.engines.vllm import (

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sharpen.config.schema import VllmServerEngineConfig
+from sharpen.config.engines import VllmServerEngineConfig
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port
 from sharpen.rollout.engines.vllm import RpcBucketTarget, cpu_scheduling_arguments, prepare_cpu_environment

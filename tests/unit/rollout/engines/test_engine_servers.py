@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sharpen.config.schema import VllmServerEngineConfig
+from sharpen.config.engines import VllmServerEngineConfig
 from sharpen.rollout.engines import EngineError
 from sharpen.rollout.engines.server import EventLoopThread, JsonClient, ServerProcess, free_port
 from sharpen.rollout.engines.vllm_server import VllmServerEngine

@@ -111,7 +111,7 @@ def test_vllm_without_sleep_mode_refuses_colocation_before_starting(tiny_model_p
     pytest.importorskip("vllm")
     from vllm.platforms import current_platform
 
-    from sharpen.config.schema import VllmEngineConfig
+    from sharpen.config.engines import VllmEngineConfig
     from sharpen.rollout.engines.vllm import VllmEngine
 
     if current_platform.is_sleep_mode_available():

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import sharpen.rollout.engines.sglang as sglang_module
-from sharpen.config.schema import SglangEngineConfig
+from sharpen.config.engines import SglangEngineConfig
 from sharpen.rollout.engines import AsyncEngine, EngineError, SleepableEngine
 from sharpen.rollout.engines.hf import HfEngine
 from sharpen.rollout.engines.server import free_port
