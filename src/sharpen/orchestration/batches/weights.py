@@ -178,34 +178,39 @@ class RequestLevelVersionedEngine(VersionedEngine):
     episodes then await one by one. ``between_batches`` and ``in_flight``: the version to use is loaded between
     requests, one load at a time; under ``in_flight`` requests already running are frozen by the engine for the load
     and go on with the new weights, and the engine reports which version sampled each token (no chunks, no
-    re-prefill). ``abort`` keeps `VersionedEngine`'s chunked batch calls."""
+    re-prefill). (``abort`` keeps `VersionedEngine`'s chunked batch calls: see `versioned_engine`.)"""
 
     def __init__(self, engine: InferenceEngine, store: WeightStore, **kwargs: Any) -> None:
         super().__init__(engine, store, **kwargs)
         requests = request_level(engine)
-        if requests is None:
-            raise TypeError(f"{type(engine).__name__} does not take requests one at a time")
+        if requests is None or self.updates == "abort":
+            raise TypeError(f"{type(engine).__name__} with {self.updates} updates does not take requests one at a time")
         self._requests = requests
-        self._loading: asyncio.Lock | None = None
+        self._loading: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+
+    def _load_lock(self) -> asyncio.Lock:
+        """One lock per event loop (each batch of the producer runs its own loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loading is None or self._loading[0] is not loop:
+            self._loading = (loop, asyncio.Lock())
+        return self._loading[1]
 
     async def generate_async(self, prompt: list[int], params: SamplingParams) -> Completion:
-        if self.updates == "abort":
-            (completion,) = await asyncio.to_thread(self.generate, [prompt], [params])
-            return completion
         wanted = self.wanted()
         if self.engine.policy_version != wanted:
-            if self._loading is None:
-                self._loading = asyncio.Lock()
-            async with self._loading:  # one load at a time; the others wait, then find it loaded
+            async with self._load_lock():  # one load at a time; the others wait, then find it loaded
                 await asyncio.to_thread(self.ensure, wanted)
         return await self._requests.generate_async(prompt, params)
 
 
-def versioned_engine(engine: InferenceEngine, store: WeightStore, **kwargs: Any) -> VersionedEngine:
-    """The producer's view of ``engine``: request by request where the engine takes requests one at a time."""
-    if request_level(engine) is not None:
-        return RequestLevelVersionedEngine(engine, store, **kwargs)
-    return VersionedEngine(engine, store, **kwargs)
+def versioned_engine(
+    engine: InferenceEngine, store: WeightStore, *, updates: WeightUpdates = "between_batches", **kwargs: Any
+) -> VersionedEngine:
+    """The producer's view of ``engine``: request by request where the engine takes requests one at a time (and
+    updates do not abort, which restarts completions chunk by chunk)."""
+    if request_level(engine) is not None and updates != "abort":
+        return RequestLevelVersionedEngine(engine, store, updates=updates, **kwargs)
+    return VersionedEngine(engine, store, updates=updates, **kwargs)
 
 
 @dataclass(kw_only=True)

@@ -3,9 +3,11 @@ updates), admission control, order, errors, kept batches, and the staleness metr
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -13,8 +15,17 @@ import pytest
 from sharpen.config.schema import RolloutConfig
 from sharpen.monitoring import PhaseTimer
 from sharpen.orchestration.batches import AsyncBatches, ProducedBatch, load_pending, save_pending, staleness_metrics
-from sharpen.orchestration.batches.weights import ProducerStopped, PublishedWeights, VersionedEngine, WeightStore
+from sharpen.orchestration.batches.weights import (
+    ProducerStopped,
+    PublishedWeights,
+    RequestLevelVersionedEngine,
+    VersionedEngine,
+    WeightStore,
+    versioned_engine,
+)
 from sharpen.orchestration.weight_sync import WeightSync
+from sharpen.rollout.engines import request_level
+from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.types import Completion, Example, Message, Rollout, RolloutGroup, SamplingParams
 
 EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="hi"),))
@@ -141,6 +152,54 @@ def test_abort_updates_regenerate_a_running_completion_with_the_new_weights() ->
     assert completion.token_ids == [1, 2, 3, 4] and completion.versions == [1, 1, 1, 1]
     assert view.pop_metrics()["async/num_aborted_tokens"] == 2
     assert engine.calls[1][0] == [[0]]  # started over from the prompt
+
+
+class RequestCountingEngine(RequestLevelEngine):
+    """`CountingEngine` taking requests one by one on its own loop, a load taking a while (as a server's does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = CountingEngine()
+
+    @property
+    def policy_version(self) -> int:
+        return self.inner.policy_version
+
+    async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        (completion,) = self.inner.generate([prompt], [params])
+        return replace(completion, versions=[self.policy_version] * len(completion.token_ids))
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.inner.score(token_ids)
+
+    def load_weights(self, weights: Iterable[Any], *, version: int) -> dict[str, float]:
+        time.sleep(0.05)
+        return self.inner.load_weights(weights, version=version)
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+def test_request_level_engines_load_newer_weights_between_requests_once_per_version() -> None:
+    """In flight: concurrent requests that find a newer version wait for one load of it, in every batch's own
+    event loop (the producer runs one per batch); abort updates keep the chunked batch path."""
+    engine, store = RequestCountingEngine(), WeightStore()
+    publish(store, 0)
+    view = versioned_engine(engine, store, load=load, updates="in_flight")
+    assert isinstance(view, RequestLevelVersionedEngine) and request_level(view) is view
+
+    async def batch() -> list[Completion]:
+        return list(
+            await asyncio.gather(*(view.generate_async([0], SamplingParams(max_new_tokens=3)) for _ in range(8)))
+        )
+
+    for version in (1, 2):  # two batches, two event loops, a contended load in each
+        publish(store, version)
+        completions = asyncio.run(batch())
+        assert all(c.versions == [version] * 3 for c in completions)
+    assert engine.inner.loads == [1, 2]
+    assert not isinstance(versioned_engine(engine, store, load=load, updates="abort"), RequestLevelVersionedEngine)
+    engine.close()
 
 
 def group(step: int, versions: list[int], *, mask: list[bool] | None = None) -> RolloutGroup:
