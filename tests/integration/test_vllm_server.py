@@ -96,6 +96,31 @@ def test_a_weight_sync_is_verified_and_takes_effect(engine, trainer, smollm2_pat
     assert engine.policy_version == 2
 
 
+def test_a_corrupted_sync_is_refused_and_the_server_refuses_requests_until_a_good_one(
+    engine, trainer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sharpen.rollout.weight_sync.buckets import SharedMemorySlot
+
+    fill = SharedMemorySlot.fill
+
+    def fill_then_corrupt(self, tensors, *, sync_id, version, index):
+        manifest = fill(self, tensors, sync_id=sync_id, version=version, index=index)
+        if index == 1:  # flip one bit of tensor data after the checksum was taken
+            self.buffer[manifest.num_bytes // 2] = self.buffer[manifest.num_bytes // 2] ^ 1
+        return manifest
+
+    monkeypatch.setattr(SharedMemorySlot, "fill", fill_then_corrupt)
+    version = engine.policy_version
+    with pytest.raises(EngineError, match=rf"rejected weights version {version + 1}: worker 0: bucket 1 .* corrupted"):
+        engine.load_weights(trainer.named_weights(), version=version + 1)
+    assert engine.policy_version == version
+    with pytest.raises(EngineError, match=r"refuses requests: weights version .* failed to load"):
+        engine.generate([[1, 2, 3]], [SamplingParams(max_new_tokens=2, seed=0)])
+    monkeypatch.undo()
+    engine.load_weights(trainer.named_weights(), version=version + 2)  # whole again: the server goes on
+    assert set(engine.generate([[1, 2, 3]], [SamplingParams(max_new_tokens=2, seed=0)])[0].versions) == {version + 2}
+
+
 def test_a_sync_during_generation_gives_tokens_of_both_versions(engine, trainer, prompt) -> None:
     """Requests in flight are frozen for the sync and go on with the new weights: the server's weight-version spans
     say which tokens each version sampled."""

@@ -70,6 +70,7 @@ class VllmServerEngine(RequestLevelEngine):
         self.policy_version: PolicyVersion = 0
         self.bucket_bytes = bucket_bytes
         self.sender: BucketedSender | None = None
+        self._refusal: str | None = None  # set while a failed sync leaves half-loaded weights behind
         self.served_model = config.served_model_name or str(model_path)
         started = time.perf_counter()
         try:
@@ -183,6 +184,7 @@ class VllmServerEngine(RequestLevelEngine):
         return {"token_ids": prompt, "model": self.served_model, "output_mode": "text", "sampling_params": sampling}
 
     async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+        self._check_whole()
         reply = await self.client.post(_GENERATE, self._body(prompt, params))
         try:
             (choice,) = reply["choices"]
@@ -224,6 +226,7 @@ class VllmServerEngine(RequestLevelEngine):
         return versions
 
     def score(self, token_ids: list[int]) -> list[float]:
+        self._check_whole()
         body = {
             "token_ids": token_ids,
             "model": self.served_model,
@@ -262,6 +265,7 @@ class VllmServerEngine(RequestLevelEngine):
         try:
             report = self.sender.send(weights, version=version, target=RpcBucketTarget(self._collective_rpc))
         except BucketError as error:
+            self._refusal = f"weights version {version} failed to load ({error})"
             raise EngineError(f"{self.name} at {self.url} rejected weights version {version}: {error}") from error
         self._after_load(version)
         return {**report.metrics(), "sync/seconds": time.perf_counter() - started}
@@ -276,6 +280,13 @@ class VllmServerEngine(RequestLevelEngine):
 
         self._loop.run(resume())
         self.policy_version = version
+        self._refusal = None
+
+    def _check_whole(self) -> None:
+        if self._refusal is not None:
+            raise EngineError(
+                f"{self.name} at {self.url} refuses requests: {self._refusal}; it stays paused until a sync succeeds"
+            )
 
     @property
     def num_weight_group_members(self) -> int:
@@ -297,6 +308,7 @@ class VllmServerEngine(RequestLevelEngine):
         replies = self._loop.run(self._rpc("sharpen_receive_broadcast", version))
         for worker, reply in enumerate(replies):
             if not reply.get("ok"):
+                self._refusal = f"weights version {version} failed to load ({reply.get('error')})"
                 raise EngineError(
                     f"{self.name} worker {worker} rejected weights version {version}: {reply.get('error')}"
                 )
