@@ -14,12 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_vllm_sync import join_trainer_weight_group
+from test_vllm_sync import corrupt_bucket, join_trainer_weight_group
 
 from sharpen.config.engines import VllmEngineConfig
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import AsyncEngine, EngineError, WeightGroupEngine, build_engine, request_level
-from sharpen.rollout.weight_sync.buckets import SharedMemorySlot
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.types import Completion, SamplingParams
 
@@ -240,17 +239,9 @@ def test_an_update_while_requests_are_in_flight_gives_them_tokens_of_both_versio
 def test_a_corrupted_sync_aborts_the_requests_in_flight_and_refuses_more_until_a_good_one(
     engine, trainer, tokenizer, prompts, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    fill = SharedMemorySlot.fill
-
-    def fill_then_corrupt(self, tensors, *, sync_id, version, index):
-        manifest = fill(self, tensors, sync_id=sync_id, version=version, index=index)
-        if index == 1:  # flip one bit of tensor data after the checksum was taken
-            self.buffer[manifest.num_bytes // 2] = self.buffer[manifest.num_bytes // 2] ^ 1
-        return manifest
-
     version = engine.policy_version
     thread, outcomes = _in_flight(engine, prompts, [SamplingParams(max_new_tokens=64, seed=s) for s in range(4)])
-    monkeypatch.setattr(SharedMemorySlot, "fill", fill_then_corrupt)
+    corrupt_bucket(monkeypatch)
     with pytest.raises(EngineError, match=r"rejected weights version 90: worker 0: bucket 1 .* is corrupted"):
         engine.load_weights(trainer.named_weights(), version=90)
     monkeypatch.undo()

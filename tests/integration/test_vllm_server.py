@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_vllm_sync import assert_bounded_in_flight_run, join_trainer_weight_group
+from test_vllm_sync import assert_bounded_in_flight_run, corrupt_bucket, join_trainer_weight_group
 
 from sharpen.config.engines import VllmServerEngineConfig
 from sharpen.orchestration.weight_sync import WeightSync
@@ -99,17 +99,7 @@ def test_a_weight_sync_is_verified_and_takes_effect(engine, trainer, smollm2_pat
 def test_a_corrupted_sync_is_refused_and_the_server_refuses_requests_until_a_good_one(
     engine, trainer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sharpen.rollout.weight_sync.buckets import SharedMemorySlot
-
-    fill = SharedMemorySlot.fill
-
-    def fill_then_corrupt(self, tensors, *, sync_id, version, index):
-        manifest = fill(self, tensors, sync_id=sync_id, version=version, index=index)
-        if index == 1:  # flip one bit of tensor data after the checksum was taken
-            self.buffer[manifest.num_bytes // 2] = self.buffer[manifest.num_bytes // 2] ^ 1
-        return manifest
-
-    monkeypatch.setattr(SharedMemorySlot, "fill", fill_then_corrupt)
+    corrupt_bucket(monkeypatch)
     version = engine.policy_version
     with pytest.raises(EngineError, match=rf"rejected weights version {version + 1}: worker 0: bucket 1 .* corrupted"):
         engine.load_weights(trainer.named_weights(), version=version + 1)

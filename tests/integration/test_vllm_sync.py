@@ -120,18 +120,24 @@ def test_a_sync_that_does_nothing_fails_loudly(engine, trainer, tokenizer) -> No
     sync(trainer, engine, version=6)  # the real engine passes the same check
 
 
-def test_a_corrupted_bucket_is_rejected_and_a_good_sync_then_restores_the_engine(
-    engine, trainer, tokenizer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def corrupt_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until ``monkeypatch.undo()``, bucket 1 of every sync has one bit of its data flipped after its checksum was
+    taken: the receiver must refuse it."""
     fill = SharedMemorySlot.fill
 
     def fill_then_corrupt(self, tensors, *, sync_id, version, index):
         manifest = fill(self, tensors, sync_id=sync_id, version=version, index=index)
-        if index == 1:  # flip one bit of tensor data after the checksum was taken
+        if index == 1:
             self.buffer[manifest.num_bytes // 2] = self.buffer[manifest.num_bytes // 2] ^ 1
         return manifest
 
     monkeypatch.setattr(SharedMemorySlot, "fill", fill_then_corrupt)
+
+
+def test_a_corrupted_bucket_is_rejected_and_a_good_sync_then_restores_the_engine(
+    engine, trainer, tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    corrupt_bucket(monkeypatch)
     version = engine.policy_version
     with pytest.raises(EngineError, match=r"rejected weights version 9: worker 0: bucket 1 .* is corrupted"):
         engine.load_weights(trainer.named_weights(), version=9)
