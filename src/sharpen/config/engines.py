@@ -94,6 +94,28 @@ class ScriptedEngineConfig(Section):
     """Texts returned in turn."""
 
 
+class FailoverConfig(Section):
+    """What the router does when one of several engine replicas (rollout.num_engines > 1) fails: a request whose
+    replica is down, unreachable, failing (HTTP 5xx) or stuck is sent to another serving replica with the same prompt
+    and seed (on vLLM: the same tokens), and the failed replica is restarted in the background; it rejoins at the
+    next weight sync (docs/engines.md)."""
+
+    restart: bool = True
+    """Restart a failed replica in the background: a server sharpen started gets a new server on the same port; a
+    server at a URL is waited for until it answers again (in-process engines cannot be restarted). False: a failed
+    replica stays out for the rest of the run."""
+    replica_timeout_s: float | None = Field(default=None, gt=0.0)
+    """A request (or a batch's share) one replica has not answered within this many seconds counts as a hang:
+    the replica is taken out and restarted, and the request sent to another one. Keep it below
+    rollout.request_timeout_s, which bounds a request with all its retries (None: only errors count as failures)."""
+    replica_wait_s: float = Field(default=300.0, gt=0.0)
+    """How long a request waits for a replica to serve again while none does (all are restarting) before the run
+    stops with an error giving each replica's state."""
+    max_retries: int = Field(default=3, ge=0)
+    """How often one request is sent again after its replica failed before the run stops (a request that brings
+    down every server it reaches is not retried for ever)."""
+
+
 EngineConfig = Annotated[
     VllmEngineConfig | VllmServerEngineConfig | SglangEngineConfig | HfEngineConfig | ScriptedEngineConfig,
     Field(discriminator="type"),

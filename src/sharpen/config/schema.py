@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from sharpen.config.engines import EngineConfig, VllmEngineConfig
+from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfig
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.rewards import RewardConfig
@@ -74,7 +74,8 @@ class JsonlDataConfig(Section):
 class EnvironmentTasksDataConfig(Section):
     type: Literal["environment"] = "environment"
     size: int = Field(default=1000, ge=1)
-    """Number of tasks the environment generates (guess_number, gymnasium: environments that make their own)."""
+    """Number of tasks the environment makes (guess_number, gymnasium, textarena, verifiers: environments that make
+    their own; a verifiers taskset gives its first rows, all of them if it has fewer)."""
 
 
 class HumanEvalDataConfig(Section):
@@ -125,6 +126,8 @@ class RolloutConfig(Section):
     num_engines: int = Field(default=1, ge=1)
     """Engine replicas; more than one are put behind a router that sends each request to the replica with the
     fewest requests in flight, and every weight sync goes to (and is verified on) each replica."""
+    failover: FailoverConfig = Field(default_factory=FailoverConfig)
+    """What the router does when a replica fails (retries on the others, restarts)."""
     prompts_per_step: int = Field(default=8, ge=1)
     """Examples per trainer step."""
     num_samples_per_prompt: int = Field(default=4, ge=1)
@@ -177,6 +180,12 @@ class RolloutConfig(Section):
             raise ValueError(
                 f'rollout.weight_updates = "{self.weight_updates}" needs rollout.mode = "async" (in sync mode weights '
                 "are always updated between batches)"
+            )
+        hang, limit = self.failover.replica_timeout_s, self.request_timeout_s
+        if hang is not None and limit is not None and hang >= limit:
+            raise ValueError(
+                f"rollout.failover.replica_timeout_s = {hang:g} must be below rollout.request_timeout_s = {limit:g} "
+                "(the request timeout bounds a request with its retries on other replicas)"
             )
         return self
 
@@ -362,7 +371,7 @@ class MonitoringConfig(Section):
     """Token limit of the parity probes' greedy completions."""
 
 
-ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium")
+ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers")
 
 
 class SharpenConfig(Section):

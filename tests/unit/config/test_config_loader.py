@@ -171,6 +171,16 @@ def test_async_settings_need_async_mode_and_load_in_it():
         load_config(None, ['rollout.mode="async"', "rollout.max_staleness=-1"])
 
 
+def test_the_replica_timeout_of_failover_must_be_below_the_request_timeout():
+    config = load_config(None, ["rollout.num_engines=2", "rollout.failover.replica_timeout_s=30"])
+    assert config.rollout.failover.replica_timeout_s == 30 and config.rollout.failover.restart
+    message = r"rollout\.failover\.replica_timeout_s = 600 must be below rollout\.request_timeout_s = 600"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["rollout.failover.replica_timeout_s=600"])
+    longer = load_config(None, ["rollout.request_timeout_s=1200", "rollout.failover.replica_timeout_s=900"])
+    assert longer.rollout.failover.replica_timeout_s == 900
+
+
 def test_a_sharded_trainer_refuses_a_critic():
     with pytest.raises(ConfigError, match='trainer_ranks = 2 shards the policy with FSDP2, but advantage = "gae"'):
         load_config(None, ['runtime.type="ray"', "runtime.trainer_ranks=2", 'trainer.algorithm.advantage="gae"'])

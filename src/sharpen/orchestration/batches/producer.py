@@ -32,6 +32,7 @@ from sharpen.orchestration.batches.weights import (
     WeightStore,
     versioned_engine,
 )
+from sharpen.rollout.engines import pop_engine_metrics
 from sharpen.types import PolicyVersion, Rollout
 
 if TYPE_CHECKING:
@@ -196,6 +197,7 @@ class AsyncBatches:
                         **batch.metrics,
                         **timer.pop_metrics(),
                         **self.view.pop_metrics(),
+                        **pop_engine_metrics(self.engine),  # a router's retries, restarts, load per replica
                         "async/wait_weights_seconds": wait_seconds,
                         "async/generation_version": float(target),
                     }

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from sharpen.orchestration.batches.base import ProducedBatch
-from sharpen.rollout.engines import sleepable
+from sharpen.rollout.engines import pop_engine_metrics, sleepable
 from sharpen.types import PolicyVersion, Rollout
 
 if TYPE_CHECKING:
@@ -49,6 +49,7 @@ class SyncBatches:
             batch = self.kept.pop(step)
         else:
             batch = self.collector.collect(self.engine, step=step, timer=self.timer)
+        batch.metrics.update(pop_engine_metrics(self.engine))  # a router's retries, restarts, load per replica
         if self.sleeper is not None:
             with self.timer.phase("sleep"):
                 batch.metrics.update(self.sleeper.sleep())

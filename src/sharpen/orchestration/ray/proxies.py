@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from sharpen.monitoring import Span, Timeline
-from sharpen.rollout.engines import InferenceEngine, replicas_of, sleepable
+from sharpen.rollout.engines import InferenceEngine, pop_engine_metrics, replicas_of, sleepable
 from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
@@ -250,11 +250,19 @@ class BroadcastEngines:
         self.inner = inner
         self.trainer = trainer
         self.engines = engines
-        self.replicas = replicas_of(inner)  # the probe check after a sync scores each of them
+
+    @property
+    def replicas(self) -> list[InferenceEngine]:
+        """The serving replicas: the probe check after a sync scores each of them."""
+        return replicas_of(self.inner)
 
     @property
     def policy_version(self) -> PolicyVersion:
         return self.inner.policy_version
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The router's counts (retries, restarts, load per replica), as without broadcast."""
+        return pop_engine_metrics(self.inner)
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         return self.inner.generate(prompts, params)

@@ -160,8 +160,9 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
         proxies.append(trainer)
         engines = start_engines(config, group, plan)
         proxies.extend(engines)
+        names = [e.name for e in engines]
         engine: InferenceEngine = (
-            engines[0] if len(engines) == 1 else EngineRouter(engines, names=[e.name for e in engines])
+            engines[0] if len(engines) == 1 else EngineRouter(engines, names=names, failover=config.rollout.failover)
         )
         if config.weight_sync.transport == "broadcast":
             join_weight_group(trainer, engines, timeout_s=runtime.start_timeout_s, backend=config.broadcast_backend)

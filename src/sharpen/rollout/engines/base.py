@@ -54,7 +54,8 @@ def request_level(engine: InferenceEngine) -> AsyncEngine | None:
     (batch engines get their requests grouped by `RequestBatcher`)."""
     if not isinstance(engine, AsyncEngine):
         return None
-    return engine if all(isinstance(replica, AsyncEngine) for replica in replicas_of(engine)) else None
+    replicas = replicas_of(engine)  # a router's serving replicas: none while all are down, then batches wait too
+    return engine if replicas and all(isinstance(replica, AsyncEngine) for replica in replicas) else None
 
 
 @runtime_checkable
@@ -98,7 +99,38 @@ class ReplicatedEngine(Protocol):
     """An engine that fronts several replicas (a router): a weight sync is verified on each of them."""
 
     @property
-    def replicas(self) -> Sequence[InferenceEngine]: ...
+    def replicas(self) -> Sequence[InferenceEngine]:
+        """The replicas serving now (a router leaves out those that are down or wait for weights)."""
+        ...
+
+
+@runtime_checkable
+class RestartableEngine(Protocol):
+    """An engine that can come back after it failed (an engine server): the router restarts a failed replica
+    through it, in the background."""
+
+    def restart(self) -> None:
+        """Bring the engine back and block until it serves: a server sharpen started is stopped (what is left of
+        its process group) and started again on the same address; a server at a URL sharpen did not start cannot
+        be restarted from here, so the engine waits until it answers again. Afterwards the engine reports policy
+        version 0 (the weights it boots with), whatever it held before: it takes the run's weights at the next
+        `load_weights`. Raises `EngineError` when it cannot come back, e.g. after joining a broadcast weight group
+        (`WeightGroupEngine`), whose fixed size a new process cannot rejoin."""
+        ...
+
+
+@runtime_checkable
+class MeteredEngine(Protocol):
+    """An engine that counts what happened to it between steps (a router: retries, restarts, load per replica)."""
+
+    def pop_metrics(self) -> dict[str, float]:
+        """The counts since the last call (the step's), then start counting again."""
+        ...
+
+
+def pop_engine_metrics(engine: object) -> dict[str, float]:
+    """``engine``'s counts since the last call where it keeps any (`MeteredEngine`), else nothing."""
+    return engine.pop_metrics() if isinstance(engine, MeteredEngine) else {}
 
 
 def replicas_of(engine: InferenceEngine) -> list[InferenceEngine]:
@@ -118,6 +150,13 @@ class FreezableWeights(Protocol):
 
 class EngineError(RuntimeError):
     """The engine failed in a way the run cannot recover from (the message names the engine and the cause)."""
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not serve a request because it is down, unreachable, stuck or failing as a whole
+    (connection refused or reset, no answer in time, an HTTP 5xx, its process gone), not because of the request:
+    another replica may serve the same request (the router sends it there), and this one may come back after a
+    restart. Alone, with nowhere else to send the request, it stops the run like any `EngineError`."""
 
 
 def sleepable(engine: object, *, name: str = "the engine") -> SleepableEngine:

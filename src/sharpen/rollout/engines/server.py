@@ -9,10 +9,12 @@ servers' APIs on top of it.
   synchronous caller (the batch `generate`, a weight sync) and a coroutine in another loop (an episode task) share
   one connection pool: the former blocks on `run`, the latter awaits `wrap`.
 - `JsonClient`: JSON over HTTP (httpx). Connection refused, DNS failure, a timeout, a non-2xx status and a body
-  that is not JSON each become an `EngineError` that says which of them happened.
+  that is not JSON each become an `EngineError` that says which of them happened; those that say the server is
+  down or failing (no connection, a connection reset, no answer in time, HTTP 5xx) are `EngineUnavailable`, which
+  the router answers by sending the request to another replica.
 - `ServerProcess`: starts a command in its own process group with its output in a log file, refuses a port that
   is taken (before starting anything), waits for a readiness route while checking the process is still alive (the
-  error quotes the end of the log), and stops the whole group on `close`.
+  error quotes the end of the log), and stops the whole group on `close` (or at once on `kill`, before a restart).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from sharpen.rollout.engines.base import EngineError
+from sharpen.rollout.engines.base import EngineError, EngineUnavailable
 from sharpen.types import Completion, SamplingParams
 
 T = TypeVar("T")
@@ -123,17 +125,20 @@ class JsonClient:
             response = await self._session().request(method, path, json=json, params=params, timeout=timeout)
         except httpx.ConnectError as error:
             cause = _cause(error)
-            raise EngineError(f"{self.name}: cannot connect to {url} ({cause}); is the server running?") from None
+            raise EngineUnavailable(f"{self.name}: cannot connect to {url} ({cause}); is the server running?") from None
         except httpx.TimeoutException as error:
             limit = timeout.read if isinstance(error, httpx.ReadTimeout) else timeout.connect
-            raise EngineError(
+            raise EngineUnavailable(
                 f"{self.name}: {url} did not answer within {limit:g} s ({type(error).__name__}); the server may be "
                 "stuck or overloaded"
             ) from None
+        except httpx.TransportError as error:  # the connection broke: reset, closed mid-answer
+            raise EngineUnavailable(f"{self.name}: request to {url} failed: {_cause(error)}") from None
         except httpx.HTTPError as error:
             raise EngineError(f"{self.name}: request to {url} failed: {_cause(error)}") from None
         if response.status_code >= 400:
-            raise EngineError(
+            error_class = EngineUnavailable if response.status_code >= 500 else EngineError
+            raise error_class(
                 f"{self.name}: {method} {url} returned HTTP {response.status_code}: {_excerpt(response.text)}"
             )
         if not expect_json or not response.content:
@@ -157,6 +162,22 @@ class JsonClient:
             self._client = None
 
 
+async def wait_answering(client: JsonClient, path: str, *, timeout_s: float, poll_s: float = 1.0) -> float:
+    """Poll ``path`` until the server answers it (a server sharpen did not start, coming back after a failure);
+    the seconds it took, or `EngineUnavailable` with the last error after ``timeout_s``."""
+    started = time.monotonic()
+    while True:
+        try:
+            await client.get(path, timeout_s=min(5.0, timeout_s), expect_json=False)
+            return time.monotonic() - started
+        except EngineError as error:
+            if time.monotonic() - started > timeout_s:
+                raise EngineUnavailable(
+                    f"{client.name}: {client.base_url}{path} did not answer again within {timeout_s:g} s ({error})"
+                ) from None
+        await asyncio.sleep(poll_s)
+
+
 def _cause(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     return text if len(text) < 300 else text[:300] + "..."
@@ -175,7 +196,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something listens on ``port`` (connections of a server that just died, left in TIME_WAIT, do not
+    count: servers bind with SO_REUSEADDR, so a restart may take the port again)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -248,6 +272,14 @@ class ServerProcess:
     @property
     def is_running(self) -> bool:
         return self.process.poll() is None
+
+    def kill(self) -> None:
+        """Stop the whole process group at once (SIGKILL): a server that failed gets no grace period."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(10)
+        self._log.close()
 
     def close(self, grace_s: float = 20.0) -> None:
         if self.process.poll() is None:

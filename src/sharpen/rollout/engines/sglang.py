@@ -54,6 +54,11 @@ JSON contract ``api/v1/api_types.py``).
 
 Timeouts: generation and scoring give up after ``request_timeout_s``; information and pause routes after
 `CONTROL_TIMEOUT_S`; weight and memory routes after `UPDATE_TIMEOUT_S`.
+
+Restarts (`restart`, called by the router on a failed replica): a server sharpen started is killed (its process
+group) and the same command started on the same port; a server at ``url`` is waited for until ``/health`` answers.
+Then the engine connects as at the start (a server that still holds the engine's last snapshot passes the model
+check) and reports version 0 until the next sync.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ import logging
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterable
@@ -72,7 +78,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sharpen.config.engines import SglangEngineConfig
 from sharpen.rollout.engines.base import EngineError
-from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port
+from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port, wait_answering
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
@@ -128,6 +134,7 @@ class SglangEngine(RequestLevelEngine):
         self._warned_top_p = False
         self._warned_seed = False
         self._closed = False
+        self._life = threading.Lock()  # `restart` and `close` of the server process, one at a time
         self._weights_root: Path | None = None
         self._own_weights_root = False
         self._snapshot: Path | None = None
@@ -181,17 +188,40 @@ class SglangEngine(RequestLevelEngine):
             command.append("--enable-deterministic-inference")
         command += config.extra_args
         folder = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix="sharpen-sglang-"))
+        self._command, self._port, self._log_path = command, port, folder / f"sglang-{port}.log"
         try:
-            self.server = ServerProcess(
-                command, name=self.name, port=port, host=config.host, log_path=folder / f"sglang-{port}.log"
-            )
+            server = self._launch()
         except EngineError:  # the port is taken: nothing was started or logged
             if log_dir is None:
                 shutil.rmtree(folder, ignore_errors=True)
             raise
         url = f"http://{_connect_host(config.host)}:{port}"
-        self.server.wait_ready(f"{url}/health", startup_timeout_s=config.startup_timeout_s)
+        server.wait_ready(f"{url}/health", startup_timeout_s=config.startup_timeout_s)
         return url
+
+    def _launch(self) -> ServerProcess:
+        host = self.config.host
+        self.server = ServerProcess(self._command, name=self.name, port=self._port, host=host, log_path=self._log_path)
+        return self.server
+
+    def restart(self) -> None:
+        """A new server on the same port (or, at a URL: wait until it answers), connected as at the start; then
+        version 0 until the next sync (`RestartableEngine`)."""
+        limit = self.config.startup_timeout_s
+        with self._life:
+            if self._closed:
+                raise EngineError(f"{self.name}: the engine of {self.url} is closed")
+            server = self.server
+            if server is not None:
+                server.kill()
+                server = self._launch()
+        if server is None:
+            self._loop.run(wait_answering(self.client, "/health", timeout_s=limit), timeout=limit + 30)
+        else:
+            server.wait_ready(f"{self.url}/health", startup_timeout_s=limit)
+        self.policy_version = 0
+        self.is_asleep = self._memory_released = False
+        self._connect()
 
     def _connect(self) -> None:
         """Check that the server is SGLang serving this run's model, and set its weight version to 0."""
@@ -232,6 +262,9 @@ class SglangEngine(RequestLevelEngine):
             )
 
     def _serves_this_model(self, reported: list[str]) -> bool:
+        snapshot = self._snapshot
+        if snapshot is not None and any(_same_path(name, snapshot) for name in reported):
+            return True  # it holds this engine's last weight sync (a server at a URL, connected again)
         if self.config.served_model_name is not None:
             return self.config.served_model_name in reported
         expected = str(self.model_path)
@@ -508,9 +541,10 @@ class SglangEngine(RequestLevelEngine):
 
     def close(self) -> None:
         """Close the connections, stop a server sharpen started and delete the snapshots it wrote."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._life:  # a restart in progress launches nothing after this
+            if self._closed:
+                return
+            self._closed = True
         if self._client is not None:
             with contextlib.suppress(Exception):
                 self._loop.run(self._client.aclose(), timeout=5.0)

@@ -24,20 +24,26 @@ Started by sharpen (``url`` unset), the server is ``python -m vllm.entrypoints.o
 engine settings, the CPU environment of the in-process engine, and its output in ``log_dir``; `close` stops it. On
 the CPU build it runs without chunked prefill (`cpu_scheduling_arguments` in `vllm.py`: with it, a seeded request
 whose prefill is split kills the engine core).
+
+`restart` (the router calls it on a failed replica, in the background) kills what is left of a server sharpen
+started and starts the same command on the same port, or waits until a server at ``url`` answers again; either way
+the connection checks run again and the engine reports version 0 until its next weight sync. A server whose workers
+joined the broadcast weight group is not restarted: that group has a fixed size, and a new process cannot join it.
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sharpen.config.engines import VllmServerEngineConfig
-from sharpen.rollout.engines.base import EngineError
-from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port
+from sharpen.rollout.engines.base import EngineError, EngineUnavailable
+from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port, wait_answering
 from sharpen.rollout.engines.vllm import RpcBucketTarget, cpu_scheduling_arguments, prepare_cpu_environment
 from sharpen.rollout.weight_sync.buckets import BucketError
 from sharpen.rollout.weight_sync.streaming import BucketedSender
@@ -71,6 +77,9 @@ class VllmServerEngine(RequestLevelEngine):
         self.bucket_bytes = bucket_bytes
         self.sender: BucketedSender | None = None
         self._refusal: str | None = None  # set while a failed sync leaves half-loaded weights behind
+        self._in_weight_group = False
+        self._life = threading.Lock()  # `restart` and `close` of the server process, one at a time
+        self._closed = False
         self.served_model = config.served_model_name or str(model_path)
         started = time.perf_counter()
         try:
@@ -121,17 +130,47 @@ class VllmServerEngine(RequestLevelEngine):
             *_cpu_scheduling_flags(config.max_model_len),
             *config.extra_args,
         ]
+        self._command, self._port, self._log_path = command, port, folder / f"vllm-server-{port}.log"
+        url = f"http://{config.host}:{port}"
+        self._launch().wait_ready(f"{url}/health", startup_timeout_s=config.startup_timeout_s)
+        return url
+
+    def _launch(self) -> ServerProcess:
         self.process = ServerProcess(
-            command,
-            name=f"{self.name} (vllm serve on port {port})",
-            port=port,
-            host=config.host,
-            log_path=folder / f"vllm-server-{port}.log",
+            self._command,
+            name=f"{self.name} (vllm serve on port {self._port})",
+            port=self._port,
+            host=self.config.host,
+            log_path=self._log_path,
             env={"VLLM_SERVER_DEV_MODE": "1"},
         )
-        url = f"http://{config.host}:{port}"
-        self.process.wait_ready(f"{url}/health", startup_timeout_s=config.startup_timeout_s)
-        return url
+        return self.process
+
+    def restart(self) -> None:
+        """A new server on the same port (or, at a URL: wait until it answers), checked as on connecting; then
+        version 0 until the next sync (`RestartableEngine`)."""
+        if self._in_weight_group:
+            raise EngineError(
+                f"{self.name} at {self.url} cannot be restarted: its workers joined the broadcast weight group, "
+                "whose fixed size a new server cannot rejoin (weight_sync.transport = 'broadcast')"
+            )
+        started = time.monotonic()
+        limit = self.config.startup_timeout_s
+        with self._life:
+            if self._closed:
+                raise EngineError(f"{self.name} at {self.url} is closed")
+            process = self.process
+            if process is not None:
+                process.kill()
+                process = self._launch()
+        if process is None:
+            self._loop.run(wait_answering(self.client, "/health", timeout_s=limit), timeout=limit + 30)
+        else:
+            process.wait_ready(f"{self.url}/health", startup_timeout_s=limit)
+        self.policy_version = 0
+        self._refusal = None
+        self._loop.run(self._check_server())
+        self.startup_seconds = time.monotonic() - started
 
     async def _check_server(self) -> None:
         where = f"{self.name}: {self.url}"
@@ -185,6 +224,11 @@ class VllmServerEngine(RequestLevelEngine):
 
     async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
         self._check_whole()
+        if self.process is not None and not self.process.is_running:
+            raise EngineUnavailable(
+                f"{self.name} at {self.url}: the server exited with code {self.process.process.returncode} "
+                f"(log: {self.process.log_path})"
+            )
         reply = await self.client.post(_GENERATE, self._body(prompt, params))
         try:
             (choice,) = reply["choices"]
@@ -298,6 +342,7 @@ class VllmServerEngine(RequestLevelEngine):
     ) -> None:
         """Every server worker joins the weight group (`vllm_receiver.py`), so broadcasts land in the workers."""
         args = (master_addr, master_port, first_rank, world_size, backend)
+        self._in_weight_group = True
         for worker, reply in enumerate(self._loop.run(self._rpc("sharpen_join_weight_group", *args), timeout=None)):
             if not reply.get("ok"):
                 raise EngineError(f"{self.name} worker {worker} could not join the weight group: {reply.get('error')}")
@@ -322,6 +367,8 @@ class VllmServerEngine(RequestLevelEngine):
         }
 
     def close(self) -> None:
+        with self._life:  # a restart in progress launches nothing after this
+            self._closed = True
         try:
             if self.sender is not None:
                 self.sender.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sharpen.config.engines import VllmServerEngineConfig
-from sharpen.rollout.engines import EngineError
+from sharpen.rollout.engines import EngineError, EngineUnavailable
 from sharpen.rollout.engines.server import EventLoopThread, JsonClient, ServerProcess, free_port
 from sharpen.rollout.engines.vllm_server import VllmServerEngine
 
@@ -28,7 +28,7 @@ def _engine(url: str | None = None, **fields) -> VllmServerEngine:
 class _NotVllm(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         body = b"<html>hello</html>" if self.path == "/" else b"<html>not found</html>"
-        self.send_response(200 if self.path == "/" else 404)
+        self.send_response({"/": 200, "/crash": 500}.get(self.path, 404))
         self.send_header("content-type", "text/html")
         self.send_header("content-length", str(len(body)))
         self.end_headers()
@@ -126,3 +126,25 @@ def test_a_reply_that_is_not_json_is_named(web_server: str) -> None:
         loop.run(client.get("/"))
     loop.run(client.aclose())
     loop.close()
+
+
+def test_a_failing_server_is_told_apart_from_a_refused_request(web_server: str, mute_server: str) -> None:
+    """The router sends a request elsewhere when its server is down, stuck or failing (`EngineUnavailable`: no
+    connection, no answer in time, HTTP 5xx), never when the server refused the request itself (HTTP 4xx)."""
+    loop = EventLoopThread()
+    clients = [JsonClient(url, name="test engine", timeout_s=0.5) for url in (web_server, mute_server)]
+    unreachable = JsonClient(f"http://127.0.0.1:{free_port()}", name="test engine", timeout_s=0.5)
+    try:
+        with pytest.raises(EngineError, match="HTTP 404") as refused:
+            loop.run(clients[0].get("/missing"))
+        assert not isinstance(refused.value, EngineUnavailable)
+        with pytest.raises(EngineUnavailable, match="HTTP 500"):
+            loop.run(clients[0].get("/crash"))
+        with pytest.raises(EngineUnavailable, match=r"did not answer within 0\.5 s"):
+            loop.run(clients[1].get("/"))
+        with pytest.raises(EngineUnavailable, match="cannot connect"):
+            loop.run(unreachable.get("/"))
+    finally:
+        for client in (*clients, unreachable):
+            loop.run(client.aclose())
+        loop.close()

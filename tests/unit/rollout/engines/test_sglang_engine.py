@@ -10,6 +10,7 @@ import asyncio
 import http.server
 import importlib.util
 import os
+import signal
 import socket
 import threading
 import time
@@ -22,7 +23,7 @@ import torch
 
 import sharpen.rollout.engines.sglang as sglang_module
 from sharpen.config.engines import SglangEngineConfig
-from sharpen.rollout.engines import AsyncEngine, EngineError, SleepableEngine
+from sharpen.rollout.engines import AsyncEngine, EngineError, EngineUnavailable, RestartableEngine, SleepableEngine
 from sharpen.rollout.engines.hf import HfEngine
 from sharpen.rollout.engines.server import free_port
 from sharpen.rollout.engines.sglang import ABORT_RETRIES, SglangEngine
@@ -323,10 +324,12 @@ def test_starting_a_server_on_a_port_in_use(tiny_model_path: Path, monkeypatch: 
             SglangEngine(SglangEngineConfig(port=port), model_path=tiny_model_path, dtype="float32", seed=0)
 
 
-def test_a_server_sharpen_starts_runs_until_close(
+def test_a_server_sharpen_starts_runs_until_close_and_comes_back_after_a_kill(
     tiny_model_path: Path, reference: HfEngine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The launch command (SGLang's flags) starts the stand-in as a program; its log goes to log_dir."""
+    """The launch command (SGLang's flags) starts the stand-in as a program; its log goes to log_dir. Killed with
+    SIGKILL, the server's requests fail as a replica failure (`EngineUnavailable`, which the router re-sends), and
+    `restart` starts a new one on the same port, at version 0, giving the same tokens."""
     monkeypatch.setattr(sglang_module, "_sglang_installed", lambda: True)
     monkeypatch.setattr(SglangEngine, "launcher", (str(STANDIN),))
     config = SglangEngineConfig(startup_timeout_s=120, enable_memory_saver=True, deterministic_inference=True)
@@ -338,9 +341,41 @@ def test_a_server_sharpen_starts_runs_until_close(
         assert completion.token_ids == reference.generate([PROMPTS[0]], [param])[0].token_ids
         assert "SGLang stand-in" in engine.server.log_tail()
         assert list(tmp_path.glob("sglang-*.log"))
+        killed, url = engine.server, engine.url
+        os.killpg(killed.process.pid, signal.SIGKILL)
+        killed.process.wait(10)
+        with pytest.raises(EngineUnavailable, match=rf"cannot connect to {url}/generate"):
+            engine.generate([PROMPTS[0]], [param])
+        engine.policy_version = 3  # as after three syncs
+        assert isinstance(engine, RestartableEngine)
+        engine.restart()
+        assert engine.server is not killed and engine.server.is_running and engine.url == url
+        assert engine.policy_version == 0
+        assert engine.generate([PROMPTS[0]], [param])[0].token_ids == completion.token_ids
     finally:
         engine.close()
     assert engine.server is not None and not engine.server.is_running
+
+
+def test_an_engine_at_a_url_restarts_by_waiting_until_the_server_answers(
+    standin: SglangStandin, tiny_model_path: Path
+) -> None:
+    engine = connect(standin, tiny_model_path)
+    engine.policy_version = 2
+    standin.hang()
+    restarting = threading.Thread(target=engine.restart)
+    try:
+        restarting.start()
+        time.sleep(0.5)
+        assert restarting.is_alive()  # it waits for the server to answer again
+    finally:
+        standin.answer()
+    restarting.join(timeout=30)
+    try:
+        assert not restarting.is_alive() and engine.policy_version == 0
+        assert engine.generate([PROMPTS[0]], sampled((1,)))[0].token_ids
+    finally:
+        engine.close()
 
 
 # --- a real SGLang server -----------------------------------------------------------------------------------------
