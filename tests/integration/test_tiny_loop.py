@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from sharpen.config import SharpenConfig, load_config
-from sharpen.monitoring import read_jsonl, read_timeline
+from sharpen.monitoring import DIGEST_FILE_NAME, read_jsonl, read_timeline
 from sharpen.orchestration.embedded import run_embedded
 from sharpen.types import Example, RewardResult, RewardStatus
 
@@ -122,6 +122,9 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path
     # Steps after the interruption are bit-identical (deterministic CPU kernels, seeded sampling, same data order).
     assert split_rows[2:] == full_rows[2:]
     assert full_rows[3]["reward/mean"] != full_rows[2]["reward/mean"]  # the compared steps carry real signal
+    # and so are the episodes: the running digest of every rollout, continued across the resume
+    full_digests, split_digests = read_jsonl(full / DIGEST_FILE_NAME), read_jsonl(split / DIGEST_FILE_NAME)
+    assert [d["step"] for d in split_digests] == [0, 1, 2, 3] and split_digests == full_digests
 
 
 @pytest.mark.slow

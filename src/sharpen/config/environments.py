@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sharpen.config.section import Section
 
@@ -77,6 +77,69 @@ class GymnasiumEnvironmentConfig(EpisodeLimitsSection):
     """The system prompt of every episode."""
 
 
+class TextArenaEnvironmentConfig(EpisodeLimitsSection):
+    """A textarena game, played as text (needs ``pip install 'sharpen[agents]'``): the policy is one player, a
+    scripted opponent the other in a two-player game; the reward is the game's outcome for the policy's player."""
+
+    type: Literal["textarena"] = "textarena"
+    max_turns: int = Field(default=16, ge=1)
+    """Moves of the policy per episode (the game's own move limit may end it sooner)."""
+    env_id: str = "GuessTheNumber-v0"
+    """A registered textarena game (``textarena.envs.registration.ENV_REGISTRY``). Word games (Wordle, Hangman, ...)
+    need NLTK's word lists downloaded first."""
+    num_players: Literal[1, 2] = 1
+    """Players of the game: 1, or 2 with the scripted opponent."""
+    policy_player: int = Field(default=0, ge=0, le=1)
+    """Which player the policy is (0 moves first in most games)."""
+    opponent: str = "random"
+    """The other player of a two-player game: ``random`` (one of the bracketed moves the game last listed, drawn
+    with the episode's seed) or ``path/to/file.py:function`` / ``package.module:function``, called as
+    ``function(observation, rng) -> move``."""
+    instructions: str = ""
+    """The system prompt of every episode (the game's own rules are its first user message)."""
+
+    @model_validator(mode="after")
+    def _check_player(self) -> TextArenaEnvironmentConfig:
+        if self.policy_player >= self.num_players:
+            raise ValueError(
+                f"policy_player = {self.policy_player} is not a player of a {self.num_players}-player game"
+            )
+        return self
+
+
+class VerifiersEnvironmentConfig(EpisodeLimitsSection):
+    """An environment of the ``verifiers`` package (the format of its environment hub), run by verifiers' own code:
+    its agents call the policy through sharpen's agent endpoint, which trains on the exact tokens, and its tasks'
+    rewards score the episode (needs ``pip install 'sharpen[agents]'``). The sampling is the run's."""
+
+    type: Literal["verifiers"] = "verifiers"
+    max_turns: int = Field(default=8, ge=1)
+    """Model calls per episode (each call's token limit is rollout.max_new_tokens)."""
+    taskset: str = ""
+    """The environment: an installed verifiers taskset package, by id (``gsm8k-v1`` imports ``gsm8k_v1``; a hub id
+    ``owner/name@version`` imports ``name``). Exactly one of taskset and factory."""
+    env_config: dict[str, Any] = Field(default_factory=dict)
+    """The rest of verifiers' ``[env]`` block, as its TOML takes it: the taskset's own settings under ``taskset``
+    (e.g. ``{taskset = {split = "test"}}``), ``id`` to pair a verifiers Env with the taskset, a seat's settings under
+    its name (``agent`` for a single seat: ``{agent = {runtime = {type = "docker"}}}``)."""
+    harness: str | None = "null"
+    """The program of seats that pin none, for tasksets that bundle none: ``null`` (verifiers' chat loop, with the
+    task's MCP tools), ``bash`` (adds shell and file-edit tools, run on this host), None: verifiers' default (bash)."""
+    factory: str | None = None
+    """Instead of taskset: ``path/to/file.py:function`` or ``package.module:function`` that returns a verifiers
+    ``Env``, called with ``kwargs`` (its seats' runtimes and harnesses are its own)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the factory."""
+
+    @model_validator(mode="after")
+    def _check_source(self) -> VerifiersEnvironmentConfig:
+        if bool(self.taskset) == (self.factory is not None):
+            raise ValueError("a verifiers environment needs exactly one of taskset and factory")
+        if self.factory is None and self.kwargs:
+            raise ValueError("kwargs are the factory's; a taskset takes its settings in env_config.taskset")
+        return self
+
+
 class CustomEnvironmentConfig(EpisodeLimitsSection):
     type: Literal["custom"] = "custom"
     factory: str
@@ -94,6 +157,8 @@ EnvironmentConfig = Annotated[
     | PythonEnvironmentConfig
     | GuessNumberEnvironmentConfig
     | GymnasiumEnvironmentConfig
+    | TextArenaEnvironmentConfig
+    | VerifiersEnvironmentConfig
     | CustomEnvironmentConfig,
     Field(discriminator="type"),
 ]

@@ -7,6 +7,7 @@ turns. Imports no transformers: any object with HF's ``apply_chat_template`` wor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +21,16 @@ def render_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
     return _template_ids(
         tokenizer, [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
     )
+
+
+def render_messages(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, tools: list[Any] | None = None
+) -> list[int]:
+    """`render_prompt` for messages as OpenAI clients send them (dicts, assistant ``tool_calls`` included) and tool
+    definitions, which the template renders where it puts them (usually the system prompt)."""
+    if not messages:
+        raise ValueError("render_messages: no messages to render")
+    return _template_ids(tokenizer, [dict(m) for m in messages], add_generation_prompt=True, tools=tools)
 
 
 # A conversation that ends with an assistant turn: what a continuation is rendered after. Its content never reaches
@@ -37,7 +48,7 @@ def render_continuation(tokenizer: Any, messages: Sequence[Message], *, end_of_t
     (SmolLM2's "\\n") belongs to the continuation."""
     if not messages:
         raise ValueError("render_continuation: no messages to render")
-    base = _template_ids(tokenizer, list(_ANCHOR), add_generation_prompt=False)
+    base = _anchor_ids(tokenizer)
     full = _template_ids(
         tokenizer, [*_ANCHOR, *({"role": m.role, "content": m.content} for m in messages)], add_generation_prompt=True
     )
@@ -52,8 +63,20 @@ def render_continuation(tokenizer: Any, messages: Sequence[Message], *, end_of_t
     return full[end:]
 
 
-def _template_ids(tokenizer: Any, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+@functools.lru_cache(maxsize=16)
+def _anchor_ids(tokenizer: Any) -> list[int]:
+    """The anchor conversation's ids, rendered once per tokenizer (half of every continuation's template work);
+    read-only."""
+    return _template_ids(tokenizer, list(_ANCHOR), add_generation_prompt=False)
+
+
+def _template_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[Any] | None = None
+) -> list[int]:
+    extra = {} if tools is None else {"tools": tools}
+    rendered = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
+    )
     # transformers < 5 returns the ids; transformers >= 5 returns a BatchEncoding (a Mapping) holding them.
     ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
     if len(ids) > 0 and not isinstance(ids[0], int):

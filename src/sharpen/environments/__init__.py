@@ -5,6 +5,9 @@ engine or the trainer. The episode loop that drives it is `sharpen.rollout.episo
 """
 
 from sharpen.environments.base import (
+    AgentClient,
+    AgentEnvironment,
+    AgentResult,
     Environment,
     EnvironmentFactory,
     EnvironmentInfraError,
@@ -15,6 +18,9 @@ from sharpen.environments.base import (
 )
 
 __all__ = [
+    "AgentClient",
+    "AgentEnvironment",
+    "AgentResult",
     "Environment",
     "EnvironmentFactory",
     "EnvironmentInfraError",

@@ -91,7 +91,60 @@ class Environment(Protocol):
         ...
 
 
-EnvironmentFactory = Callable[[], Environment]
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AgentClient:
+    """Where an agent sends its model calls: an OpenAI-compatible server (sharpen's agent endpoint) that serves
+    only this episode. Pass these to any OpenAI client (``openai.AsyncOpenAI(base_url=..., api_key=...)``) or agent
+    framework; the episode loop records every call's exact tokens under ``api_key``."""
+
+    base_url: str
+    """Ends in ``/v1``, as the ``openai`` client expects."""
+    api_key: str
+    """This episode's key: calls made with it are this episode's (an unknown or finished key gets HTTP 401/409)."""
+    model: str
+    """The model name to send (the endpoint serves the run's policy under this name)."""
+    http_client: Any = None
+    """This episode's connections to the endpoint (an ``httpx.AsyncClient``, closed when the episode ends)."""
+
+    def openai_client(self) -> Any:
+        """An ``openai.AsyncOpenAI`` for this episode on ``http_client`` (a client that builds its own connections
+        costs tens of ms to set up, more than a call); it does not retry a call the endpoint refused or lost."""
+        import openai  # the agents extra (or any agent framework) brings it; the core install does not
+
+        return openai.AsyncOpenAI(
+            base_url=self.base_url, api_key=self.api_key, http_client=self.http_client, max_retries=0
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class AgentResult:
+    """What an agent environment reports when its episode ends."""
+
+    reward: float | None = None
+    """The environment's reward of the episode; None: the run's reward function scores it."""
+    is_truncated: bool = False
+    """The agent stopped short of finishing (a step limit of its own, an error it caught)."""
+    stop_reason: str = "terminated"
+    info: dict[str, Any] = field(default_factory=dict[str, Any])
+    """JSON-serialisable details, recorded with the episode (the agent's own metrics, rubric components)."""
+
+
+@runtime_checkable
+class AgentEnvironment(Protocol):
+    """An episode driven by agent code that calls the model itself, through an OpenAI-compatible client (the other
+    way round from `Environment`, whose ``step`` the episode loop calls with each turn). Any agent framework fits:
+    it gets ``client`` and runs. The episode loop serves the calls from the run's engine, records their tokens and
+    trains on them; the agent never sees tokens. Build one instance per episode, like an `Environment`."""
+
+    name: str
+    version: str
+
+    async def run_agent(self, example: Example, ctx: EpisodeContext, client: AgentClient) -> AgentResult:
+        """Run the whole episode; every model call goes to ``client``."""
+        ...
+
+
+EnvironmentFactory = Callable[[], Environment | AgentEnvironment]
 """Builds a fresh environment for each episode."""
 
 

@@ -7,6 +7,7 @@ same way. It does not run episodes.
 from __future__ import annotations
 
 from functools import partial
+from typing import Any
 
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
@@ -16,6 +17,8 @@ from sharpen.config.environments import (
     GymnasiumEnvironmentConfig,
     PythonEnvironmentConfig,
     SingleTurnEnvironmentConfig,
+    TextArenaEnvironmentConfig,
+    VerifiersEnvironmentConfig,
 )
 from sharpen.config.sandbox import SandboxConfig
 from sharpen.environments.base import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
@@ -24,6 +27,8 @@ from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
 from sharpen.environments.python_tool import PythonEnvironment
 from sharpen.environments.sandbox import SandboxPool
+from sharpen.environments.textarena_adapter import TextArenaEnvironment, import_textarena
+from sharpen.environments.verifiers_adapter import VerifiersEnvironment, import_verifiers
 from sharpen.plugins import PluginLoadError, load_object
 from sharpen.types import Example
 
@@ -59,6 +64,31 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
                 action_names=config.action_names,
                 instructions=config.instructions,
             )
+        case TextArenaEnvironmentConfig():
+            import_textarena()  # a missing extra or an opponent that does not load: one error now, not per episode
+            factory = partial(
+                TextArenaEnvironment,
+                config.env_id,
+                num_players=config.num_players,
+                policy_player=config.policy_player,
+                opponent=config.opponent,
+                instructions=config.instructions,
+            )
+            factory()
+            return factory
+        case VerifiersEnvironmentConfig():
+            import_verifiers()
+            return partial(VerifiersEnvironment, **_verifiers_arguments(config))
+
+
+def _verifiers_arguments(config: VerifiersEnvironmentConfig) -> dict[str, Any]:
+    return {
+        "taskset": config.taskset,
+        "env_config": config.env_config,
+        "factory": config.factory,
+        "kwargs": config.kwargs,
+        "harness": config.harness,
+    }
 
 
 def build_sandbox(config: EnvironmentConfig, sandbox: SandboxConfig) -> SandboxPool | None:
@@ -87,6 +117,12 @@ def environment_tasks(config: EnvironmentConfig, *, size: int, seed: int) -> lis
             return GymnasiumEnvironment.make_tasks(
                 size, seed=seed, env_id=config.env_id, instructions=config.instructions
             )
+        case TextArenaEnvironmentConfig():
+            return TextArenaEnvironment.make_tasks(
+                size, seed=seed, env_id=config.env_id, instructions=config.instructions
+            )
+        case VerifiersEnvironmentConfig():
+            return VerifiersEnvironment(**_verifiers_arguments(config)).make_tasks(size)
         case CustomEnvironmentConfig(tasks=str(tasks)):
             return list(load_object(tasks, what="environment.tasks")(size, seed=seed))
         case _:

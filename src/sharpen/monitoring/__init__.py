@@ -1,9 +1,11 @@
-"""Monitoring: metric sinks (JSONL, TensorBoard, W&B, MLflow, console progress), the rollout recorder, phase timers,
-the run timeline, the engine/trainer parity probe, and the run's log (what reaches the terminal, what its log file).
+"""Monitoring: metric sinks (JSONL, TensorBoard, W&B, MLflow, console progress), the rollout recorder, the episode
+digest, phase timers, the run timeline, the engine/trainer parity probe, and the run's log (what reaches the
+terminal, what its log file).
 
 Owns how a run reports itself. Imports only `sharpen.types` and `sharpen.config` from sharpen; never drives the run.
 """
 
+from sharpen.monitoring.digest import DIGEST_FILE_NAME, EpisodeDigest
 from sharpen.monitoring.health import NONFINITE_DIR_NAME, RunHealth
 from sharpen.monitoring.parity import (
     ParityProbe,
@@ -48,6 +50,7 @@ from sharpen.monitoring.tracking import (
 
 __all__ = [
     "DEFAULT_PROGRESS_KEYS",
+    "DIGEST_FILE_NAME",
     "LOG_FILE_NAME",
     "METRICS_FILE_NAME",
     "MLFLOW_DIR_NAME",
@@ -56,6 +59,7 @@ __all__ = [
     "TENSORBOARD_DIR_NAME",
     "TIMELINE_FILE_NAME",
     "WANDB_DIR_NAME",
+    "EpisodeDigest",
     "JsonlSink",
     "MetricSink",
     "MlflowSink",

@@ -19,7 +19,14 @@ from sharpen.data import ExampleSampler, load_examples, render_prompt
 from sharpen.data.humaneval import humaneval_examples
 from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
 from sharpen.environments.sandbox import Sandbox, SandboxPool
-from sharpen.monitoring import ParityProbe, RolloutRecorder, build_probe_set, build_sinks, build_timeline
+from sharpen.monitoring import (
+    DIGEST_FILE_NAME,
+    ParityProbe,
+    RolloutRecorder,
+    build_probe_set,
+    build_sinks,
+    build_timeline,
+)
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.loop import Components
 from sharpen.orchestration.weight_sync import WeightSync
@@ -75,8 +82,8 @@ def build_reward_fn(
 
 
 def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any, device: str) -> InferenceEngine:
-    """The recipe's inference engine (rollout.engine) on ``model_path``, behind a router when rollout.num_engines
-    asks for replicas; ``device`` is used by the hf engine."""
+    """The recipe's inference engine (rollout.engine) on ``model_path``, behind a router (with rollout.failover)
+    when rollout.num_engines asks for replicas; ``device`` is used by the hf engine."""
     replicas = [
         build_engine(
             config.rollout.engine,
@@ -93,7 +100,7 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
         )
         for _ in range(config.rollout.num_engines)
     ]
-    return replicas[0] if len(replicas) == 1 else EngineRouter(replicas)
+    return replicas[0] if len(replicas) == 1 else EngineRouter(replicas, failover=config.rollout.failover)
 
 
 def build_trainer(
@@ -183,6 +190,7 @@ def build_components(
             run_dir / "rollouts.jsonl",
             num_per_step=config.monitoring.num_recorded_rollouts,
             resume_from_step=resume_from_step,
+            digest_path=run_dir / DIGEST_FILE_NAME,
         ),
         runner=runner,
         weight_sync=WeightSync(

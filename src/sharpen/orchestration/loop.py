@@ -39,7 +39,7 @@ from sharpen.rewards.canaries import build_canary_monitor
 from sharpen.rewards.hack_monitor import hack_metrics, penalise_flagged, screen_flagged
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import EpisodeRunner
-from sharpen.types import Example, TrainBatch
+from sharpen.types import Example, TrainBatch, with_segments
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
             trained = overlong_filter(rollouts) if config.trainer.algorithm.mask_truncated else rollouts
             train_started = time.perf_counter()
             with timer.phase("train"):
-                train_metrics = c.trainer.step(TrainBatch(rollouts=trained, step=step))
+                train_metrics = c.trainer.step(TrainBatch(rollouts=with_segments(trained), step=step))
             train_ended = time.perf_counter()
             health_metrics = health.check(step, trained, train_metrics)
             with timer.phase("sync"):

@@ -47,8 +47,9 @@ def score_groups(
 
 def add_kl_penalties(trainer: TrainerHandle, groups: list[RolloutGroup]) -> None:
     """``kl_in_reward``: each rollout gets per-token reward terms -kl_coef * KL_t(engine || reference), which the
-    advantages then see (sequence estimators through `Rollout.total_score`, GAE token by token)."""
-    rollouts = [r for g in groups for r in g.rollouts if r.num_loss_tokens]
+    advantages then see (sequence estimators through `Rollout.total_score`, GAE token by token). An agent episode's
+    earlier segments get theirs too (its total score adds them up)."""
+    rollouts = [s for g in groups for r in g.rollouts for s in (*r.segments, r) if s.num_loss_tokens]
     for rollout, penalties in zip(rollouts, trainer.kl_penalties(rollouts), strict=True):
         rollout.token_rewards = penalties
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from sharpen.config import load_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
+from sharpen.environments.base import AgentEnvironment
 from sharpen.environments.registry import build_environment_factory, build_sandbox, episode_limits
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME
 from sharpen.orchestration.build import load_run_examples
@@ -40,12 +41,18 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
+    environment = build_environment_factory(config.environment)()
+    if isinstance(environment, AgentEnvironment):
+        raise ConfigError(
+            f"replay: {environment.name} is an agent environment; its agent calls the model itself, so its episodes "
+            "cannot be re-run from the recorded turns (the rollout record holds its exact tokens)"
+        )
     sandbox = build_sandbox(config.environment, config.sandbox)
     try:
         report = replay_episode(
             record,
             examples[record["task_key"]],
-            build_environment_factory(config.environment)(),
+            environment,
             tokenizer=tokenizer,
             limits=episode_limits(config.environment),
             sandbox=sandbox,

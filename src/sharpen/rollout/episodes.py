@@ -29,9 +29,9 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from sharpen.data import render_continuation, render_prompt
+from sharpen.data import render_continuation
 from sharpen.environments import (
     EnvironmentFactory,
     EpisodeContext,
@@ -39,21 +39,27 @@ from sharpen.environments import (
     SingleTurnEnvironment,
     StepResult,
 )
-from sharpen.environments.base import Environment
+from sharpen.environments.base import AgentEnvironment, Environment
+from sharpen.rollout.agent_endpoint import AgentEndpoint
+from sharpen.rollout.agent_episodes import run_agent_episode
 from sharpen.rollout.engines.base import AsyncEngine, EngineError, InferenceEngine, request_level
 from sharpen.rollout.engines.batcher import DaemonWorker, RequestBatcher
+from sharpen.rollout.episode_state import EpisodeState, Groups, PromptCache
 from sharpen.types import (
     Completion,
     EpisodeRecord,
     Example,
     PolicyVersion,
-    Rollout,
     RolloutGroup,
     SamplingParams,
     TurnRecord,
 )
 
 logger = logging.getLogger(__name__)
+
+
+AGENT_SETTLE_SECONDS = 0.02
+"""How long a batch of a run with agent episodes waits for one more request (see `RequestBatcher`)."""
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -87,46 +93,6 @@ class _DirectRequests:
 
 Requests = RequestBatcher | _DirectRequests
 """Where an episode's requests go: grouped into batch calls, or one by one to an engine that batches them."""
-
-
-@dataclass(kw_only=True)
-class _Episode:
-    """One episode in flight."""
-
-    example_index: int
-    sample_index: int
-    environment: Environment
-    context: EpisodeContext
-    record: EpisodeRecord
-    prompt_ids: list[int] = field(default_factory=list[int])
-    completion_ids: list[int] = field(default_factory=list[int])
-    logprobs: list[float] = field(default_factory=list[float])
-    versions: list[int] = field(default_factory=list[int])
-    loss_mask: list[bool] = field(default_factory=list[bool])
-    last_text: str = ""
-    env_seconds: float = 0.0
-    deadline: float | None = None
-    """``time.monotonic()`` by which the episode must end (``rollout.episode_timeout_s``; None: no limit)."""
-    is_done: bool = False
-    is_truncated: bool = False
-
-    def end(self, reason: str, *, is_truncated: bool) -> None:
-        self.is_done = True
-        self.is_truncated = is_truncated
-        self.record.stop_reason = reason
-
-    def environment_budget(self) -> tuple[float | None, str]:
-        """How long the environment's next call may take, and the stop reason if it takes longer: the rest of its
-        wall-clock budget (``wall_clock``) or of the episode's time (``episode_timeout``), whichever ends first."""
-        budget = self.context.wall_seconds
-        left = None if budget is None else max(budget - self.env_seconds, 0.0)
-        episode_left = self.time_left()
-        if episode_left is not None and (left is None or episode_left < left):
-            return episode_left, "episode_timeout"
-        return left, "wall_clock"
-
-    def time_left(self) -> float | None:
-        return None if self.deadline is None else max(self.deadline - time.monotonic(), 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,9 +134,19 @@ class EpisodeRunner:
         made. ``seed`` seeds sampling (it differs per step); ``sampling.max_new_tokens`` is the limit of one turn.
         ``on_group`` is called with each group as soon as its last episode ends (to score it while the other
         episodes still run); the groups returned are the same objects, in example order."""
-        return asyncio.run(
-            self.run(engine, examples, sampling=sampling, num_samples=num_samples, seed=seed, on_group=on_group)
-        )
+        groups: list[RolloutGroup] = []
+
+        async def main() -> None:
+            # returns None: asyncio.run, restoring the SIGINT handler, formats the old one (a partial holding the
+            # main task), and a task's repr includes its result: the first groups' reprs, ~20 ms a step of 2,000
+            groups.extend(
+                await self.run(
+                    engine, examples, sampling=sampling, num_samples=num_samples, seed=seed, on_group=on_group
+                )
+            )
+
+        asyncio.run(main())
+        return groups
 
     async def run(
         self,
@@ -184,23 +160,37 @@ class EpisodeRunner:
     ) -> list[RolloutGroup]:
         """`generate_groups` for callers that already run an event loop."""
         episodes = [self._new_episode(examples[i], i, s) for i in range(len(examples)) for s in range(num_samples)]
-        groups = _Groups(examples, episodes, on_group)
+        groups = Groups(examples, episodes, on_group)
+        prompts = PromptCache(self.tokenizer)
+        kinds = {type(e.environment): e.environment for e in episodes}  # a protocol check costs ~15 us: one per class
+        has_agents = any(isinstance(environment, AgentEnvironment) for environment in kinds.values())
+        if has_agents and self.scheduling == "lockstep":
+            raise ValueError("agent environments drive their own turns: they need rollout.episode_scheduling = 'async'")
         if self.scheduling == "lockstep":
-            await self._run_lockstep(engine, examples, episodes, groups, sampling=sampling, seed=seed)
+            await self._run_lockstep(engine, examples, episodes, groups, prompts, sampling=sampling, seed=seed)
         else:
             bound = asyncio.Semaphore(self.max_concurrent) if self.max_concurrent else None
             direct = request_level(engine)
             # a batch engine: one worker thread generates a batch while the loop steps environments
             worker = DaemonWorker() if direct is None else None
-            requests = RequestBatcher(engine, executor=worker) if direct is None else _DirectRequests(engine, direct)
-            tasks = [
-                asyncio.ensure_future(
-                    self._run_episode(requests, episode, examples[episode.example_index], sampling, seed, bound, groups)
-                )
-                for episode in episodes
-            ]
+            # agents' requests come over HTTP, a few loop turns apart: let a turn's batch gather for a few ms
+            settle_seconds = AGENT_SETTLE_SECONDS if has_agents else 0.0
+            requests = (
+                RequestBatcher(engine, executor=worker, settle_seconds=settle_seconds)
+                if direct is None
+                else _DirectRequests(engine, direct)
+            )
+            endpoint = AgentEndpoint() if has_agents else None
+            tasks = []
             try:
-                await asyncio.gather(*tasks)
+                async with endpoint if endpoint is not None else contextlib.nullcontext():
+                    for episode in episodes:
+                        example = examples[episode.example_index]
+                        run = self._run_episode(
+                            requests, episode, example, sampling, seed, bound, groups, prompts, endpoint
+                        )
+                        tasks.append(asyncio.ensure_future(run))
+                    await asyncio.gather(*tasks)
             except BaseException:
                 for task in tasks:
                     task.cancel()
@@ -215,30 +205,77 @@ class EpisodeRunner:
     async def _run_episode(
         self,
         batcher: Requests,
-        episode: _Episode,
+        episode: EpisodeState,
         example: Example,
         sampling: SamplingParams,
         seed: int | str,
         bound: asyncio.Semaphore | None,
-        groups: _Groups,
+        groups: Groups,
+        prompts: PromptCache,
+        endpoint: AgentEndpoint | None = None,
     ) -> None:
-        """One episode from reset to its end, turn by turn, as its own task."""
+        """One episode from reset to its end, turn by turn (or its agent's calls), as its own task."""
         async with bound if bound is not None else contextlib.nullcontext():
             batcher.episode_started()
             try:
-                await self._run_turns(batcher, episode, example, sampling, seed)
+                if endpoint is not None and isinstance(episode.environment, AgentEnvironment):
+                    await self._run_agent(batcher, episode, example, sampling, seed, endpoint)
+                else:
+                    await self._run_turns(batcher, episode, example, sampling, seed, prompts)
             finally:
                 batcher.episode_ended()
         groups.ended(episode)
 
+    async def _run_agent(
+        self,
+        batcher: Requests,
+        episode: EpisodeState,
+        example: Example,
+        sampling: SamplingParams,
+        seed: int | str,
+        endpoint: AgentEndpoint,
+    ) -> None:
+        if self.episode_timeout_s is not None:
+            episode.deadline = time.monotonic() + self.episode_timeout_s
+        key = (episode.example_index, episode.sample_index)
+
+        async def generate(ids: list[int], params: SamplingParams) -> tuple[Completion, PolicyVersion]:
+            try:
+                return await asyncio.wait_for(batcher.generate_one(ids, params, key=key), self.request_timeout_s)
+            except TimeoutError:
+                raise self._timeout_error(batcher) from None
+
+        await run_agent_episode(
+            episode,
+            example,
+            endpoint=endpoint,
+            generate=generate,
+            tokenizer=self.tokenizer,
+            sampling=sampling,
+            limits=self.limits,
+            seed_of=lambda call: turn_seed(seed, episode.example_index, episode.sample_index, call),
+        )
+
+    def _timeout_error(self, batcher: Requests) -> EngineError:
+        return EngineError(
+            f"the engine ({type(batcher.engine).__name__}) did not answer a request within "
+            f"{self.request_timeout_s:g} s (rollout.request_timeout_s)"
+        )
+
     async def _run_turns(
-        self, batcher: Requests, episode: _Episode, example: Example, sampling: SamplingParams, seed: int | str
+        self,
+        batcher: Requests,
+        episode: EpisodeState,
+        example: Example,
+        sampling: SamplingParams,
+        seed: int | str,
+        prompts: PromptCache,
     ) -> None:
         if self.episode_timeout_s is not None:
             episode.deadline = time.monotonic() + self.episode_timeout_s
         observation = await _reset(episode, example)
         if observation is not None:
-            episode.prompt_ids = render_prompt(self.tokenizer, observation)
+            episode.prompt_ids = prompts.render(observation)
         turn = 0
         while not episode.is_done:
             ids, params = _request(episode, sampling, limits=self.limits, seed=seed, turn=turn)
@@ -253,10 +290,7 @@ class EpisodeRunner:
                 if is_episode_bound:  # the request is dropped; the episode ends with the tokens it has
                     episode.end("episode_timeout", is_truncated=True)
                     break
-                raise EngineError(
-                    f"the engine ({type(batcher.engine).__name__}) did not answer a request within "
-                    f"{self.request_timeout_s:g} s (rollout.request_timeout_s)"
-                ) from None
+                raise self._timeout_error(batcher) from None
             assert completion.versions is not None  # the batcher stamps every completion's tokens
             _append(episode, completion.token_ids, completion.logprobs, versions=completion.versions, is_generated=True)
             episode.last_text = completion.text
@@ -268,8 +302,9 @@ class EpisodeRunner:
         self,
         engine: InferenceEngine,
         examples: list[Example],
-        episodes: list[_Episode],
-        groups: _Groups,
+        episodes: list[EpisodeState],
+        groups: Groups,
+        prompts: PromptCache,
         *,
         sampling: SamplingParams,
         seed: int | str,
@@ -282,7 +317,7 @@ class EpisodeRunner:
         observations = await asyncio.gather(*(_reset(e, examples[e.example_index]) for e in episodes))
         for episode, observation in zip(episodes, observations, strict=True):
             if observation is not None:
-                episode.prompt_ids = render_prompt(tokenizer, observation)
+                episode.prompt_ids = prompts.render(observation)
         turn = 0
         while live := [e for e in episodes if not e.is_done]:
             for episode in episodes:
@@ -302,7 +337,7 @@ class EpisodeRunner:
         for episode in episodes:
             groups.ended(episode)
 
-    def _new_episode(self, example: Example, example_index: int, sample_index: int) -> _Episode:
+    def _new_episode(self, example: Example, example_index: int, sample_index: int) -> EpisodeState:
         environment, limits, sandbox = self.make_environment(), self.limits, self.sandbox
         context = EpisodeContext(
             seed=derive_seed(self.episode_seed, example.task_key, sample_index),
@@ -318,7 +353,7 @@ class EpisodeRunner:
             seed=context.seed,
             sandbox_backend=None if sandbox is None else str(sandbox.report.backend),
         )
-        return _Episode(
+        return EpisodeState(
             example_index=example_index,
             sample_index=sample_index,
             environment=environment,
@@ -327,11 +362,16 @@ class EpisodeRunner:
         )
 
 
-async def _reset(episode: _Episode, example: Example) -> list[Any] | None:
+def _turns(episode: EpisodeState) -> Environment:
+    """The episode's environment as one the loop steps turn by turn (agent episodes never get here)."""
+    return cast(Environment, episode.environment)
+
+
+async def _reset(episode: EpisodeState, example: Example) -> list[Any] | None:
     started = time.perf_counter()
     timeout, reason = episode.environment_budget()
     try:
-        return await asyncio.wait_for(episode.environment.reset(example, episode.context), timeout=timeout)
+        return await asyncio.wait_for(_turns(episode).reset(example, episode.context), timeout=timeout)
     except TimeoutError:
         episode.end(reason, is_truncated=True)
         return None
@@ -344,11 +384,11 @@ async def _reset(episode: _Episode, example: Example) -> list[Any] | None:
         episode.env_seconds += time.perf_counter() - started
 
 
-async def _step(episode: _Episode, action: str) -> StepResult:
+async def _step(episode: EpisodeState, action: str) -> StepResult:
     started = time.perf_counter()
     timeout, reason = episode.environment_budget()
     try:
-        return await asyncio.wait_for(episode.environment.step(action), timeout=timeout)
+        return await asyncio.wait_for(_turns(episode).step(action), timeout=timeout)
     except TimeoutError:
         return StepResult(truncated=True, info={"stop": reason})
     except Exception as error:  # an environment bug ends its episode (scored as an infra error), not the run
@@ -360,16 +400,24 @@ async def _step(episode: _Episode, action: str) -> StepResult:
 
 
 def _request(
-    episode: _Episode, sampling: SamplingParams, *, limits: EpisodeLimits, seed: int | str, turn: int
+    episode: EpisodeState, sampling: SamplingParams, *, limits: EpisodeLimits, seed: int | str, turn: int
 ) -> tuple[list[int], SamplingParams]:
-    index, sample = episode.example_index, episode.sample_index
-    turn_seed = derive_seed(seed, index, sample) if turn == 0 else derive_seed(seed, index, sample, turn)
     budget = min(sampling.max_new_tokens, limits.max_tokens - len(episode.completion_ids))
-    return episode.prompt_ids + episode.completion_ids, replace(sampling, max_new_tokens=budget, seed=turn_seed)
+    params = replace(
+        sampling, max_new_tokens=budget, seed=turn_seed(seed, episode.example_index, episode.sample_index, turn)
+    )
+    return episode.prompt_ids + episode.completion_ids, params
+
+
+def turn_seed(seed: int | str, example_index: int, sample_index: int, turn: int) -> int:
+    """The sampling seed of one turn (or an agent's model call); turn 0's is the single-turn generation's."""
+    if turn == 0:
+        return derive_seed(seed, example_index, sample_index)
+    return derive_seed(seed, example_index, sample_index, turn)
 
 
 def _append(
-    episode: _Episode, ids: Sequence[int], logprobs: Sequence[float], *, versions: Sequence[int], is_generated: bool
+    episode: EpisodeState, ids: Sequence[int], logprobs: Sequence[float], *, versions: Sequence[int], is_generated: bool
 ) -> None:
     episode.completion_ids.extend(ids)
     episode.logprobs.extend(logprobs)
@@ -378,7 +426,7 @@ def _append(
 
 
 def _advance(
-    episode: _Episode,
+    episode: EpisodeState,
     completion: Completion,
     result: StepResult,
     tokenizer: Any,
@@ -421,52 +469,3 @@ def _advance(
             return
         record.observation_ids = ids
         _append(episode, ids, [0.0] * len(ids), versions=[version] * len(ids), is_generated=False)
-
-
-class _Groups:
-    """The run's groups, each made (and handed to ``on_group``) once all of its episodes have ended."""
-
-    def __init__(
-        self, examples: list[Example], episodes: list[_Episode], on_group: Callable[[RolloutGroup], None] | None
-    ) -> None:
-        self.examples = examples
-        self.members: list[list[_Episode]] = [[] for _ in examples]
-        for episode in episodes:
-            self.members[episode.example_index].append(episode)
-        self.on_group = on_group
-        self.groups: list[RolloutGroup | None] = [None] * len(examples)
-        self._ended: set[int] = set()
-
-    def ended(self, episode: _Episode) -> None:
-        if id(episode) in self._ended:
-            return
-        self._ended.add(id(episode))
-        index = episode.example_index
-        if all(id(member) in self._ended for member in self.members[index]):
-            group = RolloutGroup(
-                example=self.examples[index], rollouts=[_rollout(self.examples[index], e) for e in self.members[index]]
-            )
-            self.groups[index] = group
-            if self.on_group is not None:
-                self.on_group(group)
-
-    def all(self) -> list[RolloutGroup]:
-        missing = [self.examples[i].task_key for i, group in enumerate(self.groups) if group is None]
-        assert not missing, f"episodes of {missing} never ended"
-        return [group for group in self.groups if group is not None]
-
-
-def _rollout(example: Example, episode: _Episode) -> Rollout:
-    is_multi_turn = not all(episode.loss_mask)
-    return Rollout(
-        example=example,
-        prompt_ids=episode.prompt_ids,
-        completion_ids=episode.completion_ids,
-        completion_logprobs=episode.logprobs,
-        versions=episode.versions,
-        completion_text=episode.last_text,
-        is_truncated=episode.is_truncated,
-        loss_mask=episode.loss_mask if is_multi_turn else None,
-        episode=episode.record,
-        sample_index=episode.sample_index,
-    )

@@ -55,6 +55,7 @@ def test_record_fields(tmp_path: Path) -> None:
         "is_truncated": False,
         "loss_mask": None,
         "episode": None,
+        "segments": [],
     }
 
 

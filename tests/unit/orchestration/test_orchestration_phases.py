@@ -143,3 +143,20 @@ def test_kl_penalties_reach_the_advantages_but_not_the_task_reward_metric():
     metrics = reward_metrics([group])
     assert metrics["reward/mean"] == 1.0
     assert metrics["reward/kl_penalty"] == pytest.approx(-0.1)
+
+
+def test_an_agent_episodes_earlier_segments_get_kl_penalties_that_count_in_its_score():
+    from dataclasses import replace
+
+    from sharpen.orchestration.phases import add_kl_penalties
+
+    class FakeTrainer:
+        def kl_penalties(self, rollouts):
+            return [[-0.1] * len(r.completion_ids) for r in rollouts]
+
+    group = _group(0, (1.0,), (1.0,))
+    first = group.rollouts[0]
+    first.segments = [replace(first, segments=[], reward=None)]  # an earlier segment of the same length
+    add_kl_penalties(FakeTrainer(), [group])  # type: ignore[arg-type]
+    assert first.segments[0].token_rewards == [-0.1, -0.1]
+    assert group.scores == [pytest.approx(0.6), pytest.approx(0.8)]  # 4 tokens x -0.1 vs 2 tokens x -0.1

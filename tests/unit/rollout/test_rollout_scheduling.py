@@ -8,7 +8,8 @@ import asyncio
 import hashlib
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from sharpen.environments import EpisodeContext, EpisodeLimits, StepResult
 from sharpen.rollout.engines.base import EngineError, request_level
 from sharpen.rollout.engines.batcher import RequestBatcher
 from sharpen.rollout.engines.router import EngineRouter
+from sharpen.rollout.engines.scripted import SeededScriptedEngine
 from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Completion, Example, Message, RolloutGroup, SamplingParams
@@ -29,35 +31,22 @@ def tokenizer(smollm2_path: Path):
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
-class SeededEngine:
+WORDS = [" w1", " w2 w3", " a b c", " yes", " no no", " the end"]
+
+
+class SeededEngine(SeededScriptedEngine):
     """A completion that is a function of the request alone (its prompt and seed), as vLLM's per-request seeds
-    make it: 1-4 word tokens and the end of turn. Records the size of every batch it is given."""
+    make it: one of a few short texts (at most 6 tokens) and the end of turn. Records the size of every batch."""
 
     def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+        encode = partial(tokenizer.encode, add_special_tokens=False)
+        super().__init__(WORDS, encode=encode, logprob=-0.1, eos_token_id=tokenizer.eos_token_id)
         self.policy_version = 7
         self.batch_sizes: list[int] = []
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         self.batch_sizes.append(len(prompts))
-        out = []
-        for prompt, param in zip(prompts, params, strict=True):
-            digest = hashlib.blake2b(f"{prompt}/{param.seed}".encode(), digest_size=8).digest()
-            words = [f" w{b}" for b in digest[: 1 + digest[7] % 4]]
-            text = "".join(words)
-            ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
-            out.append(Completion(token_ids=ids, logprobs=[-0.1 * (b % 7) for b in ids], text=text))
-        return out
-
-    def score(self, token_ids: list[int]) -> list[float]:
-        return [0.0] * (len(token_ids) - 1)
-
-    def load_weights(self, weights, *, version: int) -> dict[str, float]:
-        self.policy_version = version
-        return {}
-
-    def close(self) -> None:
-        pass
+        return super().generate(prompts, params)
 
 
 class RequestSeededEngine(RequestLevelEngine):
@@ -79,7 +68,7 @@ class RequestSeededEngine(RequestLevelEngine):
         self.num_requests += 1
         await asyncio.sleep(0.001 * ((params.seed or 0) % 5))
         (completion,) = self.inner.generate([prompt], [params])
-        return replace(completion, versions=[self.policy_version] * len(completion.token_ids))
+        return completion
 
     def score(self, token_ids: list[int]) -> list[float]:
         return self.inner.score(token_ids)

@@ -8,7 +8,10 @@ others are in their environments), or its oldest request has waited as long as t
 slow environments cost a batch at most that much latency instead of splitting every turn into small batches. It is sent
 at once when it holds ``max_batch_size`` requests. Within a batch, requests are ordered by the key each brings (the
 episode runner's (example, sample)), so the engine sees the same batch in the same order whatever order the coroutines
-happened to run in: with instant environments every turn's batch is exactly the lockstep loop's.
+happened to run in: with instant environments every turn's batch is exactly the lockstep loop's. Requests that come
+over HTTP (agents through the agent endpoint) arrive a few loop turns apart even when every agent answers at once;
+``settle_seconds`` then also waits until none has arrived for that long (while some open episode has none pending),
+so one slow arrival does not split a turn's batch in two.
 
 One batch is in flight at a time (engines are not required to take concurrent calls). With an ``executor`` (one
 worker thread) the batch generates there while the event loop goes on stepping environments, and the requests that
@@ -93,6 +96,7 @@ class RequestBatcher:
         executor: Executor | None = None,
         max_batch_size: int = 1 << 16,
         settle_ticks: int = 3,
+        settle_seconds: float = 0.0,
     ) -> None:
         if max_batch_size < 1 or settle_ticks < 1:
             raise ValueError("RequestBatcher: max_batch_size and settle_ticks must be at least 1")
@@ -100,6 +104,7 @@ class RequestBatcher:
         self.executor = executor
         self.max_batch_size = max_batch_size
         self.settle_ticks = settle_ticks
+        self.settle_seconds = settle_seconds
         self.batch_sizes: list[int] = []
         """The size of every batch sent so far (for metrics and tests)."""
         self._pending: list[_Request] = []
@@ -144,8 +149,12 @@ class RequestBatcher:
         if self._quiet_ticks < self.settle_ticks and len(self._pending) < self.max_batch_size:
             asyncio.get_running_loop().call_soon(self._tick)
             return
-        self._scheduled = False
         loop = asyncio.get_running_loop()
+        quiet = loop.time() - self._pending[-1].arrived
+        if quiet < self.settle_seconds and len(self._pending) < self._num_open:
+            loop.call_later(self.settle_seconds - quiet, self._tick)  # more may be on their way
+            return
+        self._scheduled = False
         waited = loop.time() - min(request.arrived for request in self._pending)
         if 2 * len(self._pending) >= self._num_open or waited >= self._last_batch_seconds:
             self._send()

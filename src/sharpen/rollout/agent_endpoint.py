@@ -1,0 +1,257 @@
+"""The agent endpoint: an OpenAI-compatible HTTP server on loopback, in front of the run's engine, for agents that
+call the model themselves (`AgentEnvironment`).
+
+Owns HTTP: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models``, routed by the API key
+(``Authorization: Bearer <key>``) to the episode that owns it (`AgentSession`, which does the tokens). It runs in the
+episode loop's event loop (asyncio streams and h11, no web framework), so an agent's call costs a loopback round trip
+and JSON, and its request joins the other episodes' requests to the engine. Errors are OpenAI-shaped JSON
+(``{"error": {"message", "type", "code"}}``) naming the cause: no or an unknown key (401), an episode that has ended
+(410), a malformed request (400), the episode's limits (400, code ``episode_limit``), the engine failing (503). Each
+carries ``x-should-retry: false``, so the ``openai`` client does not resend a call the endpoint has refused. A
+``stream = true`` request gets its whole answer as server-sent events once it is generated (the chunks an OpenAI
+stream has: the content, the tool calls, the finish reason, usage if asked, ``[DONE]``): agent frameworks that
+always stream (verifiers) work, though nothing arrives token by token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import secrets
+import ssl
+from typing import Any
+
+import h11
+import httpx
+
+from sharpen.rollout.agent_session import AgentSession, RequestError
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 << 20
+"""Largest request body served (a long conversation is a few MB)."""
+
+
+class AgentEndpoint:
+    """The OpenAI-compatible server of one episode-loop run. Start it with ``async with``; `open` registers an
+    episode's session under a fresh key, `close` ends it (later calls with its key get 410)."""
+
+    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "sharpen-policy") -> None:
+        self.host = host
+        self.port = port
+        self.model_name = model_name
+        self._sessions: dict[str, AgentSession] = {}
+        self._ended: set[str] = set()
+        self._server: asyncio.Server | None = None
+        self._connections: dict[asyncio.Task[None], asyncio.StreamWriter] = {}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def __aenter__(self) -> AgentEndpoint:
+        try:
+            self._server = await asyncio.start_server(self._serve_connection, self.host, self.port)
+        except OSError as error:
+            raise RuntimeError(f"agent endpoint: cannot listen on {self.host}:{self.port} ({error.strerror})") from None
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def http_client(self) -> httpx.AsyncClient:
+        """An HTTP client for one episode's agent (`AgentClient.openai_client`): its own small connection pool (a
+        pool shared by every episode costs each request a scan of all connections), set up in microseconds (with
+        a TLS context of its own it takes tens of ms). No timeout: the episode's limits bound a call."""
+        return httpx.AsyncClient(verify=_tls_context(), timeout=None)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._server is not None:
+            self._server.close()
+            # agents' clients keep idle connections open: closing them ends each connection's read with EOF
+            for writer in list(self._connections.values()):
+                writer.close()
+            if self._connections:
+                await asyncio.wait(list(self._connections), timeout=5.0)
+            for task in list(self._connections):
+                task.cancel()
+            self._server = None
+
+    def open(self, session: AgentSession) -> str:
+        """Register ``session``; returns its API key."""
+        key = f"sk-sharpen-{secrets.token_urlsafe(18)}"
+        self._sessions[key] = session
+        return key
+
+    def close(self, key: str) -> None:
+        session = self._sessions.pop(key, None)
+        if session is not None:
+            session.is_closed = True
+            self._ended.add(key)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections[task] = writer
+        connection = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request, body = await _read_request(connection, reader)
+                if request is None:
+                    break
+                status, payload = await self._dispatch(request, body)
+                await _send(connection, writer, status, payload)
+                if connection.our_state is h11.MUST_CLOSE or connection.their_state is h11.MUST_CLOSE:
+                    break
+                connection.start_next_cycle()
+        except (h11.RemoteProtocolError, _BodyTooLarge) as error:
+            status = 413 if isinstance(error, _BodyTooLarge) else 400
+            with contextlib.suppress(Exception):
+                await _send(connection, writer, status, _error(f"bad HTTP request: {error}", "invalid_request"))
+        except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError):
+            pass
+        finally:
+            self._connections.pop(task, None)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _dispatch(self, request: h11.Request, body: bytes) -> tuple[int, dict[str, Any] | bytes]:
+        method, path = request.method.decode(), request.target.decode().split("?", 1)[0].rstrip("/")
+        try:
+            if path == "/v1/models" and method == "GET":
+                return 200, {
+                    "object": "list",
+                    "data": [{"id": self.model_name, "object": "model", "owned_by": "sharpen"}],
+                }
+            routes = {"/v1/chat/completions": AgentSession.chat, "/v1/completions": AgentSession.complete}
+            handler = routes.get(path)
+            if handler is None:
+                raise RequestError(
+                    f"no route {method} {path} (served: POST /v1/chat/completions, POST "
+                    "/v1/completions, GET /v1/models)",
+                    status=404,
+                    code="not_found",
+                )
+            if method != "POST":
+                raise RequestError(f"{path} takes POST, not {method}", status=405, code="method_not_allowed")
+            session = self._session(request)
+            try:
+                payload = json.loads(body)
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                raise RequestError(f"the request body is not JSON ({error})") from None
+            if not isinstance(payload, dict):
+                raise RequestError("the request body must be a JSON object")
+            response = await handler(session, payload)
+            if payload.get("stream"):
+                return 200, _stream_events(response, include_usage=_include_usage(payload))
+            return 200, response
+        except RequestError as error:
+            return error.status, _error(str(error), error.code)
+        except Exception as error:  # a bug must not hang the agent: it gets a 500 naming it, the log the traceback
+            logger.exception("agent endpoint: %s %s failed", method, path)
+            return 500, _error(f"internal error of the agent endpoint: {error!r}", "internal_error")
+
+    def _session(self, request: h11.Request) -> AgentSession:
+        header = dict(request.headers).get(b"authorization", b"").decode(errors="replace")
+        if not header.lower().startswith("bearer ") or not header[7:].strip():
+            raise RequestError(
+                "no API key: send the episode's key (AgentClient.api_key) as a Bearer token",
+                status=401,
+                code="missing_api_key",
+            )
+        key = header[7:].strip()
+        session = self._sessions.get(key)
+        if session is not None:
+            return session
+        if key in self._ended:
+            raise RequestError("this episode has ended: its key takes no more calls", status=410, code="episode_ended")
+        raise RequestError("unknown API key: not an episode of this run", status=401, code="invalid_api_key")
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """Unused on loopback, but an HTTP client builds one (~30 ms) unless it is given one."""
+    return ssl.create_default_context()
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_request(connection: h11.Connection, reader: asyncio.StreamReader) -> tuple[h11.Request | None, bytes]:
+    request: h11.Request | None = None
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        event = connection.next_event()
+        if event is h11.NEED_DATA:
+            data = await reader.read(1 << 16)
+            connection.receive_data(data)  # b"" marks the end of the stream
+            continue
+        if isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            size += len(event.data)
+            if size > MAX_BODY_BYTES:
+                raise _BodyTooLarge(f"the body is over {MAX_BODY_BYTES >> 20} MiB")
+            chunks.append(bytes(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            return request, b"".join(chunks)
+        elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
+            return None, b""
+
+
+async def _send(
+    connection: h11.Connection, writer: asyncio.StreamWriter, status: int, payload: dict[str, Any] | bytes
+) -> None:
+    is_stream = isinstance(payload, bytes)
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    content_type = "text/event-stream" if is_stream else "application/json"
+    headers = [("content-type", content_type), ("content-length", str(len(body)))]
+    if status >= 400:
+        headers.append(("x-should-retry", "false"))
+    writer.write(connection.send(h11.Response(status_code=status, headers=headers)) or b"")
+    writer.write(connection.send(h11.Data(data=body)) or b"")
+    writer.write(connection.send(h11.EndOfMessage()) or b"")
+    await writer.drain()
+
+
+def _include_usage(payload: dict[str, Any]) -> bool:
+    options = payload.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage"))
+
+
+def _stream_events(response: dict[str, Any], *, include_usage: bool) -> bytes:
+    """A finished response as the server-sent events of an OpenAI stream."""
+    is_chat = response["object"] == "chat.completion"
+    head = {k: response[k] for k in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if is_chat else "text_completion"
+    [choice] = response["choices"]
+    chunks: list[dict[str, Any]] = []
+    if is_chat:
+        message = choice["message"]
+        first: dict[str, Any] = {"index": 0, "delta": {"role": "assistant", "content": message["content"] or ""}}
+        if "logprobs" in choice:
+            first["logprobs"] = choice["logprobs"]
+        chunks.append(first)
+        if message.get("tool_calls"):
+            calls = [{"index": i, **call} for i, call in enumerate(message["tool_calls"])]
+            chunks.append({"index": 0, "delta": {"tool_calls": calls}})
+        last: dict[str, Any] = {"index": 0, "delta": {}}
+    else:
+        chunks.append(
+            {"index": 0, "text": choice["text"], **({"logprobs": choice["logprobs"]} if "logprobs" in choice else {})}
+        )
+        last = {"index": 0, "text": ""}
+    chunks.append({**last, "finish_reason": choice["finish_reason"], "token_ids": choice["token_ids"]})
+    events = [{**head, "choices": [{"finish_reason": None, **c}]} for c in chunks]
+    if include_usage:
+        events.append({**head, "choices": [], "usage": response["usage"]})
+    lines = [f"data: {json.dumps(event)}\n\n" for event in events]
+    return ("".join(lines) + "data: [DONE]\n\n").encode()
+
+
+def _error(message: str, code: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
