@@ -67,12 +67,14 @@ def _bounded(value: Any) -> int | float:
     return value
 
 
-def calculate(expression: str) -> str:
+async def calculate(expression: str) -> str:
     """Evaluate an arithmetic expression with + - * / // % ** and parentheses.
 
     Args:
         expression: the expression, e.g. "(12 + 7) * 3"
     """
+    # a coroutine: the bounds above keep an evaluation to microseconds, so it runs on the event loop instead of in
+    # a thread (the hop cost ~0.1 ms a call, and a thread that cannot start would become the policy's observation)
     value = evaluate_arithmetic(expression)
     if isinstance(value, float) and value.is_integer():
         value = int(value)

@@ -42,7 +42,7 @@ CONTEXT = EpisodeContext(seed=7, sample_index=0, max_turns=20, max_tokens=1000)
     ],
 )
 def test_calculator_evaluates_arithmetic(expression, value):
-    assert calculate(expression) == value
+    assert asyncio.run(calculate(expression)) == value
 
 
 @pytest.mark.parametrize(
