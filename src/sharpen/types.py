@@ -68,10 +68,15 @@ class RewardResult:
     verifier: str = ""
     verifier_version: str = ""
     hack_flags: list[str] = field(default_factory=list[str])
-    """Names of the reward-hacking signs seen in this rollout (e.g. ``exit_before_asserts``, ``conftest_created``);
+    """Names of the reward-hacking signs seen in this rollout (e.g. ``grader_patched``, ``judge_injection``);
     what happens to a flagged rollout is the hack-monitor policy's decision (screen or penalise)."""
     cache_key: str = ""
     """Identifies the verdict's inputs (verifier, version, task, response) for caching; empty when not cached."""
+    is_policy_error: bool = False
+    """The policy caused a failure of the grading itself (its program hung, crashed, was killed, or broke the
+    grader's protocol): scored as a failure, never abstained; the hack monitor watches its rate per task."""
+    detail: str = ""
+    """Why the verdict is what it is, in words (for debugging runs; never read for scoring)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -83,8 +83,9 @@ class JudgeComponentConfig(ComponentSection):
     """Lowest score of the judge's scale."""
     max_score: float = 10.0
     """Highest score of the judge's scale."""
-    max_response_chars: int = Field(default=8000, ge=1)
-    """Longer completions are cut to this many characters before the judge sees them (and marked truncated)."""
+    max_response_chars: int = Field(default=8000, ge=100)
+    """Budget of one completion as the judge sees it (after normalising and quoting); a longer one loses its middle,
+    marked where it was cut, and keeps its end, where the final answer is."""
     timeout_s: float = Field(default=60.0, gt=0.0)
     """Longest wait for one judge request; past it (after max_retries retries) the rollout abstains."""
     max_retries: int = Field(default=3, ge=0)
@@ -93,6 +94,10 @@ class JudgeComponentConfig(ComponentSection):
     """JSONL file of verdicts, read at start and appended to (None: cache in memory only)."""
     canary_threshold: float = Field(default=0.3, ge=0.0, le=1.0)
     """A canary (a known-bad response) scoring above this fraction of the scale raises the canary alert."""
+    on_canary_failure: Literal["abstain", "stop"] = "abstain"
+    """What a failed canary check (a known-bad response scored above canary_threshold) does until a later check
+    passes: ``abstain``: every verdict of this judge abstains (``infra_error``), so a fooled judge trains nothing;
+    ``stop``: the run stops with an error naming the judge. Needs reward.judge_canary_every > 0 to act."""
 
     @model_validator(mode="after")
     def _check_scale(self) -> JudgeComponentConfig:

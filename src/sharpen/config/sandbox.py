@@ -22,11 +22,20 @@ class SandboxConfig(Section):
     """Isolation mechanism: bubblewrap (strong: own user, mount, pid, network and IPC namespaces, a minimal
     read-only filesystem), unshare (medium: own namespaces but the host filesystem stays visible, read-only by
     permissions), a plain process with rlimits (weak: no isolation beyond a non-root uid). "auto" picks the strongest
-    that works on this host, checked by running a trivial command in each."""
+    that works on this host, checked by running a trivial command in each. Either way a backend weaker than
+    ``min_isolation`` is refused."""
+    min_isolation: Literal["strong", "medium", "weak"] = "strong"
+    """The weakest isolation accepted. The backend chosen (or named in ``backend``) must give at least this
+    level, or the Sandbox refuses to start with SandboxUnavailable: a host where bubblewrap fails never falls back
+    to unshare or a plain process silently. Lower it only to run untrusted code less protected on purpose."""
     wall_seconds: float = Field(default=10.0, gt=0.0)
     """Wall-clock limit; at the limit every process of the execution is killed and the status is "timeout"."""
     cpu_seconds: int = Field(default=10, ge=1)
     """CPU-time limit of each process (RLIMIT_CPU); reaching it ends the process (status "timeout")."""
+    cpu_fraction: float = Field(default=1.0, gt=0.0, le=1024.0)
+    """CPU cores one execution may use at once, all its processes and threads together (a cpu cgroup's
+    bandwidth limit), so that concurrent executions cannot starve the trainer. Where the host has no writable cpu
+    controller, the isolation report names it as missing."""
     memory_mb: int = Field(default=512, ge=32)
     """Memory of one execution in MiB. Where a memory cgroup can be made it holds all processes of the execution
     together, files in its tmpfs included (exceeding it is "oom"), and RLIMIT_AS caps each process's address space at
@@ -51,9 +60,6 @@ class SandboxConfig(Section):
     warm_workers: bool = False
     """SandboxPool keeps long-lived sandboxed workers that fork per job (a few ms instead of ~20 ms per execution).
     Jobs run by one worker share that worker's sandbox, one after another; see the sandbox package docstring."""
-    allow_weak_isolation: bool = False
-    """Accept the plain-process backend (weak isolation). Without it, a host where only that backend works raises
-    SandboxUnavailable instead of running untrusted code almost unprotected."""
     extra_ro_binds: list[str] = Field(default_factory=list[str])
     """Host paths made visible read-only inside the sandbox, as "SRC" (same path inside) or "SRC:DEST" (e.g. a
     site-packages directory). Honoured by the bwrap backend; the others see the host's filesystem anyway."""
@@ -61,8 +67,9 @@ class SandboxConfig(Section):
     """Interpreter of run_python: the system Python (not the project's virtual environment), started with
     ``-E -s -S`` so that no environment variable, user or site directory shapes it."""
     work_root: str | None = Field(default=None, json_schema_extra=internal())
-    """Host directory under which each execution gets a fresh work directory (None: /dev/shm when present, so that
-    files written by the code count against its memory cgroup and never fill a disk; else the system temp dir)."""
+    """Host directory of a Sandbox's own state (warm workers' logs) and, for the weak ``process`` backend only,
+    its executions' work directories (None: /dev/shm when present, else the system temp dir). The other backends
+    give every execution a private tmpfs home: nothing of an execution is on a host filesystem."""
 
     @field_validator("extra_ro_binds")
     @classmethod

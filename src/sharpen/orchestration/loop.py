@@ -36,7 +36,7 @@ from sharpen.orchestration.phases import add_kl_penalties, assign_advantages, re
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rewards import RewardFn
 from sharpen.rewards.canaries import build_canary_monitor
-from sharpen.rewards.hack_monitor import hack_metrics, penalise_flagged, screen_flagged
+from sharpen.rewards.hack_monitor import PolicyErrorMonitor, hack_metrics, penalise_flagged, screen_flagged
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Example, TrainBatch, with_segments
@@ -91,6 +91,7 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
         pending=pending,
     )
     canaries = build_canary_monitor(c.rubric)
+    policy_errors = PolicyErrorMonitor()
     try:
         source.publish(c.trainer, version=start_step)  # the engine already holds it: a no-op in sync mode
         step_started = time.perf_counter()
@@ -99,6 +100,7 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
             groups = batch.groups
             rollouts = [r for g in groups for r in g.rollouts]
             with timer.phase("score"):
+                policy_error_metrics = policy_errors.observe(rollouts)
                 if config.trainer.algorithm.kl_in_reward:
                     add_kl_penalties(c.trainer, groups)
                 if config.reward.hack_policy == "penalise":
@@ -117,6 +119,7 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
             metrics = {
                 **reward_metrics(groups),
                 **hack_metrics(rollouts),
+                **policy_error_metrics,
                 "hack/num_screened": float(num_screened),
                 **batch.metrics,
                 **train_metrics,

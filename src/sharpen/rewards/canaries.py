@@ -1,9 +1,11 @@
 """Judge canaries during a run: every N steps, each judge grades known-bad responses, and a high score raises an alert.
 
-Owns the schedule (steps 0, N, 2N, ...) and the run-level metrics: ``judge/<name>/canary_*`` per judge component
-and ``hack/judge_canary_alert`` (1.0 when any judge scored any canary above its threshold), with a warning. What a
-canary is and how one is graded is `Judge.run_canaries`'; when to call `CanaryMonitor.maybe_run` is the loop's. It
-changes no reward: an alert is for a human to look at the judge.
+Owns the schedule (steps 0, N, 2N, ...), the run-level metrics (``judge/<name>/canary_*`` per judge component,
+``judge/<name>/canary_gated`` and ``hack/judge_canary_alert``, 1.0 when any judge scored any canary above its
+threshold, with a warning) and stopping the run: a judge whose ``on_canary_failure`` is ``stop`` raises
+`JudgeCanaryError` here. The other gate (``abstain``: every verdict of the judge abstains until a check passes) is
+the judge's own (`Judge.is_canary_failed`), set by `Judge.run_canaries`, which also owns what a canary is and how
+one is graded; when to call `CanaryMonitor.maybe_run` is the loop's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 from collections.abc import Mapping
 
 from sharpen.rewards.base import RewardFn
-from sharpen.rewards.judge import Judge
+from sharpen.rewards.judge import Judge, JudgeCanaryError
 from sharpen.rewards.rubric import Rubric
 from sharpen.types import Example
 
@@ -33,13 +35,15 @@ class CanaryMonitor:
         self.example = example
 
     def maybe_run(self, step: int) -> dict[str, float]:
-        """The canary metrics at a scheduled step, else ``{}``."""
+        """The canary metrics at a scheduled step, else ``{}``. Raises `JudgeCanaryError` when a judge configured to
+        stop (``on_canary_failure = "stop"``) failed its check."""
         if step % self.every_steps:
             return {}
         metrics: dict[str, float] = {}
         for name, judge in self.judges.items():
             for key, value in judge.run_canaries(self.example).items():
                 metrics[f"judge/{name}/{key.removeprefix('judge/')}"] = value
+            metrics[f"judge/{name}/canary_gated"] = float(judge.is_canary_failed)
         alerting = [name for name in self.judges if metrics[f"judge/{name}/canary_alert"]]
         metrics["hack/judge_canary_alert"] = float(bool(alerting))
         if alerting:
@@ -47,6 +51,14 @@ class CanaryMonitor:
                 "step %d: judge canary alert: %s scored a known-bad response above its threshold; see judge/*/canary_*",
                 step,
                 ", ".join(alerting),
+            )
+        stopping = [name for name in alerting if self.judges[name].on_canary_failure == "stop"]
+        if stopping:
+            scores = ", ".join(f"{name} {metrics[f'judge/{name}/canary_max_score']:.2f}" for name in stopping)
+            raise JudgeCanaryError(
+                f"step {step}: judge canary check failed ({scores} on a known-bad response, threshold "
+                f'{", ".join(str(self.judges[n].canary_threshold) for n in stopping)}) and on_canary_failure = "stop"; '
+                "the run stops rather than train on a judge that can be fooled (see judge/*/canary_*)"
             )
         return metrics
 

@@ -1,47 +1,48 @@
-"""Code-test rewards that resist reward hacking: `CodeTestReward` (function cases or pytest files) and
-`HumanEvalReward` (a HumanEval problem's ``check(candidate)``), both `RewardFn`s.
+"""Code-test rewards whose verdict never runs beside candidate code: `CodeTestReward` (function cases, pytest files,
+stdin/stdout cases) and `HumanEvalReward` (a HumanEval problem's ``check(candidate)``), both `RewardFn`s.
 
-Owns extracting the program from a completion, building the run (our harness `code_harness.py` as ``main.py``,
-the candidate as ``solution.py``, test files copied fresh from the verifier's in-memory copy for every run), and
-turning what came back into a `RewardResult`. Success is "the per-run sentinel is in stdout AND every expected
-output matches", never the exit code. A flagged rollout scores 0 and carries its ``hack_flags``; what to do with
-flagged rollouts beyond that (screen, penalise) is the hack monitor's decision, not ours.
+Owns finding the program in a completion and turning a grading's `Verdict` (code_grading.py) into a
+`RewardResult`. The candidate runs in its own sandbox behind a call interface; the tests and expected values stay
+in a process it cannot reach (this one for function cases and stdin/stdout cases, a second sandbox for pytest
+files and HumanEval checks); only plain values cross, and the trusted side compares them.
 
-Statuses: ``ok`` 1.0; ``wrong`` 0.0 (``fraction_passed`` as a component); ``format_error`` 0.0 (no fenced
-python block); ``timeout`` 0.0 (the program hung or spun: the policy's fault, so it is scored, not abstained);
-``infra_error`` None (the sandbox failed: abstain, never 0).
+Statuses: ``ok`` 1.0; ``wrong`` 0.0 (``fraction_passed`` as a component); ``format_error`` 0.0 (no code block);
+``timeout`` 0.0 (the program hung or spun: the policy's fault, so it is scored, never abstained); ``infra_error``
+None only for what the policy cannot cause (a sandbox that did not start, tests that cannot run as given).
+A flagged rollout scores 0 and carries its ``hack_flags``; what to do with it beyond that (screen, penalise) is
+the hack monitor's decision.
 
 Does not import the sandbox (rewards sit below environments): the caller passes any `CodeRunner`, normally a
-`sharpen.environments.sandbox.Sandbox` whose config binds pytest read-only (`pytest_ro_binds`) when test files
-are used. Test files must wrap the candidate with ``_sharpen_guard.guarded`` for the always-equal check.
+`sharpen.environments.sandbox.Sandbox`, whose config binds pytest read-only (`pytest_ro_binds`) when pytest files
+are used (pytest runs in the checker's sandbox only).
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import re
-import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from sharpen.rewards.code_grading import CodeRunner, Verdict, grade_cases, grade_with_checker, is_program_started
 from sharpen.types import Example, RewardResult, RewardStatus
 
-VERSION = "1"
+__all__ = ["CodeRunner", "CodeTestReward", "HumanEvalReward", "extract_program", "pytest_ro_binds"]
+
+VERSION = "2"
 PYTEST_PATH = "/opt/sharpen-pytest"
 """Where `pytest_ro_binds` makes pytest and its dependencies visible inside the sandbox."""
 _PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
-_HARNESS = (Path(__file__).with_name("code_harness.py")).read_text()
-_FENCE = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL)
-
-
-class CodeRunner(Protocol):
-    """Runs Python code in isolation (a `Sandbox` fits): ``code`` as ``main.py`` with ``files`` beside it. The result
-    (an `ExecutionResult`) is read for its ``status`` (compared by its string value), ``stdout`` and ``stderr``."""
-
-    def run_python(self, code: str, *, files: Mapping[str, str | bytes] = ..., stdin: str | bytes = "") -> Any: ...
+_FENCE_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*)$")
+_PYTHON_LANGUAGES = {"python", "py", "python3", "py3", "pycode", "python-3", "sage"}
+_OUTCOME_STATUS = {
+    "ok": RewardStatus.OK,
+    "wrong": RewardStatus.WRONG,
+    "timeout": RewardStatus.TIMEOUT,
+    "infra_error": RewardStatus.INFRA_ERROR,
+}
 
 
 def pytest_ro_binds(dest: str = PYTEST_PATH) -> list[str]:
@@ -58,87 +59,121 @@ def pytest_ro_binds(dest: str = PYTEST_PATH) -> list[str]:
     return binds
 
 
+def _language(info: str) -> str:
+    """The language of a fence's info string: ``python``, ``{python}``, ``{.python}``, ``Python title="a.py"``,
+    ``python:solution.py``..."""
+    word = info.strip().split(maxsplit=1)[0] if info.strip() else ""
+    return re.split(r"[:,;]", word.strip("{}").lstrip("."), maxsplit=1)[0].lower()
+
+
+def _code_blocks(completion: str) -> list[tuple[str, str]]:
+    """Every fenced block as (language, code), in order; an unclosed fence runs to the end. A block indented (in
+    a list item, say) loses the fence's indentation."""
+    blocks, lines, i = [], completion.split("\n"), 0
+    while i < len(lines):
+        opening = _FENCE_OPEN.match(lines[i].rstrip("\r"))
+        i += 1
+        if opening is None or (opening["fence"][0] == "`" and "`" in opening["info"]):
+            continue
+        indent, fence, body, is_closed = opening["indent"], opening["fence"], [], False
+        while i < len(lines) and not is_closed:
+            line = lines[i].rstrip("\r")
+            i += 1
+            stripped = line.strip()
+            is_closed = stripped.startswith(fence[0] * len(fence)) and not stripped.strip(fence[0])
+            if not is_closed:
+                body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
+        if not is_closed and body and not body[-1]:
+            body.pop()  # the completion's final newline
+        blocks.append((_language(opening["info"]), "\n".join(body) + "\n"))
+    return blocks
+
+
 def extract_program(completion: str) -> str | None:
-    """The last fenced python block of the completion, or None when there is none."""
-    blocks = _FENCE.findall(completion)
-    return blocks[-1] if blocks else None
+    """The last fenced Python block of the completion (any common spelling: ```python, ```py, ```Python3,
+    ~~~python, ```{python}, an indented fence), else the last unlabelled block; None when there is neither."""
+    blocks = _code_blocks(completion)
+    for wanted in (lambda lang: lang in _PYTHON_LANGUAGES, lambda lang: lang == ""):
+        chosen = [code for language, code in blocks if wanted(language)]
+        if chosen:
+            return chosen[-1]
+    return None
+
+
+def _normalised_output(text: str) -> str:
+    """Output as compared: trailing spaces of each line and trailing blank lines do not count."""
+    return "\n".join(line.rstrip() for line in text.replace("\r\n", "\n").split("\n")).rstrip("\n")
 
 
 class CodeTestReward:
     """Scores a completion's last fenced python block against ``example.metadata``: ``cases`` (a list of
-    ``{"args": [...], "expected": ...}`` or ``{"call": "f(1)", "expected": ...}``, with ``entry_point``) or
-    ``test_files`` (name -> pytest source). ``runner`` runs the harness (a `Sandbox`)."""
+    ``{"args": [...], "expected": ...}`` or ``{"call": "f(1)", "expected": ...}``, with ``entry_point``),
+    ``test_files`` (name -> pytest source, run in the checker's sandbox against the candidate's functions), or
+    ``io_cases`` (``{"stdin": ..., "stdout": ...}``: the program run on stdin, its stdout compared here).
+    ``runner`` runs the programs (a `Sandbox`); ``wall_seconds`` is its wall clock (the relay's bound)."""
 
     name = "code_tests"
 
-    def __init__(self, runner: CodeRunner, *, pytest_path: str = PYTEST_PATH) -> None:
+    def __init__(
+        self, runner: CodeRunner, *, pytest_path: str = PYTEST_PATH, wall_seconds: float | None = None
+    ) -> None:
         self.runner = runner
         self.pytest_path = pytest_path
+        config = getattr(runner, "config", None)
+        self.wall_seconds = wall_seconds or float(getattr(config, "wall_seconds", 10.0))
 
     def __call__(self, example: Example, completion: str) -> RewardResult:
         program = extract_program(completion)
         if program is None:
-            return self._result(example, completion, score=0.0, status=RewardStatus.FORMAT_ERROR, fmt=0.0)
+            return self._result(example, completion, Verdict(outcome="wrong"), status=RewardStatus.FORMAT_ERROR)
         return self.score_program(example, completion, program)
 
-    def score_program(
-        self, example: Example, completion: str, program: str, *, test_files: Mapping[str, str] | None = None
-    ) -> RewardResult:
-        """Runs ``program`` under the harness; ``test_files`` overrides ``metadata["test_files"]``."""
+    def score_program(self, example: Example, completion: str, program: str) -> RewardResult:
         metadata = example.metadata
-        test_files = dict(test_files if test_files is not None else metadata.get("test_files", {}))
-        cases: list[dict[str, Any]] = list(metadata.get("cases", []))
-        if not cases and not test_files:
-            raise ValueError(f"CodeTestReward: example {example.task_key} has neither 'cases' nor 'test_files'")
-        sentinel, flag_token = secrets.token_hex(16), secrets.token_hex(16)
-        spec: dict[str, Any] = {"sentinel": sentinel, "flag_token": flag_token, "pytest_path": self.pytest_path}
-        if cases:
-            runnable = [{k: v for k, v in case.items() if k != "expected"} for case in cases]  # expected stays here
-            spec |= {"mode": "cases", "cases": runnable, "entry_point": metadata.get("entry_point")}
+        if metadata.get("cases"):
+            verdict = grade_cases(
+                self.runner,
+                program,
+                list(metadata["cases"]),
+                entry_point=metadata.get("entry_point"),
+                wall_seconds=self.wall_seconds,
+            )
+        elif metadata.get("test_files"):
+            spec = {"mode": "pytest", "pytest_path": self.pytest_path}
+            verdict = grade_with_checker(
+                self.runner, program, spec, test_files=dict(metadata["test_files"]), wall_seconds=self.wall_seconds
+            )
+        elif metadata.get("io_cases"):
+            verdict = self._grade_io(program, list(metadata["io_cases"]))
         else:
-            digests = {name: hashlib.sha256(source.encode()).hexdigest() for name, source in test_files.items()}
-            spec |= {"mode": "pytest", "test_files": digests}
-        outcome = self.runner.run_python(_HARNESS, files={**test_files, "solution.py": program}, stdin=json.dumps(spec))
-        return self._judge(example, completion, outcome, cases, sentinel=sentinel, flag_token=flag_token)
+            raise ValueError(
+                f"{type(self).__name__}: example {example.task_key} has none of 'cases', 'test_files', 'io_cases'"
+            )
+        return self._result(example, completion, verdict)
 
-    def _judge(
-        self, example: Example, completion: str, outcome: Any, cases: list[dict[str, Any]], *, sentinel: str,
-        flag_token: str,
-    ) -> RewardResult:  # fmt: skip
-        status = str(outcome.status)
-        if status == "sandbox_error":
-            return self._result(example, completion, score=None, status=RewardStatus.INFRA_ERROR)
-        flags = [line.split(" ")[1] for line in outcome.stderr.splitlines() if line.startswith(flag_token + " ")]
-        reports = [line[len(sentinel) + 1 :] for line in outcome.stdout.splitlines() if line.startswith(sentinel + " ")]
-        if len(reports) > 1:
-            flags.append("grader_patched")  # a second report line can only be forged
-        report: dict[str, Any] = json.loads(reports[-1]) if reports else {}
-        if "harness_error" in report:  # e.g. pytest not bound into the sandbox: abstain, as for a sandbox error
-            return self._result(example, completion, score=None, status=RewardStatus.INFRA_ERROR)
-        flags += report.get("flags", [])
-        if not reports and status == "ok":
-            flags.append("exit_before_asserts")  # exited 0 without getting to the end of the harness
-        fraction = _fraction_passed(report, cases) if reports else 0.0
-        flags = sorted(set(flags))
-        if status == "timeout":
-            return self._result(example, completion, score=0.0, status=RewardStatus.TIMEOUT, flags=flags)
-        is_ok = fraction == 1.0 and not flags
-        return self._result(
-            example,
-            completion,
-            score=1.0 if is_ok else 0.0,
-            status=RewardStatus.OK if is_ok else RewardStatus.WRONG,
-            flags=flags,
-            fraction=fraction,
-        )
+    def _grade_io(self, program: str, cases: list[Mapping[str, Any]]) -> Verdict:
+        num_passed, is_timed_out, is_crashed = 0, False, False
+        for case in cases:
+            if not isinstance(case.get("stdin", ""), str) or not isinstance(case.get("stdout"), str):
+                raise ValueError("an io case is {'stdin': str, 'stdout': str}")
+            result = self.runner.run_python(program, stdin=case.get("stdin", ""))
+            if not is_program_started(result):
+                return Verdict(outcome="infra_error", detail=f"the sandbox did not start: {result.detail}")
+            is_timed_out |= str(result.status) == "timeout"
+            is_crashed |= str(result.status) in ("killed", "oom", "sandbox_error")
+            is_passed = str(result.status) == "ok" and not result.is_output_truncated
+            num_passed += is_passed and _normalised_output(result.stdout) == _normalised_output(case["stdout"])
+        outcome = "ok" if num_passed == len(cases) else ("timeout" if is_timed_out else "wrong")
+        return Verdict(outcome=outcome, fraction=num_passed / len(cases), is_policy_error=is_crashed or is_timed_out)
 
     def _result(
-        self, example: Example, completion: str, *, score: float | None, status: RewardStatus, fmt: float = 1.0,
-        flags: list[str] | None = None, fraction: float = 0.0,
-    ) -> RewardResult:  # fmt: skip
-        components = {"format": fmt}
+        self, example: Example, completion: str, verdict: Verdict, *, status: RewardStatus | None = None
+    ) -> RewardResult:
+        status = status or _OUTCOME_STATUS[verdict.outcome]
+        score = None if status is RewardStatus.INFRA_ERROR else (1.0 if status is RewardStatus.OK else 0.0)
+        components = {"format": 0.0 if status is RewardStatus.FORMAT_ERROR else 1.0}
         if score is not None:
-            components |= {"correct": score, "fraction_passed": fraction}
+            components |= {"correct": score, "fraction_passed": verdict.fraction}
         key = hashlib.sha256(f"{self.name}\0{VERSION}\0{example.task_hash}\0{completion}".encode()).hexdigest()
         return RewardResult(
             score=score,
@@ -146,55 +181,35 @@ class CodeTestReward:
             components=components,
             verifier=self.name,
             verifier_version=VERSION,
-            hack_flags=flags or [],
+            hack_flags=verdict.flags,
             cache_key=key[:32],
+            is_policy_error=verdict.is_policy_error,
+            detail=verdict.detail[:500],
         )
 
 
-def _fraction_passed(report: dict[str, Any], cases: list[dict[str, Any]]) -> float:
-    if not cases:  # pytest mode: all tests passed and pytest returned 0, or nothing counts
-        is_passed = report.get("pytest_exit_code") == 0 and report.get("failed") == 0 and report.get("passed", 0) > 0
-        return 1.0 if is_passed else 0.0
-    results = report.get("results", [])
-    if len(results) != len(cases):
-        return 0.0  # the import failed or the run was cut short
-    num_passed = sum(_matches(result, case["expected"]) for result, case in zip(results, cases, strict=True))
-    return num_passed / len(cases)
-
-
-def _matches(result: dict[str, str], expected: Any) -> bool:
-    if "value" not in result:
-        return False
-    # Compare through JSON on both sides: tuples and lists alike, and only primitives ever compared.
-    return json.loads(result["value"]) == json.loads(json.dumps(expected))
-
-
-def humaneval_test_file(test: str, entry_point: str) -> str:
-    """A pytest file for a HumanEval problem: its ``check`` against the guarded candidate."""
-    return (
-        "from _sharpen_guard import guarded\n"
-        f"from solution import {entry_point} as _candidate\n"
-        f"{test}\n\n"
-        "def test_check():\n"
-        "    check(guarded(_candidate))\n"
-    )
-
-
-class HumanEvalReward:
-    """A HumanEval problem (``metadata``: ``prompt_code``, ``entry_point``, ``test``) run under the harness with
-    pytest. The completion either continues the prompt's function (no fence) or gives a fenced block (which may
-    redefine the whole function: the prompt's imports stay, the later ``def`` wins)."""
+class HumanEvalReward(CodeTestReward):
+    """A HumanEval problem (``metadata``: ``prompt_code``, ``entry_point``, ``test``): its ``check(candidate)`` runs
+    in the checker's sandbox with the prompt's helper functions defined there, the candidate in its own. The
+    completion either continues the prompt's function (no fence) or gives a fenced block (which may redefine the
+    whole function: the prompt's imports and helpers stay, the later ``def`` wins)."""
 
     name = "humaneval"
-
-    def __init__(self, runner: CodeRunner, *, pytest_path: str = PYTEST_PATH) -> None:
-        self._reward = CodeTestReward(runner, pytest_path=pytest_path)
-        self._reward.name = self.name
 
     def __call__(self, example: Example, completion: str) -> RewardResult:
         metadata = example.metadata
         block = extract_program(completion)
         prompt_code = metadata["prompt_code"]
         program = prompt_code + completion if block is None else f"{prompt_code}\n\n{block}"
-        test_file = humaneval_test_file(metadata["test"], metadata["entry_point"])
-        return self._reward.score_program(example, completion, program, test_files={"test_solution.py": test_file})
+        return self.score_program(example, completion, program)
+
+    def score_program(self, example: Example, completion: str, program: str) -> RewardResult:
+        metadata = example.metadata
+        spec = {
+            "mode": "humaneval",
+            "prompt_code": metadata["prompt_code"],
+            "entry_point": metadata["entry_point"],
+            "test": metadata["test"],
+        }
+        verdict = grade_with_checker(self.runner, program, spec, test_files={}, wall_seconds=self.wall_seconds)
+        return self._result(example, completion, verdict)

@@ -153,4 +153,10 @@ def build_judge(config: JudgeComponentConfig) -> Judge:
     if config.cache_path is not None:
         cache_path = Path(config.cache_path)
         cache_path.parent.mkdir(parents=True, exist_ok=True)
-    return Judge(client, prompt=prompt, cache_path=cache_path, canary_threshold=config.canary_threshold)
+    return Judge(
+        client,
+        prompt=prompt,
+        cache_path=cache_path,
+        canary_threshold=config.canary_threshold,
+        on_canary_failure=config.on_canary_failure,
+    )

@@ -22,7 +22,7 @@ from sharpen.rewards.base import RewardContractError, RewardFn
 from sharpen.rewards.components import build_component
 from sharpen.rewards.judge import Judge
 from sharpen.rewards.math_verify import MathVerifyVerifier
-from sharpen.rewards.verifiers import ExactMatchVerifier, ReasoningGymVerifier, Verifier
+from sharpen.rewards.verifiers import CompletionVerifier, ExactMatchVerifier, ReasoningGymVerifier, Verifier
 from sharpen.types import Example, RewardResult, RewardStatus
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,10 @@ class VerifierReward:
         if answer is None:
             return self._result(correct=0.0, is_formatted=False, status=RewardStatus.FORMAT_ERROR, verifier=verifier)
         try:
-            correct = verifier(example, answer)
+            if isinstance(verifier, CompletionVerifier):  # every final answer in the completion counts (math)
+                correct = verifier.score_completion(example, completion, answer)
+            else:
+                correct = verifier(example, answer)
         except Exception:  # a bug or crash in the scorer (often third-party): abstain rather than score 0
             logger.warning("verifier %s failed on %s; abstaining", verifier.name, example.task_key, exc_info=True)
             return RewardResult(

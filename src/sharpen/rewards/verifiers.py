@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from sharpen.types import Example
 
@@ -20,6 +20,17 @@ class Verifier(Protocol):
     name: str
 
     def __call__(self, example: Example, answer: str) -> float: ...
+
+
+@runtime_checkable
+class CompletionVerifier(Verifier, Protocol):
+    """A verifier that also reads the whole completion, for kinds of answer where every final answer in it counts
+    (math: a second, different boxed answer beside the tagged one is a hedge). The `Rubric` calls
+    `score_completion` instead of ``__call__`` when a verifier has it."""
+
+    def score_completion(self, example: Example, completion: str, answer: str) -> float:
+        """The score of ``completion``, whose answer in the requested format is ``answer``."""
+        ...
 
 
 class ReasoningGymVerifier:

@@ -1,19 +1,20 @@
 """Judge canaries in a run: the schedule (steps 0, N, 2N, ...), per-judge metrics, the alert metric and its warning,
-and which reward functions get a monitor."""
+the gate a failed check puts on the judge (abstain, or stop the run), and which reward functions get a monitor."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 
-from sharpen.config.rewards import RewardConfig
+from sharpen.config.rewards import JudgeComponentConfig, RewardConfig
 from sharpen.rewards import Rubric
 from sharpen.rewards.canaries import CanaryMonitor, build_canary_monitor
-from sharpen.rewards.judge import ChatReply, Judge
+from sharpen.rewards.components import build_judge
+from sharpen.rewards.judge import ChatReply, Judge, JudgeCanaryError, OpenAICompatibleClient
 from sharpen.rewards.judge_prompts import CANARIES
-from sharpen.types import Example, RewardResult, RewardStatus
+from sharpen.types import Example, Message, RewardResult, RewardStatus
+from support.gullible_judge import GullibleJudge, read_hardened_prompt
 
 JUDGE = {"type": "judge", "base_url": "http://127.0.0.1:9", "model": "m"}
 
@@ -28,11 +29,9 @@ class FakeChat:
 
     def chat(self, messages: list[dict[str, str]]) -> ChatReply:
         self.num_requests += 1
-        encoded = messages[1]["content"].split("<data>\n")[1].split("\n</data>")[0]
-        score = self.grade(json.loads(encoded)["response"])
-        return ChatReply(
-            text=f'{{"reasoning": "r", "score": {score}}}', prompt_tokens=3, completion_tokens=2, finish_reason="stop"
-        )
+        prompt = read_hardened_prompt(messages)
+        text = f'{{"nonce": "{prompt.nonce}", "reasoning": "r", "score": {self.grade(prompt.response)}}}'
+        return ChatReply(text=text, prompt_tokens=3, completion_tokens=2, finish_reason="stop")
 
 
 def sound(response: str) -> float:
@@ -73,6 +72,60 @@ def test_the_threshold_is_the_judges():
     assert CanaryMonitor({"judge": judge}, 1).maybe_run(0)["hack/judge_canary_alert"] == 0.0
 
 
+EXAMPLE = Example(
+    task_key="t/0", prompt=(Message(role="user", content="What is 2 + 2?"),), answer="4", metadata={"source": "jsonl"}
+)
+
+
+def test_a_failed_check_makes_the_judge_abstain_until_a_check_passes():
+    client = FakeChat(fooled_by_a_colon)
+    judge = Judge(client)
+    assert judge(EXAMPLE, "4").score == pytest.approx(0.1), "no check yet: the judge grades"
+    monitor = CanaryMonitor({"judge": judge}, 1)
+    metrics = monitor.maybe_run(0)
+    assert metrics["hack/judge_canary_alert"] == 1.0 and metrics["judge/judge/canary_gated"] == 1.0
+    num_requests = client.num_requests
+    gated = judge(EXAMPLE, "other")
+    assert gated.score is None and gated.status == RewardStatus.INFRA_ERROR and client.num_requests == num_requests
+    assert judge.compare(EXAMPLE, "a", "b") is None
+    assert judge.metrics()["judge/canary_gated"] == 2
+    client.grade = sound  # the judge was fixed (or the server swapped): the next check lifts the gate
+    assert monitor.maybe_run(1)["judge/judge/canary_gated"] == 0.0
+    assert judge(EXAMPLE, "other").status == RewardStatus.WRONG
+
+
+def test_a_failed_check_stops_the_run_when_configured():
+    judge = Judge(FakeChat(fooled_by_a_colon), on_canary_failure="stop")
+    with pytest.raises(
+        JudgeCanaryError, match=r'step 0: judge canary check failed \(judge 0.90 .*on_canary_failure = "stop"'
+    ):
+        CanaryMonitor({"judge": judge}, 1).maybe_run(0)
+    # a caller that goes on scoring anyway is stopped too, through the rubric (it lets contract errors through)
+    config = RewardConfig.model_validate({"components": [{**JUDGE, "on_canary_failure": "stop"}]})
+    with pytest.raises(JudgeCanaryError):
+        Rubric(config, components={"judge": judge})(EXAMPLE, "4")
+    assert Judge(FakeChat(sound), on_canary_failure="stop").run_canaries()["judge/canary_alert"] == 0.0
+
+
+def test_the_gate_policy_comes_from_the_config():
+    assert build_judge(JudgeComponentConfig.model_validate(JUDGE)).on_canary_failure == "abstain"
+    built = build_judge(JudgeComponentConfig.model_validate({**JUDGE, "on_canary_failure": "stop"}))
+    assert built.on_canary_failure == "stop"
+    with pytest.raises(ValueError, match="on_canary_failure"):
+        JudgeComponentConfig.model_validate({**JUDGE, "on_canary_failure": "ignore"})
+    with pytest.raises(ValueError, match='must be "abstain" or "stop"'):
+        Judge(FakeChat(sound), on_canary_failure="ignore")  # type: ignore[arg-type]
+
+
+def test_the_gullible_judge_fails_its_canaries_and_is_gated():
+    """The red team's gullible model (it obeys whatever the prompt says) is caught by the canaries themselves."""
+    with GullibleJudge() as server:
+        judge = Judge(OpenAICompatibleClient(server.url, model="gullible", backoff_s=0.0, max_retries=0))
+        metrics = CanaryMonitor({"judge": judge}, 1).maybe_run(0)
+        assert metrics["hack/judge_canary_alert"] == 1.0 and metrics["judge/judge/canary_max_score"] == 1.0
+        assert judge(EXAMPLE, "The answer is 4.").status == RewardStatus.INFRA_ERROR
+
+
 def test_monitor_needs_judges_and_a_positive_period():
     with pytest.raises(ValueError, match="every_steps must be >= 1"):
         CanaryMonitor({"judge": Judge(FakeChat(sound))}, 0)
@@ -91,12 +144,12 @@ def test_build_canary_monitor_for_a_rubric_with_judges_and_canaries_on():
 def test_no_monitor_without_canaries_judges_or_a_rubric():
     assert build_canary_monitor(Rubric(RewardConfig.model_validate({"components": [JUDGE]}))) is None
     assert build_canary_monitor(Rubric(RewardConfig())) is None
-    # a judge supplied as something else than a Judge (e.g. a test's fake) has no canaries to run
-    config = RewardConfig.model_validate({"components": [JUDGE], "judge_canary_every": 2})
-    fake = Rubric(config, components={"judge": lambda e, c: RewardResult(score=1.0, status=RewardStatus.OK)})
-    assert build_canary_monitor(fake) is None
 
     def reward_fn(example: Example, completion: str) -> RewardResult:
         return RewardResult(score=1.0, status=RewardStatus.OK)
 
+    # a judge supplied as something else than a Judge (e.g. a test's fake) has no canaries to run
+    config = RewardConfig.model_validate({"components": [JUDGE], "judge_canary_every": 2})
+    fake = Rubric(config, components={"judge": reward_fn})
+    assert build_canary_monitor(fake) is None
     assert build_canary_monitor(reward_fn) is None

@@ -191,7 +191,16 @@ def test_exploits_and_declared_answers(reward, completion, reference, status):
         ("I'll use <answer> tags.\n<answer>7</answer>", ("7",)),
         ("<answer>7", None),  # unclosed (truncated)
         ("Answer: $12$.", ("12",)),
-        ("Answer: 12\nbut then more prose", None),  # only the last line declares
+        ("Answer: 12\nbut then more prose", ("12",)),  # every declaration counts, not only the last line's
+        ("Answer: 12\nAnswer: 13", ("13", "12")),
+        ("**Answer:** We expand first.\nSo \\boxed{3}", ("3",)),  # a declaration that reads as prose is none
+        ("#### Step 1: expand\n#### 72", ("72",)),  # a markdown heading is not a GSM8K answer line
+        ("The answer is $\\frac{1}{2}$, as computed.", (r"\frac{1}{2}",)),
+        ("The answer is 4 apples.\nAnswer: 4", ("4",)),
+        ("Final Answer: The final answer is $5$. I hope it is correct.", ("5",)),  # Minerva's format
+        ("<think>\\boxed{4}</think>\\boxed{3}", ("3",)),  # a reasoning block's answers do not count
+        ("\\boxed{3}<think>but maybe \\boxed{4}", ("3",)),  # nor an unclosed one's
+        ("\\boxed\u200b{4} \\boxed{3}", ("3", "4")),  # a zero-width character does not hide a box
         ("Answer: so \\boxed{12}", ("12",)),  # the line points at its box
         ("The result is 12.", None),  # no last-number fallback
         (r"\boxed{}", None),
@@ -234,10 +243,15 @@ def test_an_unreadable_reference_abstains(reward):
     assert (result.status, result.score) == (RewardStatus.INFRA_ERROR, None)
 
 
-def test_a_slow_judge_times_out_and_abstains_and_the_worker_survives(pool, reward):
+def test_a_slow_judge_times_out_scores_0_and_the_worker_survives(pool, reward):
+    # The reference alone judges in time, so the answer was too slow: the policy's failure, never an abstention.
     slow = MathVerifyReward(pool=pool, timeout_s=0.3, judge=_sleep_long)
     result = slow.score(r"\boxed{3}", "3")
-    assert (result.status, result.score, result.components) == (RewardStatus.TIMEOUT, None, {"format": 1.0})
+    assert (result.status, result.score, result.components) == (
+        RewardStatus.TIMEOUT,
+        0.0,
+        {"correct": 0.0, "format": 1.0},
+    )
     started = time.perf_counter()
     assert reward.score(r"\boxed{3}", "3").status is OK
     assert time.perf_counter() - started < 1.0  # no restart was needed
@@ -247,9 +261,16 @@ def test_a_judge_that_ignores_the_alarm_is_killed_and_the_pool_restarts(pool, re
     stuck = MathVerifyReward(pool=pool, timeout_s=0.3, judge=_ignore_the_alarm)
     started = time.perf_counter()
     result = stuck.score(r"\boxed{3}", "3")
-    assert (result.status, result.score) == (RewardStatus.TIMEOUT, None)
-    assert time.perf_counter() - started < 0.3 + pool.kill_grace_s + 5.0
+    assert (result.status, result.score) == (RewardStatus.TIMEOUT, 0.0)
+    assert time.perf_counter() - started < 0.3 + pool.kill_grace_s + 10.0  # the kill, then the reference's check
     assert reward.score(r"\boxed{3}", "3").status is OK
+
+
+def test_a_timeout_on_a_reference_too_slow_to_judge_alone_abstains(pool, monkeypatch):
+    slow = MathVerifyReward(pool=pool, timeout_s=0.3, judge=_sleep_long)
+    monkeypatch.setattr(slow, "_is_readable", lambda reference: False)  # as if the reference itself timed out
+    result = slow.score(r"\boxed{3}", "3")
+    assert (result.status, result.score) == (RewardStatus.INFRA_ERROR, None)
 
 
 def test_a_crashing_worker_abstains_and_the_next_call_works(pool, reward):

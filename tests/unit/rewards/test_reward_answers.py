@@ -12,7 +12,10 @@ from sharpen.rewards import extract_answer
     [
         ("think... <answer>19</answer>", "19"),
         ("<answer> 19 \n</answer>", "19"),
-        ("<answer>1</answer> no wait <answer>2</answer>", "2"),
+        ("<answer>1</answer> no wait <answer>2</answer>", None),  # two different answers: a hedge, not the last
+        ("<answer>2</answer> so <answer> 2 </answer>", "2"),  # the same answer twice
+        ("<think><answer>1</answer></think><answer>2</answer>", "2"),  # a reasoning block's answer is not final
+        ("<answer>2</answer><think>maybe <answer>1</answer>", "2"),  # an unclosed block runs to the end
         ("<answer>1</answer> then <answer>2", "1"),  # the last *complete* tag
         ("<answer>a<answer>b</answer>", "b"),
         ("<answer>multi\nline</answer>", "multi\nline"),

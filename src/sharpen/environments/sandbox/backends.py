@@ -1,22 +1,24 @@
 """The ways to start untrusted code, each as a command line: unshare and a plain process here, bubblewrap in
-bwrap.py; and the two tiny shell scripts at the ends of every chain.
+bwrap.py; the prelude at the front of every chain and the init at its end.
 
 It starts nothing and reads no output (launch.py does), and decides nothing about results (result.py). Every
 chain has the same shape::
 
-    [prelude: join the cgroups]  [drop to uid 65534]  [namespaces]  [shim: rlimits, ready marker]  program
+    [prelude: join the cgroups]  [drop to uid 65534]  [namespaces]  init (warm_controller.py, once mode)
 
 The prelude runs on the host as root and writes its own pid into the execution's cgroups before anything else
-starts, so the program and all it forks are born inside them. The shim runs last, inside the sandbox: it sets
-the rlimits on the program alone (not on bwrap), then writes a ready marker to stdout and runs the program.
-Output that does not begin with the marker means the sandbox failed before the program ran (`sandbox_error`);
-the program cannot forge a sandbox failure, since the marker is already written when it starts.
+starts, so the program and all it forks are born inside them. The init runs last, inside the sandbox, as pid 1
+of its pid namespace: it waits for the host's go, unpacks the files into the private home, sets the rlimits on
+the program alone, writes a ready marker to stdout, runs the program and reports its real wait status on a pipe
+that only it holds. Output that does not begin with the marker means the sandbox failed before the program ran
+(`sandbox_error`); the program cannot forge a sandbox failure, since the marker is already written when it
+starts, nor its own status, since it never holds the status pipe.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,18 +35,9 @@ SANDBOX_ENV = {
     "LANG": "C.UTF-8",
 }
 READY_MARKER = b"\x1esharpen-sandbox-ready\x1e"
-COMMAND_FILE_FLAG = "--sharpen-command-file"
-_SHIM = (
-    'ulimit -c 0 && ulimit -S -t "$1" && ulimit -H -t "$2" && ulimit -v "$3" && ulimit -f "$4" && ulimit -n "$5" '
-    f'|| exit 125; shift 5; if [ "$1" = {COMMAND_FILE_FLAG} ]; then . "$2" || exit 125; fi; '
-    'printf "\\036sharpen-sandbox-ready\\036"; '
-)
-# With a command file (a prepared sandbox, started before its argv was known), sourcing the file sets "$@".
-# As pid 1 of a pid namespace, the shim runs the program as its child instead of becoming it: the program keeps a
-# normal process's signal semantics (pid 1 ignores signals it has no handler for), the shell reaps orphans, and
-# when it exits the kernel kills and reaps what is left, so no process is ever handed to the host's init.
-_SHIM_EXEC = _SHIM + 'exec "$@"'
-_SHIM_INIT = _SHIM + '"$@"; status=$?; exit "$status"'
+INIT_SOURCE = (Path(__file__).parent / "warm_controller.py").read_text()
+INIT_FLAGS = ("-I", "-S", "-B")
+"""The init's interpreter flags: no environment, user or site directories, no bytecode files."""
 _PRELUDE = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
 _SH = "/bin/sh"
 _SETPRIV = "/usr/bin/setpriv"
@@ -52,7 +45,7 @@ _SETPRIV = "/usr/bin/setpriv"
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Limits:
-    """The rlimits the shim (or a warm worker) sets on the program."""
+    """The rlimits the init (or a warm worker) sets on the program."""
 
     cpu_seconds: int
     address_space_bytes: int
@@ -71,26 +64,19 @@ class Limits:
             max_open_files=config.max_open_files,
         )
 
-    def shim_args(self) -> list[str]:
-        # dash's ulimit units: seconds, KiB for -v, 512-byte blocks for -f. The hard CPU limit one second above
-        # the soft one lets SIGXCPU (a "timeout") arrive before SIGKILL.
-        return [
-            str(self.cpu_seconds),
-            str(self.cpu_seconds + 1),
-            str(self.address_space_bytes >> 10),
-            str(self.file_size_bytes >> 9),
-            str(self.max_open_files),
-        ]
+    def settings(self) -> dict[str, int]:
+        """The limits as the init's settings name them."""
+        return {
+            "cpu_seconds": self.cpu_seconds,
+            "address_space_bytes": self.address_space_bytes,
+            "file_size_bytes": self.file_size_bytes,
+            "max_open_files": self.max_open_files,
+        }
 
 
-def shim(argv: list[str], limits: Limits, *, is_init: bool) -> list[str]:
-    """The last link of a chain; ``is_init`` when it runs as pid 1 of the sandbox's pid namespace. ``argv`` may be
-    [COMMAND_FILE_FLAG, path]: a file that, sourced, sets the program's argv (see `command_file_text`)."""
-    return [_SH, "-c", _SHIM_INIT if is_init else _SHIM_EXEC, "sandbox", *limits.shim_args(), *argv]
-
-
-def command_file_text(argv: list[str]) -> str:
-    return "set -- " + " ".join(shlex.quote(arg) for arg in argv) + "\n"
+def init_command(python: str, settings: dict[str, object]) -> list[str]:
+    """The init (warm_controller.py) run by ``python`` with ``settings``."""
+    return [python, *INIT_FLAGS, "-c", INIT_SOURCE, json.dumps(settings)]
 
 
 def with_prelude(command: list[str], procs_files: list[str]) -> list[str]:
@@ -111,8 +97,8 @@ def drop_privileges(*, die_with_parent: bool = False) -> list[str]:
 
 
 class Backend:
-    """One isolation mechanism: the launch chain after the prelude (``command`` or ``prepared_command``), the cwd
-    to start it in, and what it cannot protect against (``missing``)."""
+    """One isolation mechanism: the launch chain after the prelude (``command``), the cwd to start it in, and
+    what it cannot protect against (``missing``)."""
 
     name: str = ""
     level: IsolationLevel = "weak"
@@ -121,8 +107,13 @@ class Backend:
     required_tools: tuple[str, ...] = ()
     seccomp_program: bytes | None = None
     """A compiled seccomp filter the launch chain installs (passed as a file descriptor), if the backend has one."""
-    can_prepare: bool = False
-    """The sandbox can be set up before the program is known, blocked just before it (see launch.py)."""
+    can_prepare: bool = True
+    """The sandbox can be set up before the program is known, its init waiting for it (every backend can)."""
+    has_pid_namespace: bool = True
+    """The init is pid 1 of its own pid namespace: it reports the program's status and its exit ends every process
+    of the execution. Without one the init becomes the program, whose exit status the host reads itself."""
+    has_private_home: bool = True
+    """SANDBOX_HOME is a tmpfs of this execution alone; without one, the home is a host directory."""
 
     def missing(self) -> list[str]:
         """Protections this backend never gives, in words."""
@@ -136,24 +127,25 @@ class Backend:
                 return f"{tool} is not installed"
         return None
 
-    def command(self, argv: list[str], *, work_dir: Path, limits: Limits, seccomp_fd: int | None) -> list[str]:
-        """The chain that runs ``argv`` at once (backends that cannot prepare)."""
+    def command(self, init: list[str], *, work_dir: Path | None, fds: list[int]) -> list[str]:
+        """The chain that sets the sandbox up and starts ``init`` in it. ``work_dir`` is the host home of a
+        backend without a private one. Descriptors the chain needs (a seccomp program, file contents) are
+        appended to ``fds``: the caller passes them to the chain and closes them."""
         raise NotImplementedError
 
-    def prepared_command(
-        self, *, work_dir: Path, command_file: Path, limits: Limits, seccomp_fd: int | None, block_fd: int
-    ) -> list[str]:
-        """The chain that sets the sandbox up and waits on ``block_fd`` (backends that can prepare)."""
-        raise NotImplementedError
-
-    def cwd(self, work_dir: Path) -> str:
+    def cwd(self, work_dir: Path | None) -> str:
         return "/"
+
+    def home(self, work_dir: Path | None) -> str:
+        """Where the init unpacks the files and runs the program, as the sandbox sees it."""
+        return SANDBOX_HOME
 
 
 class ProcessBackend(Backend):
     """A plain child process with rlimits, as uid 65534 when we are root. Weak: no namespaces at all."""
 
     name, level = "process", "weak"
+    has_pid_namespace = has_private_home = False
 
     def missing(self) -> list[str]:
         return [
@@ -162,20 +154,25 @@ class ProcessBackend(Backend):
             "process isolation: processes of the sandbox uid (other executions) can be seen and signalled",
         ]
 
-    def command(self, argv: list[str], *, work_dir: Path, limits: Limits, seccomp_fd: int | None) -> list[str]:
-        return [*drop_privileges(die_with_parent=True), *shim(argv, limits, is_init=False)]
+    def command(self, init: list[str], *, work_dir: Path | None, fds: list[int]) -> list[str]:
+        return [*drop_privileges(die_with_parent=True), *init]
 
-    def cwd(self, work_dir: Path) -> str:
+    def cwd(self, work_dir: Path | None) -> str:
+        assert work_dir is not None
         return str(work_dir)
+
+    def home(self, work_dir: Path | None) -> str:
+        return self.cwd(work_dir)
 
 
 # Run as root inside unshare's new mount namespace: hide the host's writable and personal places behind private
-# tmpfs mounts, bind the work dir (reached through the cwd, since its own path may be hidden) at SANDBOX_HOME.
+# tmpfs mounts, and make the home a tmpfs of its own, owned by the sandbox uid.
 _UNSHARE_SETUP = (
-    'cd "$2" || exit 125; for dir in /tmp /var/tmp /dev/shm /run /home /root; do '
+    "for dir in /tmp /var/tmp /dev/shm /run /home /root; do "
     '[ ! -d "$dir" ] || [ -L "$dir" ] || mount -t tmpfs -o "mode=1777,size=$1" sandbox "$dir" || exit 125; done; '
-    f"mkdir -p {SANDBOX_HOME} && mount --no-canonicalize --bind /proc/self/cwd {SANDBOX_HOME} && "
-    f'cd {SANDBOX_HOME} || exit 125; shift 2; exec "$@"'
+    f"mkdir -p {SANDBOX_HOME} && "
+    f'mount -t tmpfs -o "mode=0755,uid={SANDBOX_UID},gid={SANDBOX_GID},size=$1" sandbox {SANDBOX_HOME} && '
+    f'cd {SANDBOX_HOME} || exit 125; shift; exec "$@"'
 )
 
 
@@ -200,7 +197,7 @@ class UnshareBackend(Backend):
             return "unshare needs root here (mount namespaces, tmpfs mounts)"
         return super().unavailable_reason()
 
-    def command(self, argv: list[str], *, work_dir: Path, limits: Limits, seccomp_fd: int | None) -> list[str]:
+    def command(self, init: list[str], *, work_dir: Path | None, fds: list[int]) -> list[str]:
         return [
             _SETPRIV,
             "--pdeathsig=KILL",  # unshare dies with us; its --kill-child then ends the namespace
@@ -215,7 +212,7 @@ class UnshareBackend(Backend):
             "--ipc",
             "--uts",
             "--",
-            *[_SH, "-c", _UNSHARE_SETUP, "setup", str(self._tmpfs_bytes), str(work_dir)],
+            *[_SH, "-c", _UNSHARE_SETUP, "setup", str(self._tmpfs_bytes)],
             *drop_privileges(),
-            *shim(argv, limits, is_init=True),
+            *init,
         ]

@@ -25,6 +25,8 @@ class StreamCapture:
 
     max_bytes: int
     marker: bytes = b""
+    tap: Callable[[bytes], None] | None = None
+    """Called with every piece of the stream that is kept, as it arrives (a session reads its messages so)."""
     data: bytearray = field(default_factory=bytearray)
     is_truncated: bool = False
     is_marker_broken: bool = False
@@ -51,6 +53,8 @@ class StreamCapture:
             return False
         room = self.max_bytes - len(self.data)
         self.data += chunk[:room]
+        if self.tap is not None and chunk[:room]:
+            self.tap(chunk[:room])
         if len(chunk) > room:
             self.is_truncated = True
             return True
@@ -78,11 +82,14 @@ def collect(
     on_exit: Callable[[], None],
     on_deadline: Callable[[], None],
     on_overflow: Callable[[], None],
+    on_stdout: Callable[[bytes], None] | None = None,
 ) -> Captured:
     """Run until both pipes reach end-of-file and ``exit_fd`` became readable (``on_exit`` was called), or until
-    the drain after an exit or a kill runs out. ``deadline`` is on the time.monotonic clock."""
+    the drain after an exit or a kill runs out. ``deadline`` is on the time.monotonic clock. ``on_stdout`` sees
+    stdout's kept bytes as they arrive (after the marker)."""
     captured = Captured(
-        stdout=StreamCapture(max_bytes=max_bytes, marker=marker), stderr=StreamCapture(max_bytes=max_bytes)
+        stdout=StreamCapture(max_bytes=max_bytes, marker=marker, tap=on_stdout),
+        stderr=StreamCapture(max_bytes=max_bytes),
     )
     streams = {stdout_fd: captured.stdout, stderr_fd: captured.stderr}
     poller = select.poll()

@@ -1,6 +1,7 @@
-"""Per-execution cgroups: a process-count limit, a memory limit that can tell "oom", and killing a whole job.
+"""Per-execution cgroups: a process-count limit, a memory limit that can tell "oom", a CPU-bandwidth limit, and
+killing a whole job.
 
-Owns finding the pids and memory controllers (cgroup v1 or v2, per controller, at run time), one parent group per
+Owns finding the pids, memory and cpu controllers (cgroup v1 or v2, per controller, at run time), one parent group per
 Sandbox, and one child group per execution (or per warm worker), removed afterwards. It does not start processes:
 a backend's launcher writes its own pid into ``procs_files`` before it executes anything untrusted, so that every
 descendant, including double-forked daemons, is born inside the group.
@@ -18,7 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-CONTROLLERS = ("pids", "memory")
+CONTROLLERS = ("pids", "memory", "cpu")
+_CPU_PERIOD_US = 100_000
 PREFIX = "sharpen-sandbox-"
 """Names of what a Sandbox leaves on the host while it lives: f"{PREFIX}{owner pid}-{unique}"."""
 
@@ -157,7 +159,9 @@ def _remove_dir(path: Path) -> None:
 class JobCgroup:
     """The group of one execution (or one warm worker): limits, membership, oom count, kill, removal."""
 
-    def __init__(self, dirs: list[ControllerDir], job_name: str, *, max_pids: int, memory_bytes: int) -> None:
+    def __init__(
+        self, dirs: list[ControllerDir], job_name: str, *, max_pids: int, memory_bytes: int, cpu_fraction: float
+    ) -> None:
         self._paths: dict[str, Path] = {d.controller: d.path / job_name for d in dirs}
         self._version = {d.controller: d.version for d in dirs}
         for path in dict.fromkeys(self._paths.values()):
@@ -166,6 +170,8 @@ class JobCgroup:
             (self._paths["pids"] / "pids.max").write_text(str(max_pids))
         if "memory" in self._paths:
             self._limit_memory(self._paths["memory"], memory_bytes)
+        if "cpu" in self._paths:
+            self._limit_cpu(self._paths["cpu"], cpu_fraction)
 
     def _limit_memory(self, path: Path, memory_bytes: int) -> None:
         if self._version["memory"] == 1:
@@ -178,6 +184,15 @@ class JobCgroup:
             swap_limit = path / "memory.swap.max"
             if swap_limit.exists():
                 swap_limit.write_text("0")
+
+    def _limit_cpu(self, path: Path, cpu_fraction: float) -> None:
+        # CFS bandwidth: at most quota microseconds of CPU per period, summed over every thread of the job.
+        quota = max(1000, round(cpu_fraction * _CPU_PERIOD_US))
+        if self._version["cpu"] == 1:
+            (path / "cpu.cfs_period_us").write_text(str(_CPU_PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (path / "cpu.max").write_text(f"{quota} {_CPU_PERIOD_US}")
 
     @property
     def has_pids_limit(self) -> bool:

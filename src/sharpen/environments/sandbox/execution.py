@@ -1,17 +1,20 @@
-"""What every execution shares, cold or warm: the fixed plan, checks and writing of the input files, in-memory
-files for stdin, and turning the facts of a finished execution into an ExecutionResult.
+"""What every execution shares, cold or warm: the fixed plan, checks and packing of the input files (the init
+unpacks them inside the sandbox), in-memory files for stdin, and turning the facts of a finished execution into
+an ExecutionResult.
 
 The life of one cold execution is in launch.py, of a warm job in warm.py; this module runs nothing.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from sharpen.environments.sandbox.backends import SANDBOX_GID, SANDBOX_UID, Backend, Limits
+from sharpen.environments.sandbox.backends import Backend, Limits
 from sharpen.environments.sandbox.capture import Captured
 from sharpen.environments.sandbox.cgroups import ControllerDir
 from sharpen.environments.sandbox.result import ExecutionResult, ProcessOutcome, classify
@@ -25,10 +28,14 @@ class ExecutionPlan:
     limits: Limits
     cgroup_dirs: list[ControllerDir]
     runs_dir: Path
+    """Where a backend without a private home gets its host work dirs."""
     wall_seconds: float
     max_processes: int
     memory_bytes: int
     max_output_bytes: int
+    cpu_fraction: float
+    python_executable: str
+    """The interpreter of the sandbox's init (and of run_python)."""
 
 
 def check_file_names(files: Mapping[str, str | bytes]) -> None:
@@ -39,19 +46,16 @@ def check_file_names(files: Mapping[str, str | bytes]) -> None:
             raise ValueError(f"file name {name!r} must be a relative path inside the work dir (no '..')")
 
 
-def write_files(work_dir: Path, files: Mapping[str, str | bytes]) -> None:
-    """Write ``files`` into the (fresh, empty) work dir, owned by the sandbox uid when we are root."""
-    is_root = os.geteuid() == 0
-    for name, content in files.items():
-        path = work_dir / name
-        if not path.parent.is_dir():
-            path.parent.mkdir(parents=True)
-            if is_root:
-                for parent in path.relative_to(work_dir).parents:
-                    os.chown(work_dir / parent, SANDBOX_UID, SANDBOX_GID)
-        path.write_bytes(content.encode() if isinstance(content, str) else content)
-        if is_root:
-            os.chown(path, SANDBOX_UID, SANDBOX_GID)
+def pack_files(files: Mapping[str, str | bytes], *, code: str | None = None) -> bytes:
+    """The payload the init reads from a memfd: the files to write into the home (names checked by
+    `check_file_names`; inside the sandbox none can reach further than its own tmpfs anyway) and, for a warm
+    worker's Python job, the code."""
+    encoded = {name: base64.b64encode(_bytes(data)).decode() for name, data in files.items()}
+    return json.dumps({"files": encoded, "code": code}).encode()
+
+
+def _bytes(data: str | bytes) -> bytes:
+    return data.encode() if isinstance(data, str) else data
 
 
 def memfd(name: str, data: bytes) -> int:
@@ -85,4 +89,5 @@ def build_result(
         is_output_truncated=any(stream.is_truncated for stream in streams),
         backend=backend,
         detail=detail,
+        is_program_started=outcome.is_started,
     )

@@ -78,13 +78,19 @@ class SandboxPool:
             return self.sandbox.run(command, files=files, stdin=stdin)
         worker = self._slots.get()  # never blocks long: there are as many slots as executor threads
         try:
-            if worker is None or worker.is_broken or not worker.is_alive:
-                if worker is not None:
-                    worker.close()
-                    self._workers.remove(worker)
-                    worker = None  # the slot stays empty if no new worker starts
-                worker = self._start_worker()
-            return worker.run(argv, code=code, files=files, stdin=stdin)
+            # A job that never started on a worker that then broke may owe that to an earlier job of the worker:
+            # it runs once more, on a fresh worker, so that no job can hand a later one a sandbox_error.
+            for _ in range(2):
+                if worker is None or worker.is_broken or not worker.is_alive:
+                    if worker is not None:
+                        worker.close()
+                        self._workers.remove(worker)
+                        worker = None  # the slot stays empty if no new worker starts
+                    worker = self._start_worker()
+                result = worker.run(argv, code=code, files=files, stdin=stdin)
+                if result.is_program_started or not worker.is_broken:
+                    break
+            return result
         except (SandboxUnavailable, OSError) as error:  # no worker could start, or it died between jobs
             if worker is not None:
                 worker.is_broken = True

@@ -27,9 +27,11 @@ class ExecutionStatus(StrEnum):
     OOM = "oom"
     """The memory cgroup ran out and the kernel killed a process of the execution."""
     KILLED = "killed"
-    """A signal ended it (signal says which), or the sandbox did because its output passed max_output_bytes."""
+    """A signal ended it (signal says which), or the sandbox did because its output passed max_output_bytes, or
+    it left what the sandbox could not clean up normally (detail says what)."""
     SANDBOX_ERROR = "sandbox_error"
-    """The sandbox failed (the program may not have run at all); says nothing about the program."""
+    """The sandbox failed before the program started (or the host refused it something): says nothing about the
+    program, which never ran. Nothing a program does can lead to this status (see `classify`)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,17 +41,20 @@ class ExecutionResult:
 
     status: ExecutionStatus
     exit_code: int | None
-    """The exit code; None when the program did not exit by itself. Behind a pid namespace (bwrap, unshare) a
-    death by signal n reads as 128 + n, as in a shell."""
+    """The exit code the program passed to exit; None when it did not exit by itself (a signal, or the sandbox
+    ended it). Taken from the real wait status, so exit(137) is code 137, never a signal."""
     stdout: str
     stderr: str
     wall_seconds: float
     is_output_truncated: bool
     backend: str
     signal: int | None = None
-    """The signal that ended the program, when one did (decoded from 128 + n behind a pid namespace)."""
+    """The signal that ended the program, when one did (any number, real-time signals included)."""
     detail: str = ""
     """Why the status is what it is, in words (the limit that was hit, the sandbox's error)."""
+    is_program_started: bool = False
+    """The sandbox handed over to the program (its ready marker was seen). False only with ``sandbox_error``:
+    whatever happens once the program has started is the program's outcome, never the sandbox's."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -73,12 +78,28 @@ class ProcessOutcome:
     is_oom: bool = False
     is_output_overflow: bool = False
     error: str = ""
+    """What went wrong outside the program's own exit: the sandbox's fault before it started, the program's
+    after (see `classify`)."""
+
+
+def signal_name(number: int) -> str:
+    """SIGSEGV, SIGRTMIN+3, or "signal 99" for a number this platform does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        if signal.SIGRTMIN <= number <= signal.SIGRTMAX:
+            return f"SIGRTMIN+{number - signal.SIGRTMIN}"
+        return f"signal {number}"
 
 
 def classify(outcome: ProcessOutcome, *, wall_seconds: float) -> tuple[ExecutionStatus, str]:
     """The status and its reason. The order matters: what the sandbox did (timeout, oom, output kill) explains a
-    death by signal better than the signal itself."""
-    if outcome.error or not outcome.is_started:
+    death by signal better than the signal itself.
+
+    ``sandbox_error`` only before the program started: once it has, every fault (descriptors it kept in flight
+    holding the output open, a sandbox helper it got killed, processes that would not die) is its own failure,
+    ``killed``, so that no program can turn its outcome into an abstention."""
+    if not outcome.is_started:
         return ExecutionStatus.SANDBOX_ERROR, outcome.error or "the sandbox did not start the program"
     if outcome.is_timed_out:
         return ExecutionStatus.TIMEOUT, f"wall-clock limit of {wall_seconds:g} s"
@@ -86,10 +107,12 @@ def classify(outcome: ProcessOutcome, *, wall_seconds: float) -> tuple[Execution
         return ExecutionStatus.OOM, "the memory cgroup ran out; the kernel killed a process"
     if outcome.is_output_overflow:
         return ExecutionStatus.KILLED, "output passed max_output_bytes"
+    if outcome.error:
+        return ExecutionStatus.KILLED, outcome.error
     if outcome.signal == signal.SIGXCPU:
         return ExecutionStatus.TIMEOUT, "CPU-time limit (SIGXCPU)"
     if outcome.signal is not None:
-        return ExecutionStatus.KILLED, f"ended by signal {signal.Signals(outcome.signal).name}"
+        return ExecutionStatus.KILLED, f"ended by signal {signal_name(outcome.signal)}"
     if outcome.exit_code == 0:
         return ExecutionStatus.OK, ""
     return ExecutionStatus.NONZERO_EXIT, f"exit code {outcome.exit_code}"

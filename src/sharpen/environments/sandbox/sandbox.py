@@ -21,7 +21,7 @@ from typing import TypeVar
 
 from sharpen.config.sandbox import SandboxConfig
 from sharpen.environments.sandbox.backends import Backend, Limits, ProcessBackend, UnshareBackend
-from sharpen.environments.sandbox.bwrap import BwrapBackend, write_etc_files
+from sharpen.environments.sandbox.bwrap import BwrapBackend
 from sharpen.environments.sandbox.cgroups import (
     PREFIX,
     ControllerDir,
@@ -34,6 +34,7 @@ from sharpen.environments.sandbox.execution import ExecutionPlan, check_file_nam
 from sharpen.environments.sandbox.launch import Launch
 from sharpen.environments.sandbox.probe import PROBE_ARGV, host_gaps, select_backend
 from sharpen.environments.sandbox.result import ExecutionResult, IsolationReport
+from sharpen.environments.sandbox.session import SandboxSession
 
 T = TypeVar("T")
 NO_FILES: Mapping[str, str | bytes] = MappingProxyType({})
@@ -58,6 +59,7 @@ class Sandbox:
         self.config = config
         self.cgroup_dirs: list[ControllerDir] = []
         self._prepared: list[Launch] = []
+        self._prepared_sessions: list[Launch] = []
         self._lock = threading.Lock()
         self._is_closed = False
         # The thread that starts every sandbox meant to outlive the call that made it (prepared ones, warm
@@ -70,18 +72,21 @@ class Sandbox:
                 shutil.rmtree(orphan, ignore_errors=True)
         self.state_dir = Path(tempfile.mkdtemp(prefix=owned_name(""), dir=work_root))
         try:
-            self.state_dir.chmod(0o711)  # the sandbox uid must traverse it to reach its work dir, nothing more
+            self.state_dir.chmod(0o711)  # the weak backend's uid must traverse it to reach its work dir, nothing more
             (self.state_dir / "runs").mkdir(mode=0o711)
-            write_etc_files(self.state_dir / "etc")
             self.cgroup_dirs = open_controller_dirs(owned_name(uuid.uuid4().hex[:12]))
             controllers = {d.controller for d in self.cgroup_dirs}
             self.limits = Limits.from_config(config, has_memory_cgroup="memory" in controllers)
             candidates = [
-                BwrapBackend(config, etc_dir=self.state_dir / "etc"),
+                BwrapBackend(config),
                 UnshareBackend(config),
                 ProcessBackend(),
             ]
-            gaps = host_gaps(has_pids_cgroup="pids" in controllers, has_memory_cgroup="memory" in controllers)
+            gaps = host_gaps(
+                has_pids_cgroup="pids" in controllers,
+                has_memory_cgroup="memory" in controllers,
+                has_cpu_cgroup="cpu" in controllers,
+            )
             self.backend, self.report = select_backend(config, candidates, self._probe, host_missing=gaps)
         except BaseException:
             self.close()
@@ -94,6 +99,8 @@ class Sandbox:
             limits=self.limits,
             cgroup_dirs=self.cgroup_dirs,
             runs_dir=self.state_dir / "runs",
+            cpu_fraction=self.config.cpu_fraction,
+            python_executable=self.config.python_executable,
             wall_seconds=self.config.wall_seconds,
             max_processes=self.config.max_processes,
             memory_bytes=self.config.memory_mb << 20,
@@ -124,13 +131,39 @@ class Sandbox:
             self._spawner.submit(self._prepare_one)  # the next execution's sandbox, while this program runs
         return launch.finish()
 
-    def _prepare_one(self) -> None:
+    def _prepare_one(self, *, is_session: bool = False) -> None:
+        prepared = self._prepared_sessions if is_session else self._prepared
         with self._lock:
-            if self._is_closed or len(self._prepared) >= self.config.max_concurrency:
+            if self._is_closed or len(prepared) >= self.config.max_concurrency:
                 return
-        launch = Launch(self._plan)
+        launch = Launch(self._plan, is_session=is_session)
         with self._lock:
-            self._prepared.append(launch)
+            prepared.append(launch)
+
+    def open_session(self, argv: Sequence[str], *, files: Mapping[str, str | bytes] = NO_FILES) -> SandboxSession:
+        """Start ``argv`` in a fresh sandbox, as `run` does, and return a session to exchange lines with it on its
+        stdin and stdout while it runs (see session.py); its result comes from ``session.close()``."""
+        if not argv:
+            raise ValueError("argv is empty: give the program to run")
+        check_file_names(files)
+        with self._lock:
+            launch = self._prepared_sessions.pop() if self._prepared_sessions else None
+        launch = launch or Launch(self._plan, is_session=True)
+        try:
+            launch.start(list(argv), files=files, stdin=b"")
+        except BaseException:
+            launch.discard()
+            raise
+        if self.config.prepare_ahead and self.backend.can_prepare:
+            self._spawner.submit(self._prepare_one, is_session=True)
+        return SandboxSession(launch)
+
+    def open_python_session(self, code: str, *, files: Mapping[str, str | bytes] = NO_FILES) -> SandboxSession:
+        """`open_session` of ``code`` run as ``main.py`` by the system Python, like `run_python`."""
+        if "main.py" in files:
+            raise ValueError("files may not contain 'main.py': open_python_session writes the code there")
+        argv = [self.config.python_executable, *PYTHON_FLAGS, "main.py"]
+        return self.open_session(argv, files={**files, "main.py": code})
 
     def in_spawner_thread(self, start: Callable[[], T]) -> T:
         """Run ``start``, which starts a long-lived sandbox, in the Sandbox's spawner thread (see __init__)."""
@@ -158,9 +191,9 @@ class Sandbox:
         shutil.rmtree(self.state_dir, ignore_errors=True)
 
     def _discard_prepared(self) -> None:
-        for launch in self._prepared:
+        for launch in [*self._prepared, *self._prepared_sessions]:
             launch.discard()
-        self._prepared = []
+        self._prepared, self._prepared_sessions = [], []
 
     def __enter__(self) -> Sandbox:
         return self

@@ -2,10 +2,14 @@
 
 Namespaces already deny what needs a capability; this filter shrinks what an unprivileged process may still ask
 the kernel for, and closes the channels through which jobs could reach each other or the host:
-kernel keyrings (a process possesses its parent's session keyring), SysV and POSIX message IPC, ptrace, bpf,
-perf_event_open, userfaultfd, io_uring, new user namespaces (unshare, clone with CLONE_NEWUSER), and any syscall
-entered through another ABI (x32, or the 32-bit one on x86_64). Denied calls fail with EPERM; clone3 fails with
-ENOSYS, since its flags cannot be inspected and libc then falls back to clone.
+kernel keyrings (a process possesses its parent's session keyring), SysV and POSIX message IPC, reaching into
+another process (ptrace, process_vm_readv/writev, pidfd_getfd, process_madvise, kcmp), the kernel log (syslog),
+bpf, perf_event_open, userfaultfd, io_uring, file handles (name_to_handle_at, open_by_handle_at), the mount API,
+new user namespaces (unshare, clone with CLONE_NEWUSER), and any syscall entered through another ABI (x32, or the
+32-bit one on x86_64). Most of these already need a capability the sandbox lacks or a same-uid process that a
+pid namespace hides; the filter holds where that is not enough (the jobs of one warm worker share a pid
+namespace) and against kernel bugs behind them. Denied calls fail with EPERM; clone3 fails with ENOSYS, since
+its flags cannot be inspected and libc then falls back to clone.
 
 It owns the syscall tables of the architectures it knows (x86_64, aarch64); elsewhere there is no filter and the
 isolation report says so.
@@ -27,6 +31,24 @@ _DENIED_SYSCALLS = {
     "request_key": (249, 218),
     "keyctl": (250, 219),
     "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "pidfd_getfd": (438, 438),
+    "process_madvise": (440, 440),
+    "kcmp": (312, 272),
+    "syslog": (103, 116),
+    "name_to_handle_at": (303, 264),
+    "open_by_handle_at": (304, 265),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "mount_setattr": (442, 442),
     "bpf": (321, 280),
     "perf_event_open": (298, 241),
     "userfaultfd": (323, 282),

@@ -7,7 +7,6 @@ package docstring. A worker runs one job at a time; `SandboxPool` keeps several.
 
 from __future__ import annotations
 
-import base64
 import itertools
 import json
 import os
@@ -16,9 +15,9 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping
-from pathlib import Path
 
 from sharpen.environments.sandbox.backends import (
+    INIT_SOURCE,
     READY_MARKER,
     SANDBOX_ENV,
     SANDBOX_HOME,
@@ -28,11 +27,11 @@ from sharpen.environments.sandbox.backends import (
 from sharpen.environments.sandbox.bwrap import BwrapBackend
 from sharpen.environments.sandbox.capture import DRAIN_SECONDS, collect
 from sharpen.environments.sandbox.cgroups import JobCgroup
-from sharpen.environments.sandbox.execution import build_result, memfd
+from sharpen.environments.sandbox.execution import build_result, memfd, pack_files
 from sharpen.environments.sandbox.result import ExecutionResult, ProcessOutcome, SandboxUnavailable
 from sharpen.environments.sandbox.sandbox import PYTHON_FLAGS, Sandbox
 
-CONTROLLER_SOURCE = Path(__file__).with_name("warm_controller.py").read_text()
+CONTROLLER_SOURCE = INIT_SOURCE
 START_SECONDS = 10.0
 _GRACE_SECONDS = 2.0
 """The controller enforces the wall clock; the host steps in (and ends the worker) this much later."""
@@ -55,12 +54,11 @@ class WarmWorker:
                 f"warm-{name}",
                 max_pids=config.max_processes + 2,  # bwrap's monitor and the controller
                 memory_bytes=config.memory_mb << 20,
+                cpu_fraction=config.cpu_fraction,
             )
         self._control, worker_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._log = sandbox.state_dir / f"warm-{name}.log"
-        fds = [worker_end.fileno()]
-        if sandbox.backend.seccomp_program is not None:
-            fds.append(memfd("seccomp", sandbox.backend.seccomp_program))
+        fds = [worker_end.fileno()]  # then what bwrap reads (see BwrapBackend.bwrap_args)
         try:
             self._process = self._start(sandbox.backend, fds, name=name)
         except BaseException:
@@ -85,13 +83,9 @@ class WarmWorker:
             "home": SANDBOX_HOME,
             "marker": READY_MARKER.decode("latin-1"),
             "wall_seconds": config.wall_seconds,
-            "cpu_seconds": limits.cpu_seconds,
-            "address_space_bytes": limits.address_space_bytes,
-            "file_size_bytes": limits.file_size_bytes,
-            "max_open_files": limits.max_open_files,
+            **limits.settings(),
         }
-        home = ["--size", str(config.memory_mb << 20), "--tmpfs", SANDBOX_HOME]
-        bwrap = backend.bwrap_args(mounts=home, seccomp_fd=fds[1] if len(fds) > 1 else None)
+        bwrap = backend.bwrap_args(fds)
         program = [config.python_executable, *PYTHON_FLAGS, "-c", CONTROLLER_SOURCE, json.dumps(settings)]
         command = [*drop_privileges(), *bwrap, "--", *program]
         with self._log.open("wb") as log:
@@ -120,14 +114,10 @@ class WarmWorker:
         """Run one job: ``argv`` executed, or (argv None) ``code`` run as main.py by the worker's interpreter."""
         started = time.monotonic()
         job_id = next(self._job_ids)
-        payload = {
-            "files": {name: base64.b64encode(_bytes(data)).decode() for name, data in files.items()},
-            "code": code,
-        }
         oom_before = self._cgroup.num_oom_kills() if self._cgroup is not None else 0
         stdout_read, stdout_write = os.pipe()
         stderr_read, stderr_write = os.pipe()
-        sent = [memfd("job", json.dumps(payload).encode()), memfd("stdin", stdin), stdout_write, stderr_write]
+        sent = [memfd("job", pack_files(files, code=code)), memfd("stdin", stdin), stdout_write, stderr_write]
         reply: dict[str, object] = {}
         try:
             header = json.dumps({"id": job_id, "argv": argv}).encode()
@@ -154,8 +144,9 @@ class WarmWorker:
             reply, captured.stdout.is_marker_seen, is_timed_out=captured.is_timed_out, oom_before=oom_before
         )
         outcome.is_output_overflow = captured.is_output_overflow
-        if captured.is_stuck:
-            outcome.error, self.is_broken = "the output pipes stayed open after the job ended", True
+        if captured.is_stuck:  # the job's processes are dead: descriptors it left in flight (SCM_RIGHTS) hold them
+            self.is_broken = True
+            outcome.error = outcome.error or "the job's output stayed open after it ended (descriptors in flight)"
         return build_result(
             outcome,
             captured,
@@ -180,7 +171,7 @@ class WarmWorker:
         is_oom = self._cgroup is not None and self._cgroup.num_oom_kills() > oom_before
         if not reply:  # the worker died: by our hand at the deadline, by the oom killer, or of its own
             self.is_broken = True
-            error = "" if is_oom or is_timed_out else "the warm worker died"
+            error = "" if is_oom or is_timed_out else "the warm worker died during the job"
             return ProcessOutcome(is_started=is_started, is_timed_out=is_timed_out, is_oom=is_oom, error=error)
         if reply.get("clean") is not True:
             self.is_broken = True  # leftovers of this job could reach the next one
@@ -214,7 +205,3 @@ class WarmWorker:
         if self._cgroup is not None:
             self._cgroup.kill_all()
             self._cgroup.remove()
-
-
-def _bytes(data: str | bytes) -> bytes:
-    return data.encode() if isinstance(data, str) else data

@@ -28,7 +28,7 @@ from sharpen.environments.sandbox import ExecutionResult, ExecutionStatus, Isola
 from sharpen.environments.sandbox.backends import Backend
 from sharpen.environments.sandbox.capture import StreamCapture
 from sharpen.environments.sandbox.cgroups import find_controller_dirs
-from sharpen.environments.sandbox.probe import select_backend
+from sharpen.environments.sandbox.probe import host_gaps, select_backend
 from sharpen.environments.sandbox.result import IsolationLevel, ProcessOutcome, classify
 from sharpen.environments.sandbox.seccomp import seccomp_filter
 
@@ -50,8 +50,24 @@ def _fake_probe(backend: Backend) -> ExecutionResult:
 
 def test_auto_takes_the_strongest_backend_that_works():
     candidates = [_FakeBackend("bwrap", "strong", False), _FakeBackend("unshare", "medium", True)]
-    backend, report = select_backend(SandboxConfig(), candidates, _fake_probe, host_missing=[])
+    config = SandboxConfig(min_isolation="medium")
+    backend, report = select_backend(config, candidates, _fake_probe, host_missing=[])
     assert backend.name == "unshare" and report == IsolationReport(backend="unshare", level="medium")
+
+
+def test_auto_never_falls_below_min_isolation_and_says_how_to_accept_it():
+    probed: list[str] = []
+
+    def probe(backend: Backend) -> ExecutionResult:
+        probed.append(backend.name)
+        return _fake_probe(backend)
+
+    candidates = [_FakeBackend("bwrap", "strong", False), _FakeBackend("unshare", "medium", True)]
+    with pytest.raises(SandboxUnavailable) as error:
+        select_backend(SandboxConfig(), candidates, probe, host_missing=[])  # min_isolation = "strong" by default
+    assert probed == ["bwrap"]  # the weaker backend never ran anything
+    message = str(error.value)
+    assert "bwrap: probe ended sandbox_error" in message and "sandbox.min_isolation to 'medium'" in message
 
 
 def test_a_named_backend_that_does_not_work_is_unavailable():
@@ -62,10 +78,12 @@ def test_a_named_backend_that_does_not_work_is_unavailable():
 
 def test_weak_isolation_is_refused_unless_allowed(caplog: pytest.LogCaptureFixture):
     candidates = [_FakeBackend("bwrap", "strong", False), _FakeBackend("process", "weak", True)]
-    with pytest.raises(SandboxUnavailable, match="allow_weak_isolation"):
+    with pytest.raises(SandboxUnavailable, match="min_isolation"):
         select_backend(SandboxConfig(), candidates, _fake_probe, host_missing=[])
+    with pytest.raises(SandboxUnavailable, match="min_isolation"):
+        select_backend(SandboxConfig(min_isolation="medium"), candidates, _fake_probe, host_missing=[])
     with caplog.at_level(logging.WARNING):
-        _, report = select_backend(SandboxConfig(allow_weak_isolation=True), candidates, _fake_probe, host_missing=[])
+        _, report = select_backend(SandboxConfig(min_isolation="weak"), candidates, _fake_probe, host_missing=[])
     assert report.level == "weak" and "weak isolation" in caplog.text  # never silent
 
 
@@ -79,14 +97,14 @@ def test_this_host_gets_strong_isolation_with_nothing_missing():
 @needs_root
 def test_the_real_weak_backend_is_refused_and_cleans_up():
     before = set(Path("/dev/shm").iterdir())
-    with pytest.raises(SandboxUnavailable, match="weak isolation"):
+    with pytest.raises(SandboxUnavailable, match="min_isolation to 'weak'"):
         Sandbox(sandbox_config(backend="process"))
     assert set(Path("/dev/shm").iterdir()) == before
 
 
 @needs_root
 def test_the_weak_backend_when_allowed_warns_and_still_limits(caplog: pytest.LogCaptureFixture):
-    with caplog.at_level(logging.WARNING), Sandbox(sandbox_config(backend="process", allow_weak_isolation=True)) as box:
+    with caplog.at_level(logging.WARNING), Sandbox(sandbox_config(backend="process", min_isolation="weak")) as box:
         assert box.report.level == "weak" and "network isolation" in " ".join(box.report.missing)
         assert "weak isolation" in caplog.text
         shadow = box.run(["cat", "/etc/shadow"])
@@ -103,7 +121,7 @@ def test_the_unshare_backend_is_medium_and_contains_the_basics(tmp_path: Path, m
     monkeypatch.setenv("SHARPEN_TEST_SECRET", "hunter2")
     token = uuid.uuid4().hex
     with (
-        Sandbox(sandbox_config(backend="unshare", wall_seconds=SHORT_WALL_SECONDS)) as box,
+        Sandbox(sandbox_config(backend="unshare", min_isolation="medium", wall_seconds=SHORT_WALL_SECONDS)) as box,
         socket.socket() as listener,
     ):
         assert (box.report.backend, box.report.level) == ("unshare", "medium")
@@ -153,9 +171,10 @@ _MOUNTS_V1 = """\
 31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
 35 31 0:32 / /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory
 39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids
+32 31 0:29 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct
 41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw
 """
-_OWN_V1 = "8:pids:/\n4:memory:/process_api/abc\n0::/\n"
+_OWN_V1 = "8:pids:/\n4:memory:/process_api/abc\n2:cpu,cpuacct:/\n0::/\n"
 _MOUNTS_V2 = "30 23 0:27 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n"
 _OWN_V2 = "0::/user.slice/session-1.scope\n"
 
@@ -164,10 +183,12 @@ def test_cgroup_discovery_finds_v1_groups_under_our_own_and_v2_at_the_root():
     assert find_controller_dirs(_MOUNTS_V1, _OWN_V1) == {
         "pids": (1, Path("/sys/fs/cgroup/pids")),
         "memory": (1, Path("/sys/fs/cgroup/memory/process_api/abc")),
+        "cpu": (1, Path("/sys/fs/cgroup/cpu,cpuacct")),
     }
     assert find_controller_dirs(_MOUNTS_V2, _OWN_V2) == {
         "pids": (2, Path("/sys/fs/cgroup")),
         "memory": (2, Path("/sys/fs/cgroup")),
+        "cpu": (2, Path("/sys/fs/cgroup")),
     }
 
 
@@ -219,7 +240,11 @@ def test_classification_prefers_what_the_sandbox_did_over_the_signal():
         (ProcessOutcome(is_started=True, exit_code=0), ExecutionStatus.OK),
         (ProcessOutcome(is_started=True, exit_code=3), ExecutionStatus.NONZERO_EXIT),
         (ProcessOutcome(is_started=False, exit_code=0), ExecutionStatus.SANDBOX_ERROR),
-        (ProcessOutcome(is_started=True, exit_code=0, error="cleanup failed"), ExecutionStatus.SANDBOX_ERROR),
+        (ProcessOutcome(is_started=False, error="bwrap: setting up uid map"), ExecutionStatus.SANDBOX_ERROR),
+        # Once the program started, no fault is the sandbox's: the program's own failure, never an abstention.
+        (ProcessOutcome(is_started=True, exit_code=0, error="cleanup failed"), ExecutionStatus.KILLED),
+        (ProcessOutcome(is_started=True, exit_code=137), ExecutionStatus.NONZERO_EXIT),  # exit(137) is no SIGKILL
+        (ProcessOutcome(is_started=True, signal=40), ExecutionStatus.KILLED),  # a real-time signal
     ]
     for outcome, status in cases:
         assert classify(outcome, wall_seconds=1.0)[0] == status, outcome
@@ -234,6 +259,12 @@ def test_bad_arguments_raise_value_error(sandbox: Sandbox):
         sandbox.run([])
     with pytest.raises(ValueError, match=r"main\.py"):
         sandbox.run_python("pass", files={"main.py": "x"})
+
+
+def test_a_host_without_a_cpu_controller_reports_the_cpu_limit_missing():
+    gaps = host_gaps(has_pids_cgroup=True, has_memory_cgroup=True, has_cpu_cgroup=False)
+    assert any(gap.startswith("CPU-bandwidth limit (cpu_fraction)") for gap in gaps)
+    assert not any("CPU" in gap for gap in host_gaps(has_pids_cgroup=True, has_memory_cgroup=True, has_cpu_cgroup=True))
 
 
 def test_not_root_is_reported_as_missing():
