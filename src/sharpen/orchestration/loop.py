@@ -96,6 +96,10 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
         source.publish(c.trainer, version=start_step)  # the engine already holds it: a no-op in sync mode
         step_started = time.perf_counter()
         for step in range(start_step, config.run.num_steps):
+            canary_metrics: dict[str, float] = {}
+            if canaries is not None:  # before the step's rollouts are scored: a fooled judge is gated from them
+                with timer.phase("canaries"):
+                    canary_metrics = canaries.maybe_run(step)
             batch = source.take(step)
             groups = batch.groups
             rollouts = [r for g in groups for r in g.rollouts]
@@ -137,9 +141,7 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
             if c.parity_probe is not None and every and (step + 1) % every == 0:
                 with timer.phase("parity"), source.exclusive(step + 1) as engine:
                     metrics.update(c.parity_probe.run(c.trainer, engine))
-            if canaries is not None:
-                with timer.phase("canaries"):
-                    metrics.update(canaries.maybe_run(step))
+            metrics.update(canary_metrics)
             add_times(metrics, timer.pop_metrics())
             now = time.perf_counter()
             metrics["time/step"] = now - step_started

@@ -17,7 +17,6 @@ starts, nor its own status, since it never holds the status pipe.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -75,8 +74,9 @@ class Limits:
 
 
 def init_command(python: str, settings: dict[str, object]) -> list[str]:
-    """The init (warm_controller.py) run by ``python`` with ``settings``."""
-    return [python, *INIT_FLAGS, "-c", INIT_SOURCE, json.dumps(settings)]
+    """The init (warm_controller.py) run by ``python`` with ``settings`` (a dict of plain literals, passed as its
+    ``repr``: the init reads it without importing json)."""
+    return [python, *INIT_FLAGS, "-c", INIT_SOURCE, repr(settings)]
 
 
 def with_prelude(command: list[str], procs_files: list[str]) -> list[str]:

@@ -144,7 +144,7 @@ class Launch:
                     fill_memfd(self._stdin_fd, stdin)
                 go_fd, self._go_fd = self._go_fd, None
                 with open(go_fd, "wb") as go:  # a sandbox that died meanwhile raises BrokenPipeError
-                    go.write(json.dumps(argv).encode())
+                    go.write(repr([str(arg) for arg in argv]).encode())  # a list literal, read with no import
             except OSError as error:
                 self.error = f"sandbox start failed: {error}"
                 self._release()

@@ -86,7 +86,7 @@ class WarmWorker:
             **limits.settings(),
         }
         bwrap = backend.bwrap_args(fds)
-        program = [config.python_executable, *PYTHON_FLAGS, "-c", CONTROLLER_SOURCE, json.dumps(settings)]
+        program = [config.python_executable, *PYTHON_FLAGS, "-c", CONTROLLER_SOURCE, repr(settings)]
         command = [*drop_privileges(), *bwrap, "--", *program]
         with self._log.open("wb") as log:
             return subprocess.Popen(
