@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.sharpen-installed
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: install system-deps demo test lint clean-venv
+.PHONY: install system-deps demo test lint clean-venv bench-deps
 
 install: $(STAMP)
 
@@ -52,6 +52,11 @@ test: install system-deps
 	$(BIN)/lint-imports
 	$(BIN)/pyright
 	$(BIN)/python -m pytest -q
+
+# TRL for benchmarks/vs_trl.py only (the `bench` extra, pinned); the constraints keep torch as installed. Nothing
+# else needs it: `make test` never installs it.
+bench-deps: install
+	$(PIP) install -c constraints.txt -e '.[bench]'
 
 clean-venv:
 	rm -rf $(VENV)

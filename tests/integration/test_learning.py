@@ -4,7 +4,8 @@ A 2-layer random Llama (SmolLM2's tokenizer), the transformers engine, 4 prompts
 and a reward the random policy can climb: the fraction of vowels in the completion. Measured here (one thread,
 0.3 s a step, 30 steps): 0.32 over the first steps -> 0.50 over the last, where the policy settles on tokens that
 are half vowels. The test asks for +0.1 between the means of the first and last five steps, leaving room for another
-CPU's float rounding to take another path up.
+CPU's float rounding to take another path up. It runs in both trainer precisions: float32, and bf16 autocast over
+float32 master weights with the engine in bfloat16 (on a CPU without bf16 instructions bf16 is slow, not wrong).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
+import pytest
 import torch
 
 from sharpen.api import load_config, run
@@ -25,9 +27,10 @@ def vowel_fraction(example: Example, completion: str) -> RewardResult:
     return RewardResult(score=score, status=RewardStatus.OK, components={"vowels": score}, verifier="vowels")
 
 
-def test_grpo_raises_the_reward_of_a_tiny_task(tiny_model_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+def test_grpo_raises_the_reward_of_a_tiny_task(tiny_model_path: Path, tmp_path: Path, precision: str) -> None:
     overrides = {
-        "run.name": json.dumps("learn"),
+        "run.name": json.dumps(f"learn-{precision}"),
         "run.output_dir": json.dumps(str(tmp_path)),
         "run.num_steps": "30",
         "run.export_model": "false",
@@ -40,6 +43,7 @@ def test_grpo_raises_the_reward_of_a_tiny_task(tiny_model_path: Path, tmp_path: 
         "trainer.micro_batch_size": "16",
         "trainer.learning_rate": "5e-2",
         "trainer.num_threads": "1",
+        "trainer.precision": json.dumps(precision),
         "monitoring.progress": "false",
         "monitoring.parity_probe_every": "0",
     }

@@ -43,6 +43,7 @@ def tiny_config(model: Path, out: Path, *, name: str, num_steps: int, **extra: s
         "rollout.max_new_tokens": "12",
         "trainer.micro_batch_size": "4",
         "trainer.learning_rate": "1e-3",
+        "trainer.precision": '"float32"',  # float32 numerics (the comparisons below), not the CPU's choice
         "monitoring.progress": "false",
         **extra,
     }

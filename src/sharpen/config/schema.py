@@ -8,9 +8,9 @@ engines) are chosen by a ``type`` discriminator.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfig
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
@@ -40,8 +40,21 @@ class ModelConfig(Section):
     path: str = "smollm2-135m-instruct"
     """A model name known to ``sharpen models`` (pull it first: ``sharpen models pull NAME``) or a local HF
     causal-LM folder."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Dtype of the trainer's master weights and of the engine."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Dtype of the trainer's master weights and of the engine. ``auto``: float32 master weights (and optimizer),
+    and an engine in bfloat16 when trainer.precision resolves to bf16, else in float32. ``float32`` or
+    ``bfloat16``: both in that dtype."""
+
+    @property
+    def master_dtype(self) -> Literal["float32", "bfloat16"]:
+        """Dtype of the trainer's weights (and of the reference policy and critic)."""
+        return "float32" if self.dtype == "auto" else self.dtype
+
+    def engine_dtype(self, precision: Literal["float32", "bf16"]) -> Literal["float32", "bfloat16"]:
+        """Dtype of the inference engine when the trainer's precision resolved to ``precision``."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if precision == "bf16" else "float32"
 
 
 class ReasoningGymDataConfig(Section):
@@ -284,15 +297,48 @@ class TrainerConfig(Section):
     max_grad_norm: float = Field(default=1.0, gt=0.0)
     """Clip the global gradient norm to this value."""
     micro_batch_size: int = Field(default=8, ge=1)
-    """Rollouts per forward/backward pass; gradients accumulate over the step's micro-batches."""
-    bf16_autocast: bool = False
-    """Run forward/backward under bfloat16 autocast (master weights keep model.dtype)."""
+    """Rollouts per forward/backward pass; gradients accumulate over the step's micro-batches (without packing)."""
+    packing: bool = False
+    """Pack each micro-batch's rollouts into one row without padding, up to micro_batch_tokens tokens: positions
+    restart at 0 for every rollout and attention never crosses rollouts (the same loss and gradient; time and memory
+    follow the real tokens). Replaces micro_batch_size and the shared-prompt pass (share_prompt) for the policy."""
+    micro_batch_tokens: int = Field(default=512, ge=1)
+    """With packing: tokens per micro-batch, at most (a rollout longer than this forms a micro-batch alone)."""
+    logits_chunk_tokens: int = Field(default=512, ge=0)
+    """Target tokens per LM-head call when scoring: logprobs and entropy are computed chunk by chunk, and each
+    chunk's logits are recomputed in the backward, so peak memory is [chunk, vocab] rather than [targets, vocab]
+    (4k targets x 49k vocab, measured: 0.7 GB instead of 4.8 GB, ~1.2x the head's time). A micro-batch with fewer
+    targets runs in one piece at no extra cost. 0: never chunk."""
+    precision: Literal["auto", "float32", "bf16"] = "auto"
+    """Arithmetic of the forward and backward passes. ``bf16``: bfloat16 autocast over float32 master weights and
+    optimizer (with model.dtype = "auto"); ``float32``: float32 throughout; ``auto``: bf16 where the device has fast
+    bf16 (a CPU with AVX512-BF16 or AMX, a CUDA device with native bf16) and a short matmul probe at start-up finds
+    it at least 1.3x faster, else float32 (the choice and the measured speeds are logged and written to
+    ``run_dir/precision.json``)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
+    share_prompt: bool = True
+    """Rollouts of one micro-batch with identical prompt ids run that prompt through the model once and their
+    completions attend to its keys/values (the same loss and gradient, fewer tokens computed; docs/algorithms.md,
+    Shared prompts). ``false``: every rollout's full sequence is computed on its own."""
     device: str = "auto"
     """Torch device of the single-device backend ("auto": cuda if available, else cpu)."""
     num_threads: int = Field(default=0, ge=0, json_schema_extra=internal())
     """torch intra-op threads on the CPU (0: derived from the machine, see `resolved_num_threads`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_bf16_autocast(cls, data: object) -> object:
+        """An older recipe's bf16_autocast gets one error naming its replacement (not "unknown key")."""
+        if not isinstance(data, dict):
+            return data
+        fields = cast(dict[str, Any], data)
+        if "bf16_autocast" in fields:
+            raise ValueError(
+                'bf16_autocast was replaced by trainer.precision: write trainer.precision = "bf16" for bfloat16 '
+                'autocast, "float32" for none, or leave it at "auto" (chosen from the hardware)'
+            )
+        return fields
 
     @property
     def resolved_num_threads(self) -> int:
@@ -325,13 +371,26 @@ class WeightSyncConfig(Section):
     in shared memory and fills one while the engine loads the other."""
     verify: bool = True
     """After every sync, compare the engine's logprobs on a fixed probe with the trainer's; fail on a mismatch."""
-    tolerance: float = Field(default=1e-3, gt=0.0)
-    """Largest allowed mean absolute difference (nats per token) between engine and trainer probe logprobs. Both in
-    float32 agree to ~1e-5 (SmolLM2, vLLM CPU); raise it when the trainer runs under bf16 autocast."""
+    tolerance: float | Literal["auto"] = "auto"
+    """Largest allowed mean absolute difference (nats per token) between engine and trainer probe logprobs. ``auto``:
+    1e-3 when the engine and the trainer's probe both compute in float32 (they agree to ~1e-5: SmolLM2, vLLM CPU);
+    with bfloat16 on either side the first sync's mismatch is the baseline (it must be below 0.25), every later
+    sync may differ by max(0.01, 4 x baseline), and a passing sync's larger mismatch becomes the baseline
+    (docs/algorithms.md, Precision)."""
     probe_text: str = Field(
         default="The quick brown fox jumps over the lazy dog. 12 + 7 = 19.", json_schema_extra=internal()
     )
     """Text whose token logprobs the engine and trainer both compute."""
+
+    @field_validator("tolerance", mode="before")
+    @classmethod
+    def _check_tolerance(cls, value: object) -> object:
+        """One error for a bad value (not one per member of the union)."""
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+            raise ValueError(f'must be a number above 0 (nats per token) or "auto", got {value!r}')
+        return float(value)
 
 
 class MonitoringConfig(Section):

@@ -78,6 +78,24 @@ def inspect_run(run_dir: Path, *, probe_tolerance: float = 1e-3) -> RunSummary:
     return summary
 
 
+def _probe_warning(rows: list[dict[str, Any]], *, probe_tolerance: float) -> str | None:
+    """The worst weight-sync probe mismatch when it came close to its tolerance: past a tenth of a fixed tolerance
+    (float32: ~1e-5 is normal), past twice the first sync's mismatch under a measured one (bfloat16, whose rows
+    carry ``sync/probe_baseline``); ``probe_tolerance`` stands in for rows that do not say theirs."""
+    worst: tuple[float, float] | None = None
+    for row in rows:
+        mismatch = row.get("sync/probe_mismatch_mean")
+        if mismatch is None:
+            continue
+        tolerance = row.get("sync/probe_tolerance", probe_tolerance)
+        baseline = row.get("sync/probe_baseline")
+        if mismatch > (2 * baseline if baseline is not None else tolerance / 10):
+            worst = max(worst or (mismatch, tolerance), (mismatch, tolerance))
+    if worst is None:
+        return None
+    return f"engine/trainer probe mismatch up to {worst[0]:.2e} nats/token (tolerance {worst[1]:.3g})"
+
+
 def run_warnings(rows: list[dict[str, Any]], *, probe_tolerance: float) -> list[str]:
     """What a user should look at, most serious first."""
     warnings = []
@@ -87,9 +105,9 @@ def run_warnings(rows: list[dict[str, Any]], *, probe_tolerance: float) -> list[
     spikes = [row["step"] for row in rows if row.get("health/grad_norm_spike", 0) > 0]
     if spikes:
         warnings.append(f"gradient-norm spikes at steps {spikes}")
-    mismatch = max((row.get("sync/probe_mismatch_mean", 0.0) for row in rows), default=0.0)
-    if mismatch > probe_tolerance / 10:
-        warnings.append(f"engine/trainer probe mismatch up to {mismatch:.2e} nats/token (tolerance {probe_tolerance})")
+    probe = _probe_warning(rows, probe_tolerance=probe_tolerance)
+    if probe:
+        warnings.append(probe)
     abstaining = ("reward/status_infra_error", "reward/status_timeout", "reward/status_judge_unparseable")
     abstained = statistics.fmean(sum(row.get(key, 0.0) for key in abstaining) for row in rows)
     if abstained > 0.1:

@@ -9,6 +9,7 @@ no run directory and starts no thread.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,11 @@ from sharpen.rewards.code_tests import HumanEvalReward, pytest_ro_binds
 from sharpen.rollout.engines import InferenceEngine, build_engine
 from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.episodes import EpisodeRunner
+from sharpen.rollout.weight_sync.verify import FLOAT32_TOLERANCE, ProbeTolerance
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
 from sharpen.trainer.backends.base import TrainerBackend
+from sharpen.trainer.backends.single_device import resolve_device
+from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import Example
 
 
@@ -81,6 +85,31 @@ def build_reward_fn(
     return Rubric(config.reward, base=base, components=dict(served or {}), count_tokens=count_tokens)
 
 
+def run_precision(config: SharpenConfig) -> PrecisionChoice:
+    """trainer.precision resolved on the trainer's device with its threads: probed once per process, so the
+    trainer, the engine and the weight sync's tolerance built in one process follow one choice. (In the Ray
+    runtime each actor resolves "auto" on its own machine.)"""
+    trainer = config.trainer
+    return resolve_precision(
+        trainer.precision, resolve_device(trainer.device), num_threads=trainer.resolved_num_threads
+    )
+
+
+def probe_tolerance(config: SharpenConfig) -> ProbeTolerance:
+    """The weight-sync check's bound: weight_sync.tolerance when set, else 1e-3 when the engine and the trainer's
+    probe both compute in float32, and measured at the first sync when either is in bfloat16 (the engine's
+    dtype; master weights in bfloat16; FSDP2 computes in bf16 parameters under bf16)."""
+    tolerance = config.weight_sync.tolerance
+    if tolerance != "auto":
+        return ProbeTolerance(fixed=tolerance)
+    precision = run_precision(config).precision
+    is_engine_bf16 = config.model.engine_dtype(precision) == "bfloat16"
+    is_probe_bf16 = config.model.master_dtype == "bfloat16" or (
+        precision == "bf16" and config.runtime.trainer_ranks > 1
+    )
+    return ProbeTolerance() if is_engine_bf16 or is_probe_bf16 else ProbeTolerance(fixed=FLOAT32_TOLERANCE)
+
+
 def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any, device: str) -> InferenceEngine:
     """The recipe's inference engine (rollout.engine) on ``model_path``, behind a router (with rollout.failover)
     when rollout.num_engines asks for replicas; ``device`` is used by the hf engine."""
@@ -88,7 +117,7 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
         build_engine(
             config.rollout.engine,
             model_path=model_path,
-            dtype=config.model.dtype,
+            dtype=config.model.engine_dtype(run_precision(config).precision),
             seed=config.run.seed,
             device=device,
             encode=lambda text: tokenizer.encode(text, add_special_tokens=False),
@@ -109,23 +138,21 @@ def build_trainer(
     """The recipe's trainer: the policy ``backend`` (default: one device), and the reference policy and critic
     when the algorithm needs them."""
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    backend = backend or SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.dtype)
+    backend = backend or SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.master_dtype)
+    precision = run_precision(config).precision
     reference = None
     if config.trainer.algorithm.kl_coef > 0:
         reference = ReferencePolicy(
-            model_path=model_path,
-            dtype=config.model.dtype,
-            device=backend.device,
-            bf16_autocast=config.trainer.bf16_autocast,
+            model_path=model_path, dtype=config.model.master_dtype, device=backend.device, precision=precision
         )
     critic = None
     if config.trainer.algorithm.advantage == "gae":
         critic = ValueModel(
             config.trainer.critic,
             model_path=model_path,
-            dtype=config.model.dtype,
+            dtype=config.model.master_dtype,
             device=backend.device,
-            bf16_autocast=config.trainer.bf16_autocast,
+            precision=precision,
             gradient_checkpointing=config.trainer.gradient_checkpointing,
             betas=config.trainer.betas,
             weight_decay=config.trainer.weight_decay,
@@ -168,7 +195,10 @@ def build_components(
     reward_fn: RewardFn,
     runner: EpisodeRunner,
 ) -> Components:
-    """Everything the loop drives, around the trainer and engine the runtime placed."""
+    """Everything the loop drives, around the trainer and engine the runtime placed. The trainer's precision choice
+    is written to ``run_dir/precision.json`` and given to the trackers with the config."""
+    precision = run_precision(config)
+    (run_dir / "precision.json").write_text(json.dumps(precision.to_dict(), indent=2) + "\n")
     return Components(
         config=config,
         run_dir=run_dir,
@@ -182,7 +212,7 @@ def build_components(
             run_dir,
             num_steps=config.run.num_steps,
             resume_from_step=resume_from_step,
-            run_config=config.model_dump(mode="json"),
+            run_config={**config.model_dump(mode="json"), "precision_choice": precision.to_dict()},
         ),
         timeline=build_timeline(config.monitoring, run_dir),
         eval_examples=examples[: config.evaluation.num_tasks] if config.evaluation.every_steps else [],
@@ -195,7 +225,7 @@ def build_components(
         runner=runner,
         weight_sync=WeightSync(
             probe_ids=tokenizer.encode(config.weight_sync.probe_text),
-            tolerance=config.weight_sync.tolerance,
+            tolerance=probe_tolerance(config),
             verify=config.weight_sync.verify,
         ),
     )

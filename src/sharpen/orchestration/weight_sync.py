@@ -1,6 +1,7 @@
 """`WeightSync`: moves the trainer's weights into the engine and proves they arrived (the probe check).
 
-Owns the check's state (the previous sync's probe logprobs, per replica) and the ``sync/*`` metrics. How the tensors
+Owns the check's state (the previous sync's probe logprobs, per replica; the measured tolerance's baseline) and
+the ``sync/*`` metrics. How the tensors
 travel (in process, through Ray's object store, by broadcast) is the engine's `load_weights`, which the runtime
 chose; where a sync happens in the step is the batch source's.
 """
@@ -12,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from sharpen.rollout.engines import replicas_of
-from sharpen.rollout.weight_sync import ProbeCheck, verify_probe
+from sharpen.rollout.weight_sync import ProbeCheck, ProbeTolerance, verify_probe
 
 if TYPE_CHECKING:
     import torch
@@ -28,9 +29,10 @@ class WeightSync:
     engine hold a version at different times: the trainer's probe `reference` is taken when a version is
     published, and `load` checks the engine against it when the producer loads that version."""
 
-    def __init__(self, *, probe_ids: list[int], tolerance: float, verify: bool) -> None:
+    def __init__(self, *, probe_ids: list[int], tolerance: float | ProbeTolerance, verify: bool) -> None:
+        """``tolerance``: a fixed bound (nats per token), or a `ProbeTolerance` (measured at the first sync)."""
         self.probe_ids = probe_ids
-        self.tolerance = tolerance
+        self.tolerance = tolerance if isinstance(tolerance, ProbeTolerance) else ProbeTolerance(fixed=tolerance)
         self.verify = verify
         self.previous_engine: dict[int, list[float]] = {}  # by replica
         self.previous_trainer: list[float] | None = None
@@ -64,6 +66,10 @@ class WeightSync:
             self.previous_trainer = trainer_logprobs
             worst = max(checks, key=lambda check: check.mismatch_mean)
             metrics.update(worst.metrics())
+            metrics["sync/probe_tolerance"] = self.tolerance.limit()  # the bound this sync met
+            self.tolerance.record(worst.mismatch_mean)
+            if self.tolerance.baseline is not None:
+                metrics["sync/probe_baseline"] = self.tolerance.baseline
         return metrics
 
     def compare(
@@ -76,7 +82,7 @@ class WeightSync:
             trainer=trainer_logprobs,
             previous_engine=self.previous_engine.get(replica),
             previous_trainer=self.previous_trainer,
-            tolerance=self.tolerance,
+            tolerance=self.tolerance.limit(),
             version=version,
         )
         self.previous_engine[replica] = engine_logprobs

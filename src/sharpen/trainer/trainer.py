@@ -28,9 +28,15 @@ from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLControlle
 from sharpen.trainer.algorithms.offpolicy import compute_correction
 from sharpen.trainer.algorithms.policy_losses import compute_policy_loss
 from sharpen.trainer.backends import ReferencePolicy, ValueModel
-from sharpen.trainer.backends.base import TrainerBackend
+from sharpen.trainer.backends.base import TokenScores, TrainerBackend
 from sharpen.trainer.critic_step import CriticStep
-from sharpen.trainer.packing import MicroBatch, pack_micro_batch, split_micro_batches
+from sharpen.trainer.packing import (
+    MicroBatch,
+    pack_micro_batch,
+    split_micro_batches,
+    split_micro_batches_by_tokens,
+    unpack_scores,
+)
 from sharpen.trainer.sharding import split_rollouts_by_tokens
 from sharpen.types import Rollout, TrainBatch
 
@@ -151,17 +157,11 @@ class Trainer:
                 chunk,
                 pad_token_id=self.pad_token_id,
                 device=self.backend.device,
+                is_packed=self.config.packing,
                 old_logprobs=None if old_logprobs is None or is_filler else [old_logprobs[id(r)] for r in chunk],
                 **(critic_step.pack_inputs(chunk) if critic_step is not None else {}),
             )
-            scores = self.backend.score_tokens(
-                micro.input_ids,
-                micro.attention_mask,
-                micro.loss_mask,
-                temperature=self.temperature,
-                with_entropy=True,
-                entropy_requires_grad=algorithm.entropy_coef > 0,
-            )
+            scores = self._score_policy(micro, with_entropy=True, entropy_requires_grad=algorithm.entropy_coef > 0)
             old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
             loss = self._micro_batch_loss(
                 micro, scores.logprobs, old, scores.entropy, normalizer, defaultdict(float) if is_filler else sums
@@ -239,10 +239,57 @@ class Trainer:
             return rollouts
         return split_rollouts_by_tokens(rollouts, self.backend.num_ranks)[self.backend.rank]
 
+    def _score_policy(
+        self, micro: MicroBatch, *, with_entropy: bool = False, entropy_requires_grad: bool = False
+    ) -> TokenScores:
+        """The policy's scores of ``micro``'s loss-mask targets on its padded rows ([batch, seq - 1]), computed on
+        the packed row when the micro-batch has one."""
+        packed = micro.packed
+        if packed is None:
+            return self.backend.score_tokens(
+                micro.input_ids,
+                micro.attention_mask,
+                micro.loss_mask,
+                temperature=self.temperature,
+                with_entropy=with_entropy,
+                entropy_requires_grad=entropy_requires_grad,
+                prompt_lengths=micro.prompt_lengths if self._shares_prompts(micro) else None,
+            )
+        scores = self.backend.score_tokens(
+            packed.input_ids,
+            None,
+            packed.target_mask,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            position_ids=packed.position_ids,
+        )
+        entropy = None if scores.entropy is None else unpack_scores(scores.entropy, micro)
+        return TokenScores(logprobs=unpack_scores(scores.logprobs, micro), entropy=entropy)
+
+    def _split_micro_batches(self, rollouts: list[Rollout]) -> list[list[Rollout]]:
+        """The policy's micro-batches: by a token budget with packing, else by count (a prompt's samples together
+        when prompts are shared)."""
+        if self.config.packing:
+            return split_micro_batches_by_tokens(rollouts, self.config.micro_batch_tokens)
+        by_prompt = self.config.share_prompt and self.backend.num_ranks == 1
+        return split_micro_batches(rollouts, self.config.micro_batch_size, by_prompt=by_prompt)
+
+    def _shares_prompts(self, micro: MicroBatch) -> bool:
+        """Whether ``micro`` is scored with its shared prompts computed once: ``trainer.share_prompt``, one device
+        (the FSDP2 backend takes whole rows), and two rows at least with the same prompt."""
+        if not self.config.share_prompt or self.backend.num_ranks != 1 or len(micro.prompt_lengths) < 2:
+            return False
+        rows = zip(micro.input_ids, micro.prompt_lengths, strict=True)
+        prompts = {tuple(row[:length].tolist()) for row, length in rows}
+        return len(prompts) < len(micro.prompt_lengths)
+
     def _lockstep_chunks(self, rollouts: list[Rollout], *, filler: list[Rollout]) -> list[tuple[list[Rollout], bool]]:
         """``rollouts``' micro-batches, then ``filler`` passes up to the most micro-batches any rank has: with a
-        sharded backend every forward/backward is collective. Pairs of (micro-batch, is_filler)."""
-        chunks = split_micro_batches(rollouts, self.config.micro_batch_size)
+        sharded backend every forward/backward is collective. Pairs of (micro-batch, is_filler). The ranks' shares
+        are balanced by tokens (`_local_share`), so with packing their micro-batch counts differ by one at most
+        (beyond rollouts longer than the budget) and a filler pass is one short rollout."""
+        chunks = self._split_micro_batches(rollouts)
         num_passes = self.backend.all_reduce_max(len(chunks))
         return [(chunk, False) for chunk in chunks] + [(filler, True)] * (num_passes - len(chunks))
 
@@ -264,7 +311,10 @@ class Trainer:
             chunks = self._lockstep_chunks(rollouts, filler=filler)
         for chunk, is_filler in chunks:
             placeholders = [replace(r, advantage=0.0) for r in chunk]
-            micro = pack_micro_batch(placeholders, pad_token_id=self.pad_token_id, device=self.backend.device)
+            is_packed = self.config.packing and filler is not None  # the policy's passes; the reference's are padded
+            micro = pack_micro_batch(
+                placeholders, pad_token_id=self.pad_token_id, device=self.backend.device, is_packed=is_packed
+            )
             values = score(micro)
             if is_filler:
                 continue
@@ -274,13 +324,7 @@ class Trainer:
 
     def _old_logprobs(self, rollouts: list[Rollout], *, filler: list[Rollout]) -> dict[int, list[float]]:
         """The policy's logprobs of every completion token before this step's first update, keyed by rollout id."""
-        return self._score_completions(
-            rollouts,
-            lambda micro: self.backend.token_logprobs(
-                micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
-            ),
-            filler=filler,
-        )
+        return self._score_completions(rollouts, lambda micro: self._score_policy(micro).logprobs, filler=filler)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         """Per-token reward penalties -kl_coef * KL_t(engine || reference) for ``kl_in_reward``: the behaviour

@@ -100,6 +100,7 @@ def components(tmp_path: Path) -> Components:
             "rollout.max_new_tokens=4",
             "trainer.micro_batch_size=2",
             "trainer.learning_rate=1e-3",
+            "trainer.precision=float32",
             "monitoring.parity_probe_every=0",
         ],
     )

@@ -32,6 +32,7 @@ CRITIC_METRICS = {
 def _config(critic: dict | None = None, **overrides) -> TrainerConfig:
     values = {
         "device": "cpu",
+        "precision": "float32",  # the checks below are float32 arithmetic ("auto" would depend on the CPU)
         "learning_rate": 1e-3,
         "micro_batch_size": 6,
         "algorithm": {"advantage": "gae"},
@@ -46,7 +47,7 @@ def _critic(model_dir: Path, config: TrainerConfig, **kwargs) -> ValueModel:
         model_path=model_dir,
         dtype="float32",
         device=torch.device("cpu"),
-        bf16_autocast=False,
+        precision="float32",
         gradient_checkpointing=False,
         **kwargs,
     )

@@ -19,7 +19,8 @@ _EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), 
 
 
 def _config(**overrides) -> TrainerConfig:
-    values = {"device": "cpu", "learning_rate": 1e-3, "micro_batch_size": 6}
+    # float32 arithmetic ("auto" would depend on the CPU)
+    values = {"device": "cpu", "precision": "float32", "learning_rate": 1e-3, "micro_batch_size": 6}
     return TrainerConfig(**{**values, **overrides})
 
 
@@ -229,7 +230,7 @@ def test_kl_penalties_are_minus_coef_times_k1_of_engine_against_the_reference(mo
     config = _config().model_copy(
         update={"algorithm": AlgorithmConfig(kl_coef=0.5, kl_estimator="k1", kl_in_reward=True)}
     )
-    reference = ReferencePolicy(model_path=model_dir, dtype="float32", device=torch.device("cpu"), bf16_autocast=False)
+    reference = ReferencePolicy(model_path=model_dir, dtype="float32", device=torch.device("cpu"), precision="float32")
     backend = SingleDeviceBackend(config, model_path=model_dir, dtype="float32")
     trainer = Trainer(config, backend=backend, pad_token_id=PAD, reference=reference)
     rollouts = _rollouts(seed=7, num=3)

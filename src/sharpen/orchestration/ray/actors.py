@@ -86,7 +86,7 @@ class TrainerActor(SpanRecordingActor):
         init_distributed()
         model_path = resolve_model_path(self.config.model.path)
         backend = FSDP2Backend(
-            self.config.trainer, model_path=model_path, dtype=self.config.model.dtype, seed=self.config.run.seed
+            self.config.trainer, model_path=model_path, dtype=self.config.model.master_dtype, seed=self.config.run.seed
         )
         self.trainer = build_trainer(
             self.config, model_path=model_path, tokenizer=load_tokenizer(model_path), backend=backend

@@ -5,13 +5,14 @@ Protocol (`streaming`): `BucketedSender` streams buckets (filling the next while
 `BucketReceiver` verifies them (checksum, order, count) and hands the tensors to an engine's loader.
 vLLM's half (`vllm_receiver.VllmWeightReceiver`): a worker extension that loads buckets in one layerwise reload.
 Verification (`verify.verify_probe`): engine and trainer logprobs on a fixed probe must agree after every sync,
-and a sync that left the engine unchanged while the trainer changed fails loudly.
+and a sync that left the engine unchanged while the trainer changed fails loudly; `verify.ProbeTolerance` is the
+bound, fixed in float32 and measured at the first sync with bfloat16.
 Not built yet: Ray object store and torch.distributed broadcast transports for engines on other nodes.
 """
 
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
 from sharpen.rollout.weight_sync.streaming import BucketedSender, BucketReceiver, SyncReport
-from sharpen.rollout.weight_sync.verify import ProbeCheck, WeightSyncError, verify_probe
+from sharpen.rollout.weight_sync.verify import ProbeCheck, ProbeTolerance, WeightSyncError, verify_probe
 
 __all__ = [
     "BucketError",
@@ -19,6 +20,7 @@ __all__ = [
     "BucketReceiver",
     "BucketedSender",
     "ProbeCheck",
+    "ProbeTolerance",
     "SyncReport",
     "WeightSyncError",
     "verify_probe",

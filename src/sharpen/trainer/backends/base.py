@@ -7,7 +7,7 @@ the data-parallel collectives are identities.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -29,14 +29,22 @@ class TrainerBackend(Protocol):
     def score_tokens(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         target_mask: torch.Tensor,
         *,
         temperature: float,
         use_autocast: bool = True,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
-    ) -> TokenScores: ...
+        position_ids: torch.Tensor | None = None,
+        prompt_lengths: Sequence[int] | None = None,
+    ) -> TokenScores:
+        """Per-token logprobs (and entropy) where ``target_mask`` is set: right-padded rows with their
+        ``attention_mask``, or packed rows (`packing.PackedRow`) with ``position_ids`` and no attention mask.
+        ``prompt_lengths`` (right-padded rows only): each row's prompt tokens, which lets a backend compute a prompt
+        that several rows share once (`prefix.score_shared_prompts`); a backend may ignore it, the scores are the
+        same either way."""
+        ...
 
     def token_logprobs(
         self,

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from sharpen.config.schema import CriticConfig
-from sharpen.trainer.backends.single_device import bf16_autocast
+from sharpen.trainer.backends.single_device import autocast_bf16
+from sharpen.trainer.precision import Precision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -41,7 +42,7 @@ class ValueModel:
         model_path: Path,
         dtype: str,
         device: torch.device,
-        bf16_autocast: bool,
+        precision: Precision,
         gradient_checkpointing: bool,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
@@ -50,7 +51,7 @@ class ValueModel:
 
         self.config = config
         self.device = device
-        self.bf16_autocast = bf16_autocast
+        self.is_bf16 = precision == "bf16"
         torch_dtype = getattr(torch, dtype)
         model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         model.config.use_cache = False
@@ -71,7 +72,7 @@ class ValueModel:
         ``input_ids[:, t + 1]`` is a completion token. Position t holds V(s_t), read from the hidden state at
         token t: the same positions as the policy's logprobs, so advantages, logprobs and values line up.
         """
-        with bf16_autocast(self.device, enabled=self.bf16_autocast):
+        with autocast_bf16(self.device, enabled=self.is_bf16):
             hidden = self.network.decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
             scores = self.network.head(selected).squeeze(-1).float()  # [num_targets]

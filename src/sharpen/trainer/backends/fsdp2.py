@@ -16,11 +16,12 @@ run around both halves; a tied LM head is the embedding's parameter and lives in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -34,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
-from sharpen.trainer.backends.single_device import bf16_autocast, score_tokens
+from sharpen.trainer.backends.single_device import autocast_bf16, score_tokens
+from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -93,11 +95,13 @@ class _ScoringRoot(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         target_mask: torch.Tensor,
         temperature: float,
         with_entropy: bool,
         entropy_requires_grad: bool,
+        position_ids: torch.Tensor | None,
+        logits_chunk_tokens: int,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scores = score_tokens(
             self.model,
@@ -107,8 +111,22 @@ class _ScoringRoot(nn.Module):
             temperature=temperature,
             with_entropy=with_entropy,
             entropy_requires_grad=entropy_requires_grad,
+            position_ids=position_ids,
+            logits_chunk_tokens=logits_chunk_tokens,
         )
         return scores.logprobs, scores.entropy
+
+
+def _agreed_precision(choice: PrecisionChoice, device: torch.device) -> PrecisionChoice:
+    """Every rank's probe decides alone, and a noisy one may differ: bf16 only when every rank chose it (collective).
+    An explicit trainer.precision is the same on every rank already."""
+    if choice.requested != "auto":
+        return choice
+    votes = torch.tensor([int(choice.is_bf16)], device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN)
+    if choice.is_bf16 and not votes.item():
+        return dataclasses.replace(choice, precision="float32", reason=f"{choice.reason}; another rank chose float32")
+    return choice
 
 
 class FSDP2Backend(ScoresTokenLogprobs):
@@ -119,9 +137,10 @@ class FSDP2Backend(ScoresTokenLogprobs):
     checkpoint lacks is the same everywhere), then ``fully_shard`` keeps only this rank's slice on ``device``. Host
     memory thus holds one full copy per rank of a node while the model is sharded; a model too large for that
     needs loading on rank 0 alone and broadcasting the shards (``set_model_state_dict`` with
-    ``broadcast_from_rank0``), which this backend does not do yet. Mixed precision: with
-    ``config.bf16_autocast`` the unsharded (computing) parameters are bfloat16 while the sharded master weights
-    and AdamW state keep ``dtype``; gradients are reduced in float32. Because the compute dtype is fixed when the
+    ``broadcast_from_rank0``), which this backend does not do yet. Mixed precision: with ``config.precision``
+    resolved to bf16 (the ranks agree: "auto" is bf16 only where every rank chose it) the unsharded (computing)
+    parameters are bfloat16 while the sharded master weights and AdamW state keep ``dtype``; gradients are reduced
+    in float32. Because the compute dtype is fixed when the
     model is sharded, ``use_autocast=False`` still computes with bfloat16 parameters (then only autocast's
     float32 ops are turned off): a weight-sync probe under bf16 needs a bf16-sized tolerance.
     """
@@ -140,6 +159,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
         expected = "nccl" if self.device.type == "cuda" else "gloo"
         if dist.get_backend() != expected:
             raise ValueError(f"device {self.device} needs a {expected} process group, not {dist.get_backend()}")
+        self.precision: PrecisionChoice = _agreed_precision(
+            resolve_precision(config.precision, self.device, num_threads=config.resolved_num_threads), self.device
+        )
         self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
         self._group = self.mesh.get_group()  # the data-parallel ranks (a 1-D mesh)
         self.rank, self.num_ranks = self.mesh.get_local_rank(), self.mesh.size()
@@ -150,7 +172,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if config.bf16_autocast else None, reduce_dtype=torch.float32
+            param_dtype=torch.bfloat16 if self.precision.is_bf16 else None, reduce_dtype=torch.float32
         )
         for layer in cast(nn.ModuleList, self.model.get_decoder().layers):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy)
@@ -169,18 +191,29 @@ class FSDP2Backend(ScoresTokenLogprobs):
     def score_tokens(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         target_mask: torch.Tensor,
         *,
         temperature: float,
         use_autocast: bool = True,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
+        position_ids: torch.Tensor | None = None,
+        prompt_lengths: Sequence[int] | None = None,
     ) -> TokenScores:
-        """This rank's rows only; collective (every rank must call it, also with a zero-weighted filler batch)."""
-        with bf16_autocast(self.device, enabled=use_autocast and self.config.bf16_autocast):
+        """This rank's rows only; collective (every rank must call it, also with a zero-weighted filler batch).
+        ``prompt_lengths`` is ignored: shared prompts are computed once on the single-device backend only (the
+        sharded root's forward takes whole rows)."""
+        with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
             logprobs, entropy = self._root(
-                input_ids, attention_mask, target_mask, temperature, with_entropy, entropy_requires_grad
+                input_ids,
+                attention_mask,
+                target_mask,
+                temperature,
+                with_entropy,
+                entropy_requires_grad,
+                position_ids,
+                self.config.logits_chunk_tokens,
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from sharpen.config.schema import TrainerConfig
-from sharpen.trainer.algorithms.kl import entropy_from_logits
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
+from sharpen.trainer.backends.chunked_logits import score_hidden
+from sharpen.trainer.precision import Precision, PrecisionChoice, resolve_precision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -28,35 +29,55 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def score_tokens(
     model: PreTrainedModel,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     target_mask: torch.Tensor,
     *,
     temperature: float,
     with_entropy: bool = False,
     entropy_requires_grad: bool = False,
+    position_ids: torch.Tensor | None = None,
+    logits_chunk_tokens: int = 0,
 ) -> TokenScores:
     """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
     The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
 
     ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
     ``input_ids[:, t + 1]`` is a token to score. The LM head runs only on the selected positions (most of a
-    rollout is prompt), which saves its 49k-wide matmul elsewhere.
+    rollout is prompt), which saves its 49k-wide matmul elsewhere, and on ``logits_chunk_tokens`` of them at a time
+    (`chunked_logits`; 0: all at once).
+
+    Packed rows (`packing.PackedRow`): ``attention_mask`` None and ``position_ids`` [batch, seq] restarting at 0 at
+    each sequence. transformers then masks attention block-diagonally, per sequence, which it does only without an
+    attention mask and without a cache; the cache is turned off here so that no model config can turn it on.
     """
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    if position_ids is not None and attention_mask is not None:
+        raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
+    decoder = model.get_decoder()
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
     selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
     lm_head = cast(nn.Module, model.get_output_embeddings())  # a causal LM always has one
-    logits = lm_head(selected).float() / temperature  # [num_targets, vocab]
-    targets = input_ids[:, 1:][target_mask]
+    targets = input_ids[:, 1:][target_mask]  # [num_targets]
+    target_logprobs, target_entropy = score_hidden(
+        lm_head,
+        selected,
+        targets,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        chunk_tokens=logits_chunk_tokens,
+    )
     logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-    logprobs[target_mask] = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    logprobs[target_mask] = target_logprobs
     entropy = None
-    if with_entropy:
+    if target_entropy is not None:
         entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-        entropy[target_mask] = entropy_from_logits(logits if entropy_requires_grad else logits.detach())
+        entropy[target_mask] = target_entropy
     return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
-def bf16_autocast(device: torch.device, *, enabled: bool) -> contextlib.AbstractContextManager[object]:
+def autocast_bf16(device: torch.device, *, enabled: bool) -> contextlib.AbstractContextManager[object]:
     """bfloat16 autocast on ``device`` when enabled, else nothing (master weights keep their dtype either way)."""
     if not enabled:
         return contextlib.nullcontext()
@@ -80,6 +101,9 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self.config = config
         self.model_path = Path(model_path)
         self.device = resolve_device(config.device)
+        self.precision: PrecisionChoice = resolve_precision(
+            config.precision, self.device, num_threads=config.resolved_num_threads
+        )
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model: PreTrainedModel = model.to(self.device)  # pyright: ignore[reportArgumentType]
@@ -97,16 +121,33 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
     def score_tokens(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         target_mask: torch.Tensor,
         *,
         temperature: float,
         use_autocast: bool = True,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
+        position_ids: torch.Tensor | None = None,
+        prompt_lengths: Sequence[int] | None = None,
     ) -> TokenScores:
-        """``use_autocast=False`` computes in the weights' own dtype even when the config asks for bf16 autocast."""
-        with bf16_autocast(self.device, enabled=use_autocast and self.config.bf16_autocast):
+        """``use_autocast=False`` computes in the weights' own dtype even when the precision is bf16 (autocast).
+        With ``prompt_lengths`` (right-padded rows), each prompt that rows share runs once (prefix.py)."""
+        with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
+            if prompt_lengths is not None and position_ids is None and attention_mask is not None:
+                from sharpen.trainer.prefix import score_shared_prompts  # transformers' cache classes: import late
+
+                return score_shared_prompts(
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    target_mask,
+                    prompt_lengths=prompt_lengths,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    entropy_requires_grad=entropy_requires_grad,
+                    logits_chunk_tokens=self.config.logits_chunk_tokens,
+                )
             return score_tokens(
                 self.model,
                 input_ids,
@@ -115,6 +156,8 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
                 temperature=temperature,
                 with_entropy=with_entropy,
                 entropy_requires_grad=entropy_requires_grad,
+                position_ids=position_ids,
+                logits_chunk_tokens=self.config.logits_chunk_tokens,
             )
 
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
@@ -177,18 +220,18 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
 class ReferencePolicy:
     """A frozen copy of the initial policy for the KL term; built only when the KL coefficient is positive."""
 
-    def __init__(self, *, model_path: Path, dtype: str, device: torch.device, bf16_autocast: bool) -> None:
+    def __init__(self, *, model_path: Path, dtype: str, device: torch.device, precision: Precision) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model: PreTrainedModel = model.to(device)  # pyright: ignore[reportArgumentType]
         self.model.eval().requires_grad_(False)
-        self.bf16_autocast = bf16_autocast
+        self.is_bf16 = precision == "bf16"
         self.device = device
 
     @torch.no_grad()
     def token_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
     ) -> torch.Tensor:
-        with bf16_autocast(self.device, enabled=self.bf16_autocast):
+        with autocast_bf16(self.device, enabled=self.is_bf16):
             return score_tokens(self.model, input_ids, attention_mask, target_mask, temperature=temperature).logprobs

@@ -99,6 +99,7 @@ def _batch() -> TrainBatch:
 def _step_metrics(model_dir: Path, objective: str) -> dict[str, float]:
     config = TrainerConfig(
         device="cpu",
+        precision="float32",  # golden float64 values: no bf16 autocast, whatever the CPU
         learning_rate=_LEARNING_RATE,
         micro_batch_size=4,
         algorithm=AlgorithmConfig.model_validate(_OBJECTIVES[objective]),
@@ -106,7 +107,7 @@ def _step_metrics(model_dir: Path, objective: str) -> dict[str, float]:
     backend = SingleDeviceBackend(config, model_path=model_dir, dtype="float64")
     reference = None
     if config.algorithm.kl_coef > 0:
-        reference = ReferencePolicy(model_path=model_dir, dtype="float64", device=backend.device, bf16_autocast=False)
+        reference = ReferencePolicy(model_path=model_dir, dtype="float64", device=backend.device, precision="float32")
     trainer = Trainer(config, backend=backend, pad_token_id=PAD, reference=reference)
     return trainer.step(_batch())
 

@@ -1,0 +1,73 @@
+"""Logprobs and entropy of target tokens from the decoder's hidden states, without all their logits at once.
+
+The LM head turns ``[num_targets, hidden]`` into ``[num_targets, vocab]`` float32 logits: at 4k targets and a
+49k vocabulary that is 0.8 GB per tensor, and the log-softmax, the entropy's temporaries and the logits' gradient
+are as large again. `score_hidden` runs the head on ``chunk_tokens`` targets at a time. Under autograd each chunk
+is a non-reentrant `torch.utils.checkpoint` region: the forward keeps only the chunk's inputs (hidden slice,
+targets), and the backward recomputes that chunk's logits when its gradient is needed and frees them before the
+next chunk's, so peak memory is one chunk's ``[chunk_tokens, vocab]`` tensors in both passes. The price is one
+more LM-head matmul per chunk in the backward; a batch with at most ``chunk_tokens`` targets runs as one plain
+chunk (no recomputation), and so does everything under ``torch.no_grad()``, chunked but never recomputed.
+
+This module owns only that reduction; it does not run the decoder or place the values on the token grid
+(`single_device.score_tokens` does).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sharpen.trainer.algorithms.kl import entropy_from_logits
+
+
+def score_hidden(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each target under ``lm_head(hidden) / temperature`` and, with ``with_entropy``, the entropy of
+    that distribution: ``hidden`` [num_targets, hidden], ``targets`` [num_targets] -> ([num_targets] float32,
+    [num_targets] float32 or None). The entropy carries a gradient only with ``entropy_requires_grad``.
+    ``chunk_tokens``: targets per LM-head call (0: all at once)."""
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be >= 0 (0: no chunking), got {chunk_tokens}")
+    num_targets = hidden.shape[0]
+    if chunk_tokens == 0 or num_targets <= chunk_tokens:
+        return _score_chunk(lm_head, hidden, targets, temperature, with_entropy, entropy_requires_grad)
+    needs_backward = torch.is_grad_enabled() and (
+        hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    )
+    logprobs, entropies = [], []
+    for start in range(0, num_targets, chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        args = (lm_head, hidden[rows], targets[rows], temperature, with_entropy, entropy_requires_grad)
+        if needs_backward:
+            chunk_logprobs, chunk_entropy = checkpoint(_score_chunk, *args, use_reentrant=False)
+        else:
+            chunk_logprobs, chunk_entropy = _score_chunk(*args)
+        logprobs.append(chunk_logprobs)
+        if chunk_entropy is not None:
+            entropies.append(chunk_entropy)
+    return torch.cat(logprobs), torch.cat(entropies) if with_entropy else None
+
+
+def _score_chunk(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logits = lm_head(hidden).float() / temperature  # [chunk, vocab]
+    logprobs = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # [chunk]
+    if not with_entropy:
+        return logprobs, None
+    return logprobs, entropy_from_logits(logits if entropy_requires_grad else logits.detach())
