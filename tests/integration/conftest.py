@@ -32,8 +32,9 @@ def ray_instance() -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def trainer(smollm2_path: Path) -> Trainer:
-    """SmolLM2 on one device at lr 1e-3, one per module (tests move its weights): the engine tests' trainer side."""
-    config = TrainerConfig(learning_rate=1e-3, micro_batch_size=4, num_threads=2)
+    """SmolLM2 on one device at lr 1e-3, one per module (tests move its weights): the engine tests' trainer side.
+    float32, not the CPU's choice: the tests compare its logprobs with a float32 engine's to 1e-3."""
+    config = TrainerConfig(learning_rate=1e-3, micro_batch_size=4, num_threads=2, precision="float32")
     return Trainer(
         config, backend=SingleDeviceBackend(config, model_path=smollm2_path, dtype="float32"), pad_token_id=2
     )

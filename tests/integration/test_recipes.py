@@ -50,13 +50,18 @@ def test_recipe_runs_with_the_tiny_model(recipe: Path, tiny_model_path: Path, tm
         # nothing to train on (tests/unit/orchestration covers the filter itself).
         overrides.append("trainer.algorithm.mask_truncated=false")
     config = load_config(recipe, overrides)
-    rows = read_jsonl(run_embedded(config, reward_fn=vowel_reward) / "metrics.jsonl")
+    run_dir = run_embedded(config, reward_fn=vowel_reward)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    # trainer.precision = "auto" picks bf16 on a CPU that runs it fast: the engine and the trainer then round
+    # differently (measured here: 4e-4 mean), far below the probe's bf16 tolerance but above float32's agreement.
+    precision = json.loads((run_dir / "precision.json").read_text())["precision"]
+    max_mismatch = 1e-4 if precision == "float32" else 5e-3
     assert [row["step"] for row in rows] == [0, 1]
     for row in rows:
         assert "train/skipped" not in row
         assert math.isfinite(row["train/loss"]) and math.isfinite(row["train/grad_norm"])
         assert row["train/num_optimizer_steps"] == config.trainer.algorithm.num_mini_batches
-        assert row["sync/probe_mismatch_mean"] < 1e-4
+        assert row["sync/probe_mismatch_mean"] < max_mismatch
     assert rows[-1]["sync/probe_trainer_delta"] > 0.0  # the policy moved and the engine followed
     if config.trainer.algorithm.kl_in_reward:
         assert rows[-1]["reward/kl_penalty"] != 0.0  # the policy moved away from the frozen reference

@@ -299,6 +299,7 @@ def test_a_demo_run_through_the_async_engine(engine, tmp_path: Path) -> None:
             "rollout.engine.async_engine=true",
             "trainer.micro_batch_size=4",
             "monitoring.progress=false",
+            'trainer.precision="float32"',  # the engine fixture is float32
         ],
     )
     rows = read_jsonl(run_embedded(config, engine=engine) / "metrics.jsonl")

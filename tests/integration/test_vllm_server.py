@@ -168,6 +168,7 @@ def test_an_async_run_with_in_flight_updates_trains_through_the_server(engine, t
             "trainer.micro_batch_size=8",
             "trainer.learning_rate=1e-4",
             "monitoring.progress=false",
+            'trainer.precision="float32"',  # the engine fixture is float32
         ],
     )
     assert_bounded_in_flight_run(run_embedded(config, engine=engine), num_steps=3)

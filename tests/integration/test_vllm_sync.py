@@ -169,6 +169,7 @@ def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path:
                 "rollout.max_new_tokens=16",
                 "trainer.micro_batch_size=8",
                 "monitoring.progress=false",
+                'trainer.precision="float32"',  # the engine fixture is float32
             ],
         )
 
@@ -205,6 +206,7 @@ def test_async_in_flight_updates_on_vllm(engine, smollm2_path: Path, tmp_path: P
             "trainer.micro_batch_size=8",
             "trainer.learning_rate=1e-4",
             "monitoring.progress=false",
+            'trainer.precision="float32"',  # the engine fixture is float32
         ],
     )
     assert_bounded_in_flight_run(run_embedded(config, engine=engine), num_steps=3)

@@ -41,7 +41,7 @@ def engine(model_path: Path) -> Iterator:
 
 @pytest.fixture
 def trainer(model_path: Path) -> Trainer:
-    config = TrainerConfig(micro_batch_size=4, num_threads=1)
+    config = TrainerConfig(micro_batch_size=4, num_threads=1, precision="float32")  # compared with float32 vLLM
     backend = SingleDeviceBackend(config, model_path=model_path, dtype="float32")
     trainer = Trainer(config, backend=backend, pad_token_id=2)
     with torch.no_grad():  # weights the engine does not hold yet
