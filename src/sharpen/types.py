@@ -142,6 +142,10 @@ class Rollout:
     token_rewards: list[float] | None = None
     """Per-completion-token reward terms added to the score (e.g. the KL penalty); None when there are none."""
     advantage: float | None = None
+    token_advantages: list[float] | None = None
+    """Per-trained-token advantages (one per `num_loss_tokens`) from an estimator with per-token returns
+    (REINFORCE++); when set, the trainer uses them and ``advantage`` (their mean) only marks the rollout as
+    trainable. None: every token gets ``advantage``. Each segment of an agent episode holds its own share."""
     segments: list[Rollout] = field(default_factory=list["Rollout"])
     """Earlier segments of an agent episode that rewrote its history (each a token sequence of its own, without
     reward or episode); they are trained with this rollout's advantage (`with_segments`). Empty for every other

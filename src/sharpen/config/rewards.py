@@ -26,9 +26,10 @@ RESERVED_COMPONENT_NAMES = (
     "mean",
     "std",
     "num_abstained",
+    "rubric_score",
 )
-"""Names a component may not take: the verifier rubric's own components, the shaping terms, and the ``reward/*``
-metrics that a component's ``reward/<name>`` metric would overwrite."""
+"""Names a component may not take: the verifier rubric's own components, the shaping terms, the score before
+component normalisation, and the ``reward/*`` metrics that a component's ``reward/<name>`` metric would overwrite."""
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -197,6 +198,13 @@ class RewardConfig(Section):
     components: list[RewardComponentConfig] = Field(default_factory=list[RewardComponentConfig])
     """More weighted parts of the score, one ``[[reward.components]]`` table each with a ``type`` (judge,
     reward_model, length, custom), a weight and the options of that type; see docs/rewards.md."""
+    component_normalization: Literal["none", "group"] = "none"
+    """How the weighted components make the training score. ``none``: sum_j w_j v_j as they come. ``group`` (GDPO,
+    Liu et al. 2026): each weighted component is first normalised within the rollout's group, (v_j - group mean) /
+    (group std + 1e-6), so a component with a large scale or spread does not drown the others; the score before
+    normalisation is kept as the ``rubric_score`` component, each normalised value as ``normalized/<name>``. Applied
+    before overlong and hack shaping; training only (evaluation reports the raw score); needs the Rubric's score
+    (not an environment's own reward) and refuses advantage = "remax"."""
     judge_canary_every: int = Field(default=0, ge=0)
     """Grade the canaries (known-bad responses) with every judge component at steps 0, N, 2N, ... and log
     ``hack/judge_canary_alert`` (0: never). Needs a judge component."""

@@ -38,8 +38,9 @@ from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.rollout.weight_sync.verify import FLOAT32_TOLERANCE, ProbeTolerance
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
-from sharpen.trainer.backends.base import TrainerBackend
+from sharpen.trainer.backends.base import ReferenceScorer, TrainerBackend
 from sharpen.trainer.backends.single_device import resolve_device
+from sharpen.trainer.backends.teacher import TeacherPolicy, TeacherPrompt, check_same_vocabulary
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import Example
 
@@ -140,8 +141,13 @@ def build_trainer(
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     backend = backend or SingleDeviceBackend(config.trainer, model_path=model_path, dtype=config.model.master_dtype)
     precision = run_precision(config).precision
-    reference = None
-    if config.trainer.algorithm.kl_coef > 0:
+    reference: ReferenceScorer | None = None
+    lora = backend.lora if isinstance(backend, SingleDeviceBackend) else None  # set when trainer.lora.enabled
+    if config.trainer.algorithm.kl_coef > 0 and lora is not None:
+        from sharpen.trainer.backends.lora import LoraReferencePolicy  # peft: imported only by LoRA runs
+
+        reference = LoraReferencePolicy(lora, device=backend.device, precision=precision)  # no second model copy
+    elif config.trainer.algorithm.kl_coef > 0:
         reference = ReferencePolicy(
             model_path=model_path, dtype=config.model.master_dtype, device=backend.device, precision=precision
         )
@@ -165,6 +171,30 @@ def build_trainer(
         max_new_tokens=config.rollout.max_new_tokens,
         reference=reference,
         critic=critic,
+        teacher=build_teacher(config, model_path=model_path, tokenizer=tokenizer, backend=backend),
+    )
+
+
+def build_teacher(
+    config: SharpenConfig, *, model_path: Path, tokenizer: Any, backend: TrainerBackend
+) -> TeacherPolicy | None:
+    """The distillation teacher (``trainer.distillation``): frozen, on the policy's device, from teacher_path (or
+    the student's own folder), seeing the teacher_prompt when one is set; None when distillation is off."""
+    distillation = config.trainer.distillation
+    if not distillation.enabled:
+        return None
+    teacher_path = resolve_model_path(distillation.teacher_path) if distillation.teacher_path else model_path
+    check_same_vocabulary(model_path, teacher_path)
+    prompt = None
+    if distillation.teacher_prompt is not None:
+        prompt = TeacherPrompt(distillation.teacher_prompt, render=lambda messages: render_prompt(tokenizer, messages))
+    return TeacherPolicy(
+        model_path=teacher_path,
+        dtype=config.model.master_dtype,
+        device=backend.device,
+        precision=run_precision(config).precision,
+        prompt=prompt,
+        temperature=distillation.teacher_temperature,
     )
 
 

@@ -1,4 +1,5 @@
-"""The loop's phases as small functions: score, add KL penalties, assign advantages, summarise rewards.
+"""The loop's phases as small functions: score (and normalise components), add KL penalties, assign advantages,
+summarise rewards.
 
 Each takes components as arguments and returns data or metrics; the order in which they run is `loop.py`'s.
 """
@@ -8,16 +9,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from sharpen.config.schema import AlgorithmConfig, RewardConfig
 from sharpen.orchestration.filters import is_informative, shape_overlong_reward
-from sharpen.rewards import RewardFn
+from sharpen.rewards import RewardFn, score_weights
 from sharpen.rewards.scoring import score_rollout
-from sharpen.trainer.algorithms import compute_advantages
-from sharpen.types import Rollout, RolloutGroup
+from sharpen.trainer.algorithms import (
+    compute_advantages,
+    compute_grpo_advantages,
+    compute_reinforce_pp_token_advantages,
+)
+from sharpen.types import RewardResult, Rollout, RolloutGroup
 
 if TYPE_CHECKING:
     from sharpen.orchestration.handles import TrainerHandle
@@ -26,12 +32,16 @@ if TYPE_CHECKING:
 def score_groups(
     rubric: RewardFn, groups: list[RolloutGroup], *, config: RewardConfig | None = None, max_new_tokens: int = 0
 ) -> None:
-    """Reward every rollout (`score_rollout`, which evaluation shares); with ``config.overlong_buffer_tokens``
-    also apply DAPO's soft overlong punishment (logged as the ``overlong_penalty`` component)."""
+    """Reward every rollout (`score_rollout`, which evaluation shares); with ``config.component_normalization =
+    "group"`` rebuild each score from its components normalised within the group (`normalize_components`); with
+    ``config.overlong_buffer_tokens`` then apply DAPO's soft overlong punishment (logged as the
+    ``overlong_penalty`` component)."""
     shaping = config is not None and config.overlong_buffer_tokens > 0
     for group in groups:
-        for rollout in group.rollouts:
-            reward = score_rollout(rubric, group.example, rollout)
+        rewards = [score_rollout(rubric, group.example, rollout) for rollout in group.rollouts]
+        if config is not None and config.component_normalization == "group":
+            normalize_components(rewards, score_weights(config))
+        for rollout, reward in zip(group.rollouts, rewards, strict=True):
             if shaping and config is not None and reward.score is not None:
                 shaped = shape_overlong_reward(
                     reward.score,
@@ -43,6 +53,41 @@ def score_groups(
                 reward.components["overlong_penalty"] = reward.score - shaped
                 reward.score = shaped
             rollout.reward = reward
+
+
+def normalize_components(rewards: list[RewardResult], weights: Mapping[str, float]) -> None:
+    """GDPO's decoupled normalisation (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization"), over the verdicts of one group: each component with a weight
+    above 0 is normalised within the group before the weighted sum, so a component with a large scale or spread
+    does not drown the others:
+        score_i = sum_j w_j (v_ij - mean_group v_j) / (std_group v_j + 1e-6)
+    over the group's scored verdicts (unbiased std, as the paper's reference code; a component without spread in
+    the group adds exactly 0: `compute_grpo_advantages`, one row per component). Each scored verdict keeps its
+    score before normalisation as the ``rubric_score`` component and gains ``normalized/<name>`` for each weighted
+    component (rollout records, ``reward/normalized/<name>`` metrics); abstained ones are left out and stay
+    abstained. A score that is not the weighted sum of its components (an environment's own reward, a reward
+    function other than the Rubric) is refused: there is nothing to normalise."""
+    weighted = {name: weight for name, weight in weights.items() if weight > 0}
+    scored = [(r, r.score) for r in rewards if r.score is not None]
+    if not scored or not weighted:
+        return
+    for reward, score in scored:
+        is_sum = all(name in reward.components for name in weighted) and math.isclose(
+            math.fsum(w * reward.components[name] for name, w in weighted.items()), score, abs_tol=1e-9
+        )
+        if not is_sum:
+            raise ValueError(
+                f'reward.component_normalization = "group" needs every score to be the weighted sum of the '
+                f"components {weighted}; {reward.verifier or 'the reward'} scored {score} with components "
+                f"{reward.components}"
+            )
+    values = torch.tensor([[r.components[name] for r, _ in scored] for name in weighted], dtype=torch.float64)
+    normalized = compute_grpo_advantages(values)  # [components, scored]: each component over the group
+    for col, (reward, score) in enumerate(scored):
+        reward.components["rubric_score"] = score
+        for row, name in enumerate(weighted):
+            reward.components[f"normalized/{name}"] = float(normalized[row, col])
+        reward.score = math.fsum(w * float(normalized[row, col]) for row, w in enumerate(weighted.values()))
 
 
 def add_kl_penalties(trainer: TrainerHandle, groups: list[RolloutGroup]) -> None:
@@ -62,13 +107,16 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> No
     the critic's values, so the trainer computes them from each rollout's score. Here every scored rollout gets the
     placeholder ``advantage = 0.0``, which only marks it as trainable; abstained ones get None as usual.
     With ``advantage = "remax"`` each group's baseline is its greedy completion's score (``baseline_score``); a
-    group without one abstains as a whole."""
+    group without one abstains as a whole. REINFORCE++ (both variants) is per token: `assign_token_advantages`."""
     if config.advantage == "gae":
         for group in groups:
             for rollout, score in zip(group.rollouts, group.scores, strict=True):
                 rollout.advantage = None if score is None else 0.0
         return
     if not groups:
+        return
+    if config.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
+        assign_token_advantages(groups, config)
         return
     size = max(len(g.rollouts) for g in groups)
     scores = torch.full((len(groups), size), float("nan"), dtype=torch.float64)
@@ -79,11 +127,59 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> No
     baselines = torch.tensor(
         [float("nan") if g.baseline_score is None else g.baseline_score for g in groups], dtype=torch.float64
     )
-    advantages = compute_advantages(config.advantage, scores, baselines=baselines)
+    advantages = compute_advantages(
+        config.advantage, scores, baselines=baselines, std=config.advantage_std, passk_k=config.passk_k
+    )
     for row, group in enumerate(groups):
         for col, rollout in enumerate(group.rollouts):
             value = float(advantages[row, col])
             rollout.advantage = None if math.isnan(value) else value
+
+
+def assign_token_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
+    """REINFORCE++'s per-token advantages (`compute_reinforce_pp_token_advantages`): each scored rollout gets
+    ``token_advantages`` (its segments their share) and ``advantage`` = their mean; abstained ones get None.
+
+    An agent episode is one trajectory: its segments' trained tokens, then the rollout's, in order; the score
+    lands on the last of them and the KL penalties (``token_rewards``, under ``kl_in_reward``) on their own tokens.
+    """
+    episodes = [[(*r.segments, r) for r in g.rollouts] for g in groups]
+    size = max(len(g.rollouts) for g in groups)
+    length = max((sum(s.num_loss_tokens for s in e) for es in episodes for e in es), default=0)
+    scores = torch.full((len(groups), size), float("nan"), dtype=torch.float64)
+    token_rewards = torch.zeros((len(groups), size, length), dtype=torch.float64)
+    mask = torch.zeros((len(groups), size, length), dtype=torch.bool)
+    for row, (group, group_episodes) in enumerate(zip(groups, episodes, strict=True)):
+        for col, (rollout, episode) in enumerate(zip(group.rollouts, group_episodes, strict=True)):
+            if rollout.reward is None or rollout.reward.score is None:
+                continue
+            scores[row, col] = rollout.reward.score
+            terms = [t for s in episode for t in (s.token_rewards or [0.0] * s.num_loss_tokens)]
+            assert len(terms) == sum(s.num_loss_tokens for s in episode), "one KL penalty per trained token"
+            token_rewards[row, col, : len(terms)] = torch.tensor(terms, dtype=torch.float64)
+            mask[row, col, : len(terms)] = True
+    advantages = compute_reinforce_pp_token_advantages(
+        scores,
+        token_rewards,
+        mask,
+        baseline=config.advantage == "reinforce_pp_baseline",
+        gamma=config.reinforce_pp_gamma,
+        std=config.advantage_std,
+    )  # [groups, n, length]
+    for row, group_episodes in enumerate(episodes):
+        for col, episode in enumerate(group_episodes):
+            rollout = episode[-1]
+            if math.isnan(float(scores[row, col])):
+                rollout.advantage = None
+                for segment in episode:
+                    segment.token_advantages = None
+                continue
+            values = advantages[row, col, : int(mask[row, col].sum())].tolist()
+            offset = 0
+            for segment in episode:
+                segment.token_advantages = values[offset : offset + segment.num_loss_tokens]
+                offset += segment.num_loss_tokens
+            rollout.advantage = statistics.fmean(values) if values else 0.0
 
 
 def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 from sharpen.rewards.answers import AnswerFormat, extract_answer
 from sharpen.rewards.base import RewardFn
-from sharpen.rewards.rubric import Rubric, VerifierReward, default_verifiers
+from sharpen.rewards.rubric import Rubric, VerifierReward, default_verifiers, score_weights
 from sharpen.rewards.verifiers import ExactMatchVerifier, ReasoningGymVerifier, Verifier, answers_match
 
 __all__ = [
@@ -16,4 +16,5 @@ __all__ = [
     "answers_match",
     "default_verifiers",
     "extract_answer",
+    "score_weights",
 ]

@@ -85,6 +85,17 @@ class VerifierReward:
         )
 
 
+def score_weights(config: RewardConfig) -> dict[str, float]:
+    """The weight of each named component in the score the `Rubric` builds from ``config``: the verifier's
+    ``correct`` and ``format``, then each ``[[reward.components]]`` entry (0: logged only). The group-level step
+    of ``reward.component_normalization`` rebuilds scores with them."""
+    return {
+        "correct": config.correct_weight,
+        "format": config.format_weight,
+        **{component.name: component.weight for component in config.components},
+    }
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class WeightedComponent:
     """One ``[[reward.components]]`` entry, built."""

@@ -2,7 +2,8 @@
 
 Before the step's first update, `CriticStep` runs the value model over every rollout without gradient, puts the
 rollout's score on its last completion token as the only reward, and turns the two into per-token advantages and
-returns with GAE (whitened over the step's tokens when configured). During the update it supplies those targets
+returns with GAE (whitened over the step's tokens when configured); a truncated completion (``is_truncated``) is
+bootstrapped with the value of the state after its last token. During the update it supplies those targets
 to packing and computes the clipped value loss of each micro-batch, aggregated like the policy loss, so the critic
 trains on the same mini-batches and epochs as the policy. It owns no parameters (`ValueModel` does) and does not
 decide when the optimizers step (`Trainer.step` does).
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from sharpen.config.schema import CriticConfig
+from sharpen.trainer.algorithms.advantages import StdConvention
 from sharpen.trainer.algorithms.aggregation import AggregationMode, aggregate_loss
 from sharpen.trainer.algorithms.estimators import compute_gae, whiten
 from sharpen.trainer.algorithms.value import compute_value_loss
@@ -52,9 +54,11 @@ class CriticStep:
         *,
         micro_batch_size: int,
         pad_token_id: int,
+        std: StdConvention = "unbiased",
     ) -> None:
         self.critic = critic
         self.config = config
+        self.std: StdConvention = std  # the whitening's std convention (trainer.algorithm.advantage_std)
         self.sums: dict[str, float] = defaultdict(float)
         self.grad_norms: list[float] = []
         self.targets, self.start_metrics = self._compute_targets(
@@ -71,7 +75,7 @@ class CriticStep:
         for chunk in split_micro_batches(rollouts, micro_batch_size):
             micro = pack_micro_batch(chunk, pad_token_id=pad_token_id, device=self.critic.device)
             mask = micro.loss_mask  # [batch, seq - 1]
-            values = self.critic.values(micro.input_ids, micro.attention_mask, mask)  # [batch, seq - 1]
+            values, final_values = self.critic.values_and_final_values(micro.input_ids, micro.attention_mask, mask)
             rewards = torch.zeros_like(values)  # [batch, seq - 1]: the score lands on the last completion token
             last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)  # [batch]
             scores = torch.tensor([sequence_score(r) for r in chunk], dtype=torch.float32, device=values.device)
@@ -79,7 +83,13 @@ class CriticStep:
             for row, rollout in enumerate(chunk):  # per-token terms (the KL penalty) on their own tokens
                 if rollout.token_rewards is not None:
                     rewards[row, mask[row]] += torch.tensor(rollout.token_rewards, device=values.device)
-            advantages, returns = compute_gae(rewards, values, mask, gamma=self.config.gamma, lam=self.config.lam)
+            # A completion cut at the token limit is not terminal: GAE bootstraps it with V of the state after its
+            # last token; a finished one ends there (bootstrap 0).
+            truncated = torch.tensor([r.is_truncated for r in chunk], dtype=torch.bool, device=values.device)
+            bootstrap = torch.where(truncated, final_values, torch.zeros_like(final_values))  # [batch]
+            advantages, returns = compute_gae(
+                rewards, values, mask, gamma=self.config.gamma, lam=self.config.lam, bootstrap_values=bootstrap
+            )
             for row, rollout in enumerate(chunk):
                 keep = mask[row]
                 raw[id(rollout)] = (advantages[row][keep], values[row][keep], returns[row][keep])
@@ -87,7 +97,7 @@ class CriticStep:
         flat_values = torch.cat([raw[id(r)][1] for r in rollouts])  # [num_tokens]
         flat_returns = torch.cat([raw[id(r)][2] for r in rollouts])  # [num_tokens]
         if self.config.whiten_advantages:
-            flat_advantages = whiten(flat_advantages, torch.ones_like(flat_advantages, dtype=torch.bool))
+            flat_advantages = whiten(flat_advantages, torch.ones_like(flat_advantages, dtype=torch.bool), std=self.std)
         targets: dict[int, CriticTargets] = {}
         offset = 0
         for rollout in rollouts:

@@ -5,7 +5,8 @@ Per step: the batch is split into ``num_mini_batches`` mini-batches (one optimiz
 so the micro-batch split never changes the update. The policy ratio is taken against the "old" logprobs (the
 trainer's own, at the start of the step); the off-policy correction reweights or masks tokens by the ratio of the
 old logprobs to the engine's (behaviour) logprobs. With one epoch and one mini-batch the old logprobs are the
-current ones, detached, and no extra forward pass runs. With a critic (``advantage = "gae"``) the per-token
+current ones, detached, and no extra forward pass runs (unless ``off_policy_normalize`` needs them for the
+mini-batch's weight normaliser before its first micro-batch). With a critic (``advantage = "gae"``) the per-token
 advantages come from `CriticStep`, and the critic trains on the same mini-batches with its own optimizer. The
 trainer never imports rollout code: weights leave through `named_weights()`, and orchestration decides where they
 go.
@@ -18,6 +19,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -25,11 +27,22 @@ import torch
 from sharpen.config.schema import AlgorithmConfig, TrainerConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_per_token
-from sharpen.trainer.algorithms.offpolicy import compute_correction
-from sharpen.trainer.algorithms.policy_losses import compute_policy_loss
-from sharpen.trainer.backends import ReferencePolicy, ValueModel
-from sharpen.trainer.backends.base import TokenScores, TrainerBackend
+from sharpen.trainer.algorithms.offpolicy import (
+    OffPolicyCorrection,
+    compute_correction,
+    correction_metrics,
+    normalizer_terms,
+)
+from sharpen.trainer.algorithms.policy_losses import (
+    compute_policy_loss,
+    select_clip_cov_tokens,
+    select_kl_cov_tokens,
+)
+from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
+from sharpen.trainer.backends.base import ReferenceScorer, TokenScores, TrainerBackend
+from sharpen.trainer.backends.teacher import TeacherPolicy
 from sharpen.trainer.critic_step import CriticStep
+from sharpen.trainer.distill_step import DistillationStep
 from sharpen.trainer.packing import (
     MicroBatch,
     pack_micro_batch,
@@ -47,6 +60,37 @@ def build_kl_controller(config: AlgorithmConfig) -> KLController:
     return FixedKLController(config.kl_coef)
 
 
+_CORRECTION_SUM, _CORRECTION_MAX = "correction_sum/", "correction_max/"
+"""Prefixes of the off-policy correction's additive statistics and maxima in a step's metric sums."""
+
+
+def _pop_prefixed(sums: dict[str, float], prefix: str) -> dict[str, float]:
+    """Remove the entries of ``sums`` whose names start with ``prefix``; return them without it."""
+    return {name.removeprefix(prefix): sums.pop(name) for name in [name for name in sums if name.startswith(prefix)]}
+
+
+def _rows_of(selection: dict[int, torch.Tensor], chunk: list[Rollout], loss_mask: torch.Tensor) -> torch.Tensor:
+    """The [batch, seq] mask of ``chunk``'s selected tokens on the micro-batch's rows (``loss_mask`` positions)."""
+    rows = torch.zeros_like(loss_mask)
+    for row, rollout in enumerate(chunk):
+        rows[row, loss_mask[row]] = selection[id(rollout)].to(loss_mask.device)
+    return rows
+
+
+def _advantage_inputs(chunk: list[Rollout], critic_step: CriticStep | None) -> dict[str, list[list[float]]]:
+    """`pack_micro_batch`'s per-token advantage inputs of ``chunk``: the critic's GAE targets, or the rollouts' own
+    ``token_advantages`` (REINFORCE++) when any has them; none (sequence advantages) otherwise."""
+    if critic_step is not None:
+        return critic_step.pack_inputs(chunk)
+    if all(r.token_advantages is None for r in chunk):
+        return {}
+    per_token = [
+        r.token_advantages if r.token_advantages is not None else [r.advantage or 0.0] * r.num_loss_tokens
+        for r in chunk
+    ]
+    return {"token_advantages": per_token}
+
+
 class Trainer:
     def __init__(
         self,
@@ -56,10 +100,17 @@ class Trainer:
         pad_token_id: int,
         temperature: float = 1.0,
         max_new_tokens: int | None = None,
-        reference: ReferencePolicy | None = None,
+        reference: ReferenceScorer | None = None,
         critic: ValueModel | None = None,
+        teacher: TeacherPolicy | None = None,
     ) -> None:
         algorithm = config.algorithm
+        if config.distillation.enabled != (teacher is not None):
+            raise ValueError("a teacher (TeacherPolicy) is needed exactly when trainer.distillation.enabled = true")
+        if config.distillation.top_k > 0 and not isinstance(backend, SingleDeviceBackend):
+            raise ValueError(
+                "trainer.distillation.top_k > 0 runs on the single-device backend only (trainer_ranks = 1)"
+            )
         if algorithm.kl_coef > 0 and reference is None:
             raise ValueError("trainer.algorithm.kl_coef > 0 needs a reference policy")
         if (algorithm.advantage == "gae") != (critic is not None):
@@ -75,11 +126,13 @@ class Trainer:
         self.backend = backend
         self.reference = reference
         self.critic = critic
+        self.teacher = teacher
         self.pad_token_id = pad_token_id
         self.temperature = temperature
         self.constant_length = float(algorithm.aggregation_constant or max_new_tokens or 1)
         self.kl_controller = build_kl_controller(algorithm)
         self.reward_kl = 0.0  # mean per-token KL measured by the last `kl_penalties` call
+        self.cov_generator = torch.Generator().manual_seed(0)  # Clip-Cov's draws (not checkpointed)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algorithm = self.config.algorithm
@@ -88,7 +141,7 @@ class Trainer:
             return {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
         size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
         mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
-        needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1
+        needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1 or algorithm.off_policy_normalize
         old_logprobs = None
         if needs_old:
             local = [r for mini_batch in mini_batches for r in self._local_share(mini_batch)]
@@ -101,22 +154,28 @@ class Trainer:
                 rollouts,
                 micro_batch_size=self.config.micro_batch_size,
                 pad_token_id=self.pad_token_id,
+                std=algorithm.advantage_std,
             )
+        distill_step = self._distillation_step(mini_batches)
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
         for _ in range(algorithm.num_epochs):
             for mini_batch in mini_batches:
-                self._accumulate(mini_batch, old_logprobs, critic_step, sums)
+                self._accumulate(mini_batch, old_logprobs, critic_step, sums, distill_step=distill_step)
                 grad_norms.append(self.backend.clip_and_step())
                 if critic_step is not None:
                     critic_step.clip_and_step(self.config.max_grad_norm)
         kl_coef = self.kl_controller.coef
+        maxima = self._all_reduce_maxima(_pop_prefixed(sums, _CORRECTION_MAX))
         sums = self.backend.all_reduce_sum(sums)  # every rank's share of the step; identity on one device
+        correction_sums = _pop_prefixed(sums, _CORRECTION_SUM)
         num_tokens = sums.pop("num_tokens")
         loss = sums.pop("loss_total") / len(grad_norms)  # the mean over optimizer steps of each mini-batch's loss
         metrics = {f"train/{name}": value / num_tokens for name, value in sums.items() if not name.startswith("off")}
         metrics["train/loss"] = loss
         metrics.update({name: value / num_tokens for name, value in sums.items() if name.startswith("off")})
+        if algorithm.off_policy_reject or algorithm.off_policy_normalize:
+            metrics.update(correction_metrics(correction_sums, maxima))
         if algorithm.kl_in_reward:
             metrics["train/kl"] = self.reward_kl
         if algorithm.kl_coef > 0 and math.isfinite(metrics["train/kl"]):
@@ -135,7 +194,27 @@ class Trainer:
         )
         if critic_step is not None:
             metrics.update(critic_step.metrics())
+        if distill_step is not None:
+            metrics.update(distill_step.metrics(self.backend.all_reduce_sum, self.backend.num_ranks))
         return metrics
+
+    def _distillation_step(self, mini_batches: list[list[Rollout]]) -> DistillationStep | None:
+        """The teacher's scores of this rank's rollouts (``trainer.distillation``), before any update."""
+        if self.teacher is None:
+            return None
+        backend, top_k = self.backend, self.config.distillation.top_k
+        student_top_k = None
+        if top_k > 0 and isinstance(backend, SingleDeviceBackend):
+            student_top_k = partial(backend.score_top_k, temperature=self.temperature, k=top_k)
+        return DistillationStep(
+            self.config.distillation,
+            self.teacher,
+            [r for mini_batch in mini_batches for r in self._local_share(mini_batch)],
+            micro_batch_size=self.config.micro_batch_size,
+            pad_token_id=self.pad_token_id,
+            temperature=self.temperature,
+            student_top_k=student_top_k,
+        )
 
     def _accumulate(
         self,
@@ -143,6 +222,8 @@ class Trainer:
         old_logprobs: dict[int, list[float]] | None,
         critic_step: CriticStep | None,
         sums: dict[str, float],
+        *,
+        distill_step: DistillationStep | None = None,
     ) -> None:
         """Forward/backward this rank's micro-batches of one mini-batch, accumulating gradients and metric sums.
         The normaliser comes from the whole mini-batch (every rank has it), so the ranks' gradients sum to the
@@ -152,19 +233,37 @@ class Trainer:
         normalizer = aggregation_normalizer(
             algorithm.loss_aggregation, torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
         )
+        cov_selection = self._cov_selection(rollouts, critic_step)
+        weight_normalizer = self._weight_normalizer(rollouts, old_logprobs)
         for chunk, is_filler in self._lockstep_chunks(self._local_share(rollouts), filler=rollouts[:1]):
+            inputs = _advantage_inputs(chunk, critic_step)
             micro = pack_micro_batch(
                 chunk,
                 pad_token_id=self.pad_token_id,
                 device=self.backend.device,
                 is_packed=self.config.packing,
                 old_logprobs=None if old_logprobs is None or is_filler else [old_logprobs[id(r)] for r in chunk],
-                **(critic_step.pack_inputs(chunk) if critic_step is not None else {}),
+                **inputs,
             )
             scores = self._score_policy(micro, with_entropy=True, entropy_requires_grad=algorithm.entropy_coef > 0)
             old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
+            extra_loss = None
+            if distill_step is not None:
+                # the KL to the teacher from pi_old; advantage mode: plus the distillation advantage; loss mode:
+                # the KL-to-teacher term (0 in advantage mode)
+                micro = distill_step.with_advantages(chunk, micro, old, is_filler=is_filler)
+                distill_sums = defaultdict(float) if is_filler else distill_step.sums
+                extra_loss = partial(distill_step.micro_batch_loss, chunk, micro, scores.logprobs, sums=distill_sums)
             loss = self._micro_batch_loss(
-                micro, scores.logprobs, old, scores.entropy, normalizer, defaultdict(float) if is_filler else sums
+                micro,
+                scores.logprobs,
+                old,
+                scores.entropy,
+                normalizer,
+                defaultdict(float) if is_filler else sums,
+                extra_loss=extra_loss,
+                cov_selected=None if cov_selection is None else _rows_of(cov_selection, chunk, micro.loss_mask),
+                weight_normalizer=weight_normalizer,
             )
             (loss * 0.0 if is_filler else loss).backward()  # a filler pass only keeps the ranks' collectives in step
             if critic_step is not None:
@@ -181,18 +280,16 @@ class Trainer:
         entropy: torch.Tensor | None,
         normalizer: float,
         sums: dict[str, float],
+        *,
+        extra_loss: Callable[[Callable[[torch.Tensor], torch.Tensor]], torch.Tensor] | None = None,
+        cov_selected: torch.Tensor | None = None,
+        weight_normalizer: float | None = None,
     ) -> torch.Tensor:
+        """``extra_loss``: a term added to the loss, given the aggregation (the distillation loss).
+        ``weight_normalizer``: the mini-batch's importance-weight normaliser (``off_policy_normalize``)."""
         algorithm = self.config.algorithm
         mask = micro.loss_mask
-        correction = compute_correction(
-            algorithm.off_policy_correction,
-            old,
-            micro.engine_logprobs,
-            mask,
-            cap=algorithm.off_policy_cap,
-            low=algorithm.off_policy_low,
-            high=algorithm.off_policy_high,
-        )
+        correction = self._correction(old, micro.engine_logprobs, mask, normalizer=weight_normalizer)
         per_token, loss_metrics = compute_policy_loss(
             algorithm.policy_loss,
             logprobs,
@@ -202,6 +299,16 @@ class Trainer:
             clip_eps_low=algorithm.clip_eps_low,
             clip_eps_high=algorithm.clip_eps_high,
             dual_clip_c=algorithm.dual_clip_c,
+            sapo_tau_pos=algorithm.sapo_tau_pos,
+            sapo_tau_neg=algorithm.sapo_tau_neg,
+            gmpo_log_clip_low=algorithm.gmpo_log_clip_low,
+            gmpo_log_clip_high=algorithm.gmpo_log_clip_high,
+            cov_selected=cov_selected,
+            clip_cov_fraction=algorithm.clip_cov_fraction,
+            clip_cov_min=algorithm.clip_cov_min,
+            clip_cov_max=algorithm.clip_cov_max,
+            kl_cov_fraction=algorithm.kl_cov_fraction,
+            kl_cov_coef=algorithm.kl_cov_coef,
         )
         mode = algorithm.loss_aggregation
 
@@ -223,6 +330,8 @@ class Trainer:
             kl = kl_per_token(logprobs, ref, algorithm.kl_estimator)
             sums["kl"] += float(kl.detach()[mask].sum())
             loss = loss + self.kl_controller.coef * aggregate(kl)
+        if extra_loss is not None:
+            loss = loss + extra_loss(aggregate)
         sums["num_tokens"] += num_tokens
         sums["loss_total"] += float(loss.detach())
         sums["clip_fraction"] += float(loss_metrics.num_clipped_low + loss_metrics.num_clipped_high)
@@ -231,7 +340,89 @@ class Trainer:
         for name, value in correction.metrics.items():
             if name != "offpolicy/num_tokens":
                 sums[name] += value * num_tokens  # token-weighted mean over micro-batches
+        for name, value in correction.sums.items():
+            sums[_CORRECTION_SUM + name] += value
+        for name, value in correction.maxima.items():
+            sums[_CORRECTION_MAX + name] = max(sums[_CORRECTION_MAX + name], value)
         return loss
+
+    def _correction(
+        self, old: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, *, normalizer: float | None
+    ) -> OffPolicyCorrection:
+        algorithm = self.config.algorithm
+        return compute_correction(
+            algorithm.off_policy_correction,
+            old,
+            engine,
+            mask,
+            cap=algorithm.off_policy_cap,
+            low=algorithm.off_policy_low,
+            high=algorithm.off_policy_high,
+            reject=algorithm.off_policy_reject,
+            normalizer=normalizer,
+        )
+
+    def _weight_normalizer(self, rollouts: list[Rollout], old_logprobs: dict[int, list[float]] | None) -> float | None:
+        """``off_policy_normalize``: the mean of the kept importance weights over the whole mini-batch (per token,
+        or per sequence for sequence_tis), from every rank's share (collective), so that neither the micro-batch
+        split nor the number of ranks changes it; 1 when nothing is kept, None when not normalising."""
+        algorithm = self.config.algorithm
+        if not algorithm.off_policy_normalize:
+            return None
+        assert old_logprobs is not None, "off_policy_normalize makes `step` score the old logprobs first"
+        local = self._local_share(rollouts)
+        terms = {"weight_sum": 0.0, "count": 0.0}
+        if local:
+            old = [old_logprobs[id(r)] for r in local]
+            whole = pack_micro_batch(
+                local, pad_token_id=self.pad_token_id, device=torch.device("cpu"), is_packed=False, old_logprobs=old
+            )
+            assert whole.old_logprobs is not None
+            correction = self._correction(whole.old_logprobs, whole.engine_logprobs, whole.loss_mask, normalizer=None)
+            terms = normalizer_terms(correction, per_sequence=algorithm.off_policy_correction == "sequence_tis")
+        terms = self.backend.all_reduce_sum(terms)
+        return terms["weight_sum"] / terms["count"] if terms["count"] > 0 else 1.0
+
+    def _all_reduce_maxima(self, maxima: dict[str, float]) -> dict[str, float]:
+        """Each name's maximum over the ranks (values >= 0; a name a rank lacks counts 0 there); collective when
+        correction maxima are collected. Each rank's values travel under their own names through the sum."""
+        algorithm = self.config.algorithm
+        if self.backend.num_ranks == 1 or not (algorithm.off_policy_reject or algorithm.off_policy_normalize):
+            return maxima
+        spread = self.backend.all_reduce_sum({f"{name}@{self.backend.rank}": v for name, v in maxima.items()})
+        result: dict[str, float] = {}
+        for key, value in spread.items():
+            name = key.rpartition("@")[0]
+            result[name] = max(result.get(name, 0.0), value)
+        return result
+
+    def _cov_selection(self, rollouts: list[Rollout], critic_step: CriticStep | None) -> dict[int, torch.Tensor] | None:
+        """Clip-Cov's / KL-Cov's tokens of a whole mini-batch (every rank computes the same), keyed by rollout id,
+        so the selection does not depend on the micro-batch split. The covariance uses the engine's logprobs (the
+        policy the tokens were sampled from; equal to pi_old up to the mismatch) and the rollouts' (or the critic's)
+        advantages; None for other losses."""
+        algorithm = self.config.algorithm
+        if algorithm.policy_loss not in ("clip_cov", "kl_cov"):
+            return None
+        whole = pack_micro_batch(
+            rollouts,
+            pad_token_id=self.pad_token_id,
+            device=torch.device("cpu"),
+            is_packed=False,
+            **_advantage_inputs(rollouts, critic_step),
+        )
+        args = (whole.engine_logprobs, whole.advantages.to(torch.float32), whole.loss_mask)
+        if algorithm.policy_loss == "clip_cov":
+            selected = select_clip_cov_tokens(
+                *args,
+                fraction=algorithm.clip_cov_fraction,
+                cov_low=algorithm.clip_cov_min,
+                cov_high=algorithm.clip_cov_max,
+                generator=self.cov_generator,
+            )
+        else:
+            selected = select_kl_cov_tokens(*args, fraction=algorithm.kl_cov_fraction)
+        return {id(r): selected[row][whole.loss_mask[row]] for row, r in enumerate(rollouts)}
 
     def _local_share(self, rollouts: list[Rollout]) -> list[Rollout]:
         """This rank's share of a mini-batch (all of it on one device)."""

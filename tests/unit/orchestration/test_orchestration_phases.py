@@ -43,13 +43,17 @@ def _group(index: int, *rollouts_args) -> RolloutGroup:
 
 def test_assign_advantages_normalises_per_group_and_leaves_abstained_rollouts_out():
     groups = [
-        _group(0, (1.0,), (None,), (0.0,)),  # valid [1, 0]: mean 0.5, std 0.5
+        _group(0, (1.0,), (None,), (0.0,)),  # valid [1, 0]: mean 0.5, unbiased std sqrt(0.5), population std 0.5
         _group(1, (2.0,), (2.0,)),  # flat: no signal
         _group(2, (None,), (None,)),  # everything abstained
     ]
-    assign_advantages(groups, AlgorithmConfig())
+    assign_advantages(groups, AlgorithmConfig())  # advantage_std = "unbiased" by default
     first = [r.advantage for r in groups[0].rollouts]
     assert first[1] is None
+    assert first[0] == pytest.approx(0.5 / (0.5**0.5 + EPS), abs=1e-12)
+    assert first[2] == pytest.approx(-0.5 / (0.5**0.5 + EPS), abs=1e-12)
+    assign_advantages(groups, AlgorithmConfig(advantage_std="population"))
+    first = [r.advantage for r in groups[0].rollouts]
     assert first[0] == pytest.approx(0.5 / (0.5 + EPS), abs=1e-12)
     assert first[2] == pytest.approx(-0.5 / (0.5 + EPS), abs=1e-12)
     assert [r.advantage for r in groups[1].rollouts] == [0.0, 0.0]
@@ -160,3 +164,12 @@ def test_an_agent_episodes_earlier_segments_get_kl_penalties_that_count_in_its_s
     add_kl_penalties(FakeTrainer(), [group])  # type: ignore[arg-type]
     assert first.segments[0].token_rewards == [-0.1, -0.1]
     assert group.scores == [pytest.approx(0.6), pytest.approx(0.8)]  # 4 tokens x -0.1 vs 2 tokens x -0.1
+
+
+def test_passk_advantages_reach_the_rollouts_with_the_configured_k():
+    # valid [0, 1, 0, 0] with k = 2: rho = 1/2, sigma = 1/2 -> correct 1, incorrect (1/2 - 2/3)/(1/2) = -1/3
+    groups = [_group(0, (0.0,), (1.0,), (None,), (0.0,), (0.0,))]
+    assign_advantages(groups, AlgorithmConfig(advantage="passk", passk_k=2))
+    advantages = [r.advantage for r in groups[0].rollouts]
+    assert advantages[2] is None
+    assert [a for a in advantages if a is not None] == pytest.approx([-1 / 3, 1.0, -1 / 3, -1 / 3], abs=1e-12)

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+StdConvention = Literal["unbiased", "population"]
+"""How a standard deviation over k values is taken: ``unbiased`` divides the squared deviations by k - 1 (Bessel's
+correction; torch.std's default, what veRL's GRPO advantage and TRL's GRPOTrainer compute), ``population`` by k."""
 
-def compute_grpo_advantages(scores: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+
+def compute_grpo_advantages(
+    scores: torch.Tensor, *, normalize_std: bool = True, eps: float = 1e-6, std: StdConvention = "unbiased"
+) -> torch.Tensor:
     """GRPO group-relative advantages.
 
     ``scores``: [num_groups, group_size], NaN where the reward abstained. Each valid score is centred on its
-    group's mean over valid scores and, with ``normalize_std``, divided by the group's (unbiased-free, population)
-    standard deviation + eps. Abstained entries get NaN back (the caller leaves them out of the batch). A group
-    with one valid score, or all-equal scores, gets advantages of exactly 0 (no signal, and no NaN).
+    group's mean over valid scores and, with ``normalize_std``, divided by the group's standard deviation + eps,
+    over its k valid scores: sqrt(sum (r - mean)^2 / (k - 1)) with ``std = "unbiased"`` (the reference
+    implementations' torch.std), / k with ``"population"``. Abstained entries get NaN back (the caller leaves
+    them out of the batch). A group with one valid score, or all-equal scores, gets advantages of exactly 0 (no
+    signal, and no NaN).
     """
     valid = ~torch.isnan(scores)  # [groups, n]
     num_valid = valid.sum(dim=1, keepdim=True).clamp(min=1)
@@ -24,6 +34,8 @@ def compute_grpo_advantages(scores: torch.Tensor, *, normalize_std: bool = True,
     has_spread = valid & (highest > lowest)
     centred = torch.where(has_spread, scores - mean, torch.zeros_like(scores))
     if normalize_std:
-        std = (centred.pow(2).sum(dim=1, keepdim=True) / num_valid).sqrt()
-        centred = centred / (std + eps)
+        # A group with spread has k >= 2, so k - 1 >= 1; the clamp only keeps flat groups (centred = 0) finite.
+        divisor = num_valid if std == "population" else (num_valid - 1).clamp(min=1)
+        deviation = (centred.pow(2).sum(dim=1, keepdim=True) / divisor).sqrt()
+        centred = centred / (deviation + eps)
     return torch.where(valid, centred, torch.full_like(scores, float("nan")))

@@ -28,14 +28,17 @@ This module does not decide where the KL enters (reward penalty or loss term); t
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Protocol
 
 import torch
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
-_MAX_LOG_RATIO = 20.0
-"""|x| limit before k3's exp: exp(20) ~ 5e8 is finite in float32 and bfloat16, so no inf * 0 = NaN gradient."""
+_EXP_LIMIT = 80.0
+"""Largest log r whose exp k3 takes as is: exp(80) ~ 5.5e34 is finite in float32 and bfloat16 (max ~3.4e38), with
+room for the k3 value times a coefficient. Beyond it k3 continues along its tangent line at 80 (value and gradient
+finite, gradient still of the right sign and growing), so the guard only acts where exp() would overflow."""
 
 
 def kl_per_token(
@@ -43,15 +46,19 @@ def kl_per_token(
     ref_logprobs: torch.Tensor,
     estimator: KLEstimator,
     *,
-    clamp: float | None = 10.0,
+    clamp: float | None = None,
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi; same shape as ``logprobs``.
 
     ``logprobs`` (with gradient) and ``ref_logprobs`` (never differentiated) are [batch, seq], or any shape
-    alike. See the module docstring for which estimator to use for what. ``clamp``: the estimate is limited to
-    [-clamp, clamp] (k2 and k3 are non-negative, so only the top bound acts); a clamped token has no gradient,
-    so one wildly off token cannot dominate the step. ``None`` leaves it unbounded. Masking is the caller's job
-    (aggregation selects out masked tokens).
+    alike. See the module docstring for which estimator to use for what. No estimator is clamped by default, so
+    each keeps its value and gradient however far the policy has moved (k2's gradient is the log-ratio x itself,
+    strongest exactly where the policy is farthest from the reference). The only guard is k3's exponential: where
+    log r = -x exceeds 80 (exp would overflow float32 soon after), k3 follows its tangent line at 80, finite and
+    with a gradient. ``clamp``: an explicit opt-in limit of the estimate to [-clamp, clamp] (k2 and k3 are
+    non-negative, so only the top bound acts); a token whose estimate is clamped has *no gradient*, so this trades
+    the penalty's pull on far-off tokens for robustness to outliers. ``None`` (the default) means no clamp.
+    Masking is the caller's job (aggregation selects out masked tokens).
     """
     if clamp is not None and not clamp > 0:
         raise ValueError(f"clamp must be positive or None, got {clamp}")
@@ -61,8 +68,13 @@ def kl_per_token(
     elif estimator == "k2":
         kl = 0.5 * log_ratio.square()
     elif estimator == "k3":
-        neg = (-log_ratio).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)  # log r
-        kl = torch.expm1(neg) - neg  # (r - 1) - log r, accurate near r = 1
+        neg = -log_ratio  # log r
+        safe = neg.clamp(max=_EXP_LIMIT)  # identical to log r wherever exp(log r) is finite
+        kl = torch.expm1(safe) - safe  # (r - 1) - log r, accurate near r = 1
+        # Past the limit: the tangent line k3(L) + k3'(L) (log r - L), with k3'(L) = exp(L) - 1. ``over`` is 0 (and
+        # so adds nothing, nor any gradient) wherever log r <= L.
+        over = (neg - _EXP_LIMIT).clamp(min=0.0)
+        kl = kl + math.expm1(_EXP_LIMIT) * over
     else:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
     if clamp is not None:

@@ -19,9 +19,12 @@ With r_t = p_trainer(y_t) / p_engine(y_t) (``trainer_logprobs - engine_logprobs`
 - ``sequence_tis``: weight min(prod_t r_t, cap), the same for every token of a sequence: the unbiased
   correction for a sequence-level objective, with far larger variance (hence the cap), computed as a sum of log
   ratios so it never overflows.
-- ``token_mask``: IcePop (Ling team 2025, introduced for training the Ring-1T MoE models): keep a token only when
-  its ratio lies in [low, high], weight 1; tokens outside the band (where the two policies disagree most, e.g.
-  MoE routing flips) are masked out of the loss instead of reweighted.
+- ``token_mask``: token-level rejection (masked importance sampling): keep a token only when its ratio lies in
+  [low, high], with weight 1; tokens outside the band (where the two policies disagree most, e.g. MoE routing
+  flips) are masked out of the loss instead of reweighted. It is *not* IcePop: the kept tokens are not reweighted.
+- ``icepop``: IcePop (Ling Team 2025, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
+  Thinking Model", arXiv 2510.18855, introduced for training Ring-1T): the weight is M(r_t) = r_t inside
+  [low, high] and 0 outside, so kept tokens are importance-weighted and the rest are dropped.
 - ``sequence_mask``: keep a whole sequence only when its geometric-mean ratio exp(mean_t log r_t) lies in
   [low, high]; length-normalised, so long sequences are not rejected for accumulating small mismatches.
 
@@ -31,6 +34,16 @@ caller's (counting rejected tokens keeps the micro-batch split from changing the
 detached: they scale the gradient, they are not differentiated. The PPO ratio then runs between the current
 logprobs and ``trainer_logprobs`` (decoupled PPO: the clip bounds the trainer's own update, the weight the
 engine-to-trainer mismatch).
+
+On top of a mode, ``reject`` chains rejection criteria (``trainer.algorithm.off_policy_reject``): each tests a
+per-token divergence, k1 = log r_t, k2 = 0.5 (log r_t)^2 or k3 = (r_t - 1) - log r_t, per token or through a
+sequence's sum, mean or max of it (k1 as a ratio band [low, high] on exp of the statistic, k2 / k3 against an
+upper threshold), and a token stays in the loss only if the mode and every criterion keep it. The mode's weight is
+computed as without them; rejected tokens get weight 0 and leave the mask. ``normalizer`` divides the kept weights
+by a constant: their mean over the whole mini-batch (`normalizer_terms`, summed by the trainer before the first
+micro-batch), so they average 1 whatever the micro-batch split. With either, the correction also carries additive
+``sums`` (counts, weight sums) and ``maxima``, which the trainer adds over micro-batches and ranks and turns into
+per-criterion rejected fractions and the weights' mean, max and ESS (`correction_metrics`).
 
 Log ratios are clamped to +-``LOG_RATIO_LIMIT`` (e^80 ~ 5.5e34, finite in float32) before anything else, so an
 infinite trainer logprob or an extreme mismatch gives finite weights and metrics; the clamp changes no weight that
@@ -42,12 +55,16 @@ models or batches: the trainer does, from its config.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-CorrectionMode = Literal["none", "token_tis", "sequence_tis", "token_mask", "sequence_mask"]
+if TYPE_CHECKING:
+    from sharpen.config.schema import OffPolicyRejectConfig
+
+CorrectionMode = Literal["none", "token_tis", "sequence_tis", "token_mask", "icepop", "sequence_mask"]
 
 LOG_RATIO_LIMIT = 80.0
 """Log ratios are clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] so that every exp stays finite in float32."""
@@ -67,6 +84,11 @@ class OffPolicyCorrection:
     """[batch, seq] bool: the tokens kept in the loss (a subset of the input mask)."""
     metrics: dict[str, float]
     """Mismatch and correction statistics over the input mask's tokens, as ``offpolicy/*`` metrics."""
+    sums: dict[str, float] = field(default_factory=dict[str, float])
+    """With rejection criteria or a normaliser: counts and weight sums to add over micro-batches and ranks (the
+    input of `correction_metrics`); empty otherwise."""
+    maxima: dict[str, float] = field(default_factory=dict[str, float])
+    """Like ``sums``, statistics to take the maximum of over micro-batches and ranks (the largest weight)."""
 
 
 def token_tis(
@@ -93,11 +115,22 @@ def sequence_tis(
 def token_mask_is(
     trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor, *, low: float, high: float
 ) -> OffPolicyCorrection:
-    """IcePop: keep a token (weight 1) only when its ratio r_t lies in [low, high]."""
+    """Token-level rejection: keep a token (weight 1) only when its ratio r_t lies in [low, high]."""
     log_low, log_high = _log_band(low, high)
     log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)  # [batch, seq]
     kept = mask & (log_ratio >= log_low) & (log_ratio <= log_high)
     return _correction(log_ratio, mask, kept=kept, weights=kept.to(log_ratio.dtype), capped=torch.zeros_like(mask))
+
+
+def icepop(
+    trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor, *, low: float, high: float
+) -> OffPolicyCorrection:
+    """IcePop: weight r_t where the ratio lies in [low, high], 0 (and masked out) elsewhere."""
+    log_low, log_high = _log_band(low, high)
+    log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)  # [batch, seq]
+    kept = mask & (log_ratio >= log_low) & (log_ratio <= log_high)
+    weights = torch.where(kept, log_ratio.exp(), 0.0)
+    return _correction(log_ratio, mask, kept=kept, weights=weights, capped=torch.zeros_like(mask))
 
 
 def sequence_mask_is(
@@ -121,8 +154,92 @@ def compute_correction(
     cap: float,
     low: float,
     high: float,
+    reject: Sequence[OffPolicyRejectConfig] = (),
+    normalizer: float | None = None,
 ) -> OffPolicyCorrection:
-    """The correction named by ``mode``; ``cap`` is used by the TIS modes, ``low``/``high`` by the mask modes."""
+    """The correction named by ``mode``; ``cap`` is used by the TIS modes, ``low``/``high`` by the band modes. Tokens
+    that a criterion of ``reject`` drops leave the mask; the kept weights are divided by ``normalizer``."""
+    correction = _mode_correction(mode, trainer_logprobs, engine_logprobs, mask, cap=cap, low=low, high=high)
+    if not reject and normalizer is None:
+        return correction
+    if normalizer is not None and not normalizer > 0:
+        raise ValueError(f"importance-weight normalizer must be positive, got {normalizer}")
+    log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)
+    return _reject_and_normalize(correction, log_ratio, mask, reject, normalizer)
+
+
+def keep_by_criterion(log_ratio: torch.Tensor, mask: torch.Tensor, criterion: OffPolicyRejectConfig) -> torch.Tensor:
+    """[batch, seq] bool: the tokens of ``mask`` that ``criterion`` keeps, given ``log_ratio`` (0 outside ``mask``).
+
+    k1 criteria keep log(low) <= statistic <= log(high): per token the ratio r_t, per sequence with ``sum`` the
+    product ratio, with ``mean`` the geometric-mean ratio. k2 / k3 criteria keep statistic <= high. An overflowing
+    k3 sum is inf and rejected, as it should be."""
+    log_ratio = torch.where(mask, log_ratio, 0.0)
+    if criterion.divergence == "k1":
+        divergence = log_ratio
+    elif criterion.divergence == "k2":
+        divergence = 0.5 * log_ratio.square()
+    else:
+        divergence = torch.expm1(log_ratio) - log_ratio  # (r - 1) - log r, exact near r = 1; 0 where masked
+    if criterion.level == "token" or log_ratio.shape[-1] == 0:
+        value = divergence  # [batch, seq]
+    elif criterion.statistic == "max":
+        value = divergence.amax(dim=-1, keepdim=True)  # [batch, 1]; k2 / k3 are >= 0, and 0 where masked
+    else:
+        value = divergence.sum(dim=-1, keepdim=True)  # [batch, 1]
+        if criterion.statistic == "mean":
+            value = value / mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    if criterion.divergence == "k1":
+        assert criterion.low is not None  # the config requires it for k1
+        log_low, log_high = _log_band(criterion.low, criterion.high)
+        return mask & (value >= log_low) & (value <= log_high)
+    return mask & (value <= criterion.high)
+
+
+def normalizer_terms(correction: OffPolicyCorrection, *, per_sequence: bool) -> dict[str, float]:
+    """``weight_sum`` and ``count`` of the kept weights, per kept token or per kept sequence (a sequence weight is
+    the same on all its kept tokens): summed over a mini-batch's parts, weight_sum / count is its normaliser."""
+    if per_sequence:
+        rows = correction.mask.any(dim=-1)  # [batch]
+        row_weights = correction.weights.amax(dim=-1) if correction.weights.shape[-1] else rows.double()
+        total, count = row_weights[rows].double().sum(), rows.sum()
+    else:
+        total, count = correction.weights[correction.mask].double().sum(), correction.mask.sum()
+    return {"weight_sum": float(total), "count": float(count)}
+
+
+def correction_metrics(sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
+    """The ``offpolicy/*`` metrics of a step from its corrections' ``sums`` and ``maxima`` (added / maxed over
+    micro-batches and ranks): per criterion the rejected fraction of valid tokens (``reject/NAME/token_fraction``;
+    criteria overlap, ``masked_fraction`` counts the union) and, for sequence criteria, of sequences with a valid
+    token (``sequence_fraction``); the applied weights' mean, max and ESS (sum w)^2 / (n sum w^2) over kept
+    tokens (1 with none kept); ``weight_normalizer``, the token-weighted mean normaliser, when normalising."""
+    num_tokens, num_sequences = max(sums["num_tokens"], 1.0), max(sums["num_sequences"], 1.0)
+    num_kept, weight_sum, weight_sq_sum = sums["num_kept"], sums["weight_sum"], sums["weight_sq_sum"]
+    metrics: dict[str, float] = {}
+    for name, value in sums.items():
+        if name.startswith("reject/"):
+            criterion, _, unit = name.rpartition("/")
+            denominator = num_tokens if unit == "tokens" else num_sequences
+            metrics[f"offpolicy/{criterion}/{unit.removesuffix('s')}_fraction"] = value / denominator
+    metrics["offpolicy/weight_mean"] = weight_sum / num_kept if num_kept else 0.0
+    metrics["offpolicy/weight_max"] = maxima.get("weight_max", 0.0)
+    metrics["offpolicy/weight_ess"] = weight_sum**2 / (num_kept * weight_sq_sum) if weight_sq_sum > 0 else 1.0
+    if "normalizer_tokens" in sums:
+        metrics["offpolicy/weight_normalizer"] = sums["normalizer_tokens"] / num_tokens
+    return metrics
+
+
+def _mode_correction(
+    mode: CorrectionMode,
+    trainer_logprobs: torch.Tensor,
+    engine_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cap: float,
+    low: float,
+    high: float,
+) -> OffPolicyCorrection:
     if mode == "none":
         log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)
         weights = mask.to(log_ratio.dtype)
@@ -133,11 +250,52 @@ def compute_correction(
         return sequence_tis(trainer_logprobs, engine_logprobs, mask, cap=cap)
     if mode == "token_mask":
         return token_mask_is(trainer_logprobs, engine_logprobs, mask, low=low, high=high)
+    if mode == "icepop":
+        return icepop(trainer_logprobs, engine_logprobs, mask, low=low, high=high)
     if mode == "sequence_mask":
         return sequence_mask_is(trainer_logprobs, engine_logprobs, mask, low=low, high=high)
     raise ValueError(
-        f"unknown off-policy correction {mode!r}: expected none, token_tis, sequence_tis, token_mask or sequence_mask"
+        f"unknown off-policy correction {mode!r}: expected none, token_tis, sequence_tis, token_mask, icepop or "
+        "sequence_mask"
     )
+
+
+def _reject_and_normalize(
+    correction: OffPolicyCorrection,
+    log_ratio: torch.Tensor,
+    mask: torch.Tensor,
+    criteria: Sequence[OffPolicyRejectConfig],
+    normalizer: float | None,
+) -> OffPolicyCorrection:
+    """``correction`` with ``criteria``'s rejections and the kept weights divided by ``normalizer``, plus the
+    additive statistics of `correction_metrics`."""
+    kept = correction.mask
+    rows = mask.any(dim=-1)  # [batch]: sequences with a valid token
+    counts = {"num_tokens": mask.sum(), "num_sequences": rows.sum()}
+    for criterion in criteria:
+        kept_by = keep_by_criterion(log_ratio, mask, criterion)
+        kept = kept & kept_by
+        counts[f"reject/{criterion.name}/tokens"] = (mask & ~kept_by).sum()
+        if criterion.level == "sequence":
+            counts[f"reject/{criterion.name}/sequences"] = (rows & ~kept_by.any(dim=-1)).sum()
+    scale = 1.0 if normalizer is None else normalizer
+    weights = torch.where(kept, correction.weights / scale, 0.0)
+    kept_weights = weights[kept].double()  # [num_kept]
+    counts |= {
+        "num_kept": kept.sum(),
+        "weight_sum": kept_weights.sum(),
+        "weight_sq_sum": kept_weights.square().sum(),
+        "weight_max": kept_weights.max() if kept_weights.numel() else kept_weights.new_zeros(()),
+    }
+    summary = torch.stack([v.double() for v in counts.values()]).cpu()  # one device-to-host copy
+    values = {name: float(v) for name, v in zip(counts, summary, strict=True)}
+    maxima = {"weight_max": values.pop("weight_max")}
+    if normalizer is not None:
+        values["normalizer_tokens"] = normalizer * values["num_tokens"]
+    metrics = dict(correction.metrics)
+    if values["num_tokens"]:
+        metrics["offpolicy/masked_fraction"] = (values["num_tokens"] - values["num_kept"]) / values["num_tokens"]
+    return OffPolicyCorrection(weights=weights.detach(), mask=kept, metrics=metrics, sums=values, maxima=maxima)
 
 
 def _log_ratio(trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 # pyright: strict
-"""Per-token policy-gradient losses: PPO-clip (with dual-clip), GSPO, CISPO and plain REINFORCE.
+"""Per-token policy-gradient losses: PPO-clip (with dual-clip), GSPO, CISPO, SAPO, GMPO and plain REINFORCE.
 
 Each function returns the loss of every token, [batch, seq], exactly 0 at masked tokens, and a
 `PolicyLossMetrics` of masked sums. ``compute_policy_loss`` is the registry: it maps the config's
@@ -11,7 +11,10 @@ mode and with gradient accumulation over micro-batches.
 Shared conventions: ``logprobs`` [batch, seq] are the trainer's, with gradient; ``old_logprobs`` [batch, seq]
 are the behaviour policy's (the engine's; never differentiated); ``advantages`` are [batch, 1] (one per
 sequence, broadcast) or [batch, seq]; ``mask`` [batch, seq] marks loss tokens. The log-ratio is set to 0 at
-masked tokens before any exponential, so garbage in padding cannot overflow into inf or NaN gradients.
+masked tokens before any exponential, so garbage in padding cannot overflow into inf or NaN gradients, and
+every exponential of a log-ratio goes through `_exp_ratio`, which clamps it from above at the largest x of its dtype
+whose exp is finite (float32: 88.7228, bfloat16: 88.5, float64: 709.78): a value whose exp does not overflow is
+never changed (nor its gradient); one that would give inf gives the dtype's largest finite ratio, with gradient 0.
 r_t = exp(logprobs_t - old_logprobs_t) is the token importance ratio; sg() is stop-gradient.
 
 This module knows nothing of models, batches or configs (the registry takes the config's values as plain
@@ -20,12 +23,14 @@ arguments); it calls nothing of sharpen's.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import cache
 from typing import Literal, assert_never
 
 import torch
 
-PolicyLoss = Literal["ppo_clip", "gspo", "cispo", "pg"]
+PolicyLoss = Literal["ppo_clip", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "pg"]
 """The names of ``AlgorithmConfig.policy_loss`` (a test keeps the two equal: this package imports no config)."""
 
 
@@ -46,6 +51,23 @@ class PolicyLossMetrics:
 def _masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     log_ratio = logprobs - old_logprobs.detach()  # [batch, seq]
     return torch.where(valid, log_ratio, torch.zeros_like(log_ratio))
+
+
+@cache
+def exp_overflow_bound(dtype: torch.dtype) -> float:
+    """The largest x representable in ``dtype`` whose exp is finite in ``dtype``; the next one up overflows."""
+    up = torch.tensor(math.inf, dtype=dtype)
+    x = torch.tensor(math.log(torch.finfo(dtype).max), dtype=dtype)
+    while not torch.isfinite(torch.exp(x)):
+        x = torch.nextafter(x, -up)
+    while torch.isfinite(torch.exp(torch.nextafter(x, up))):
+        x = torch.nextafter(x, up)
+    return float(x)
+
+
+def _exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio), guarded against overflow: only values whose exp would be inf are clamped (module docstring)."""
+    return torch.exp(log_ratio.clamp(max=exp_overflow_bound(log_ratio.dtype)))
 
 
 def _masked_sum(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -100,7 +122,7 @@ def ppo_clip_per_token(
     if dual_clip_c is not None and not dual_clip_c > 1:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
     valid = mask.to(torch.bool)  # [batch, seq]
-    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, valid))  # [batch, seq]
+    ratio = _exp_ratio(_masked_log_ratio(logprobs, old_logprobs, valid))  # [batch, seq]
     per_token, clipped_low, clipped_high = _clipped_surrogate(ratio, advantages, valid, clip_eps_low, clip_eps_high)
     dual_clipped = torch.zeros_like(valid)
     if dual_clip_c is not None:
@@ -147,7 +169,7 @@ def gspo_per_token(
     seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / lengths).to(logprobs.dtype)  # [batch, 1]: log s_i
     own = logprobs - logprobs.detach()  # [batch, seq]: value 0, gradient 1
     own = torch.where(valid, own, torch.zeros_like(own))
-    ratio = torch.exp(seq_log_ratio + own)  # [batch, seq]: s_{i,t}, equal to s_i in value
+    ratio = _exp_ratio(seq_log_ratio + own)  # [batch, seq]: s_{i,t}, equal to s_i in value
     per_token, clipped_low, clipped_high = _clipped_surrogate(ratio, advantages, valid, clip_eps_low, clip_eps_high)
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     return per_token, PolicyLossMetrics(
@@ -177,13 +199,196 @@ def cispo_per_token(
     """
     _check_clip(clip_eps_low, clip_eps_high)
     valid = mask.to(torch.bool)  # [batch, seq]
-    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, valid)).detach()  # [batch, seq]
+    ratio = _exp_ratio(_masked_log_ratio(logprobs, old_logprobs, valid)).detach()  # [batch, seq]
     weight = ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)  # [batch, seq]
     per_token = -weight * advantages * logprobs  # [batch, seq]
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     return per_token, PolicyLossMetrics(
         num_clipped_low=_masked_sum(ratio < 1.0 - clip_eps_low, valid),
         num_clipped_high=_masked_sum(ratio > 1.0 + clip_eps_high, valid),
+        num_dual_clipped=_metric_zero(ratio),
+        ratio_sum=_masked_sum(ratio, valid),
+    )
+
+
+def sapo_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    tau_pos: float,
+    tau_neg: float,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """SAPO (Gao et al. 2025, Qwen, "Soft Adaptive Policy Optimization", arXiv 2511.20347).
+
+    The hard clip is replaced by a smooth gate: loss_t = -f(r_t; tau_t) A_t with
+    f(r; tau) = (4 / tau) sigmoid(tau (r - 1)), tau_t = tau_pos where A_t > 0 and tau_neg otherwise. Its gradient
+    with respect to logprobs_t is -4 sigmoid(x)(1 - sigmoid(x)) r_t A_t, x = tau_t (r_t - 1): exactly -A_t on-policy
+    (r = 1), decaying smoothly as r leaves 1 instead of dropping to 0 at a clip bound; a larger tau decays faster.
+    The paper's tau_neg > tau_pos (1.05 vs 1.0) damps negative-advantage updates more, which it found stabler.
+    Nothing is clipped, so the clip metrics count 0. The paper averages tokens per sequence
+    (``seq_mean_token_mean``).
+    """
+    if not tau_pos > 0 or not tau_neg > 0:
+        raise ValueError(f"SAPO needs tau_pos > 0 and tau_neg > 0, got {tau_pos}, {tau_neg}")
+    valid = mask.to(torch.bool)  # [batch, seq]
+    ratio = _exp_ratio(_masked_log_ratio(logprobs, old_logprobs, valid))  # [batch, seq]
+    positive = (advantages > 0).expand_as(ratio)  # [batch, seq]
+    tau = torch.where(positive, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)  # [batch, seq]
+    per_token = torch.where(valid, -gate * advantages, torch.zeros_like(ratio))
+    return per_token, PolicyLossMetrics(
+        num_clipped_low=_metric_zero(ratio),
+        num_clipped_high=_metric_zero(ratio),
+        num_dual_clipped=_metric_zero(ratio),
+        ratio_sum=_masked_sum(ratio, valid),
+    )
+
+
+def gmpo_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    log_clip_low: float,
+    log_clip_high: float,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv 2507.20673), in token form.
+
+    The sequence objective is the geometric mean of the token-level clipped ratios, clipped in log space:
+    with d_t = logprobs_t - old_logprobs_t and sgn = sign(A_i), c_t = sgn min(sgn d_t, sgn clip(d_t, -log_clip_low,
+    log_clip_high)) (the pessimistic bound, as PPO's min, per token), R_i = exp((1 / L_i) sum_t m_t c_t) and
+    J_i = R_i A_i. The paper clips wider than PPO, (e^-0.4, e^0.4). As in `gspo_per_token`, each token carries
+    loss_{i,t} = -A_{i,t} sg(R_i) exp(c_t - sg(c_t)): equal to -R_i A_i in value, with the gradient
+    -A_i R_i dc_t/dlogprobs_t, so with one advantage per sequence and ``seq_mean_token_mean`` aggregation it is the
+    gradient of -mean_i R_i A_i exactly (a clipped token has dc_t = 0). Clipped tokens are counted as low when
+    A < 0 and high when A > 0.
+    """
+    if not log_clip_low >= 0 or not log_clip_high >= 0:
+        raise ValueError(f"GMPO needs log_clip_low >= 0 and log_clip_high >= 0, got {log_clip_low}, {log_clip_high}")
+    valid = mask.to(torch.bool)  # [batch, seq]
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, valid)  # [batch, seq]
+    sign = torch.sign(advantages)  # [batch, 1 | seq]
+    bounded = log_ratio.clamp(-log_clip_low, log_clip_high)
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * bounded)  # [batch, seq]: c_t
+    clipped_log_ratio = torch.where(valid, clipped_log_ratio, torch.zeros_like(clipped_log_ratio))
+    detached = clipped_log_ratio.detach().to(torch.promote_types(log_ratio.dtype, torch.float32))
+    lengths = valid.sum(dim=-1, keepdim=True).clamp(min=1).to(detached.dtype)  # [batch, 1]
+    seq_log_ratio = (detached.sum(dim=-1, keepdim=True) / lengths).to(logprobs.dtype)  # [batch, 1]: log R_i
+    ratio = _exp_ratio(seq_log_ratio + clipped_log_ratio - clipped_log_ratio.detach())  # [batch, seq]
+    per_token = torch.where(valid, -ratio * advantages, torch.zeros_like(ratio))
+    clipped = (log_ratio != clipped_log_ratio) & valid
+    return per_token, PolicyLossMetrics(
+        num_clipped_low=_masked_sum(clipped & (advantages < 0), valid),
+        num_clipped_high=_masked_sum(clipped & (advantages > 0), valid),
+        num_dual_clipped=_metric_zero(ratio),
+        ratio_sum=_masked_sum(ratio, valid),
+    )
+
+
+def token_covariance(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token Cov term of Cui et al. 2025 ("The Entropy Mechanism of Reinforcement Learning for Reasoning Language
+    Models", arXiv 2505.22617): (A_t - mean(A)) (logprobs_t - mean(logprobs)), the means over the valid tokens of
+    the whole batch given; [batch, seq] in at least float32, detached, 0 at masked tokens. For a selection that
+    does not depend on the micro-batch split, pass the whole mini-batch (see `select_clip_cov_tokens`)."""
+    valid = mask.to(torch.bool)
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    logp = logprobs.detach().to(dtype)
+    adv = advantages.detach().to(dtype).expand_as(logp)
+    count = valid.sum().clamp(min=1)
+    centred_logp = logp - torch.where(valid, logp, 0.0).sum() / count
+    centred_adv = adv - torch.where(valid, adv, 0.0).sum() / count
+    return torch.where(valid, centred_adv * centred_logp, 0.0)
+
+
+def select_clip_cov_tokens(
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    fraction: float,
+    cov_low: float,
+    cov_high: float,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Clip-Cov's tokens: max(1, floor(fraction N)) drawn uniformly without replacement (``generator``) among the
+    valid tokens with cov_low < Cov_t < cov_high (N valid tokens; all candidates if fewer). The paper's defaults:
+    fraction 2e-4, bounds (1, 5). Computed once over the whole mini-batch, the draw and the means do not depend on
+    the split. Unlike the official code, tokens the PPO clip already silenced are not left out of the draw (that
+    needs the ratio, known only in each micro-batch's forward); on a step's first pass (r = 1) none is."""
+    if not 0 < fraction <= 1 or not cov_low < cov_high:
+        raise ValueError(
+            f"Clip-Cov needs 0 < fraction <= 1 and cov_low < cov_high, got {fraction}, {cov_low}, {cov_high}"
+        )
+    valid = mask.to(torch.bool)
+    cov = token_covariance(logprobs, advantages, valid)
+    candidates = torch.nonzero((valid & (cov > cov_low) & (cov < cov_high)).flatten()).squeeze(-1)
+    num = min(max(1, int(fraction * int(valid.sum()))), candidates.numel())
+    order = torch.randperm(candidates.numel(), generator=generator, device="cpu").to(candidates.device)
+    selected = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    selected[candidates[order[:num]]] = True
+    return selected.view_as(valid)
+
+
+def select_kl_cov_tokens(
+    logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, fraction: float
+) -> torch.Tensor:
+    """KL-Cov's tokens: the max(1, floor(fraction N)) valid tokens of largest Cov_t (the paper's fraction: 2e-3 for
+    Qwen2.5-7B, 2e-4 for 32B). Deterministic; computed over the whole mini-batch for split invariance."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"KL-Cov needs 0 < fraction <= 1, got {fraction}")
+    valid = mask.to(torch.bool)
+    num_valid = int(valid.sum())
+    selected = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    if num_valid == 0:
+        return selected.view_as(valid)
+    cov = torch.where(valid, token_covariance(logprobs, advantages, valid), -math.inf).flatten()
+    selected[torch.topk(cov, max(1, int(fraction * num_valid))).indices] = True
+    return selected.view_as(valid)
+
+
+def clip_cov_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    selected: torch.Tensor,
+    clip_eps_low: float,
+    clip_eps_high: float,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """Clip-Cov (Cui et al. 2025): the PPO clipped loss, with the gradient of the ``selected`` tokens
+    (`select_clip_cov_tokens`) detached: their loss value stays, they stop pulling the policy toward lower entropy."""
+    per_token, metrics = ppo_clip_per_token(
+        logprobs, old_logprobs, advantages, mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
+    )
+    return torch.where(selected & mask.to(torch.bool), per_token.detach(), per_token), metrics
+
+
+def kl_cov_per_token(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    selected: torch.Tensor,
+    coef: float,
+) -> tuple[torch.Tensor, PolicyLossMetrics]:
+    """KL-Cov (Cui et al. 2025, as in its official code): loss_t = -r_t A_t, unclipped, plus coef |log r_t| on the
+    ``selected`` tokens (`select_kl_cov_tokens`; the paper's coef 1). |log r| is 0 with zero gradient at r = 1, so
+    the penalty acts only once the policy has moved within a step (num_epochs or num_mini_batches > 1)."""
+    if not coef >= 0:
+        raise ValueError(f"KL-Cov needs coef >= 0, got {coef}")
+    valid = mask.to(torch.bool)
+    log_ratio = _masked_log_ratio(logprobs, old_logprobs, valid)
+    ratio = _exp_ratio(log_ratio)
+    per_token = -ratio * advantages + torch.where(selected & valid, coef * log_ratio.abs(), 0.0)
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    return per_token, PolicyLossMetrics(
+        num_clipped_low=_metric_zero(ratio),
+        num_clipped_high=_metric_zero(ratio),
         num_dual_clipped=_metric_zero(ratio),
         ratio_sum=_masked_sum(ratio, valid),
     )
@@ -218,11 +423,24 @@ def compute_policy_loss(
     clip_eps_low: float,
     clip_eps_high: float,
     dual_clip_c: float | None = None,
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    gmpo_log_clip_low: float = 0.4,
+    gmpo_log_clip_high: float = 0.4,
+    cov_selected: torch.Tensor | None = None,
+    clip_cov_fraction: float = 2e-4,
+    clip_cov_min: float = 1.0,
+    clip_cov_max: float = 5.0,
+    kl_cov_fraction: float = 2e-3,
+    kl_cov_coef: float = 1.0,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
     """Per-token loss [batch, seq] and metrics of the policy loss ``name`` (``trainer.algorithm.policy_loss``).
 
     Every loss gets the same arguments and takes what it uses: the clip bounds go to PPO, GSPO and CISPO,
-    ``dual_clip_c`` to PPO only, and plain policy gradient ignores ``old_logprobs`` (it has no ratio).
+    ``dual_clip_c`` to PPO only, the temperatures to SAPO, the log-space bounds to GMPO, and plain policy gradient
+    ignores ``old_logprobs`` (it has no ratio). The keyword defaults are the papers'. ``cov_selected``: Clip-Cov's
+    or KL-Cov's tokens, selected over the whole mini-batch by the caller (for split invariance); None selects them
+    from this batch alone, with the covariance of ``old_logprobs``.
     """
     match name:
         case "ppo_clip":
@@ -243,6 +461,40 @@ def compute_policy_loss(
             return cispo_per_token(
                 logprobs, old_logprobs, advantages, mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
             )
+        case "sapo":
+            return sapo_per_token(logprobs, old_logprobs, advantages, mask, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)
+        case "gmpo":
+            return gmpo_per_token(
+                logprobs,
+                old_logprobs,
+                advantages,
+                mask,
+                log_clip_low=gmpo_log_clip_low,
+                log_clip_high=gmpo_log_clip_high,
+            )
+        case "clip_cov":
+            if cov_selected is None:
+                cov_selected = select_clip_cov_tokens(
+                    old_logprobs,
+                    advantages,
+                    mask,
+                    fraction=clip_cov_fraction,
+                    cov_low=clip_cov_min,
+                    cov_high=clip_cov_max,
+                )
+            return clip_cov_per_token(
+                logprobs,
+                old_logprobs,
+                advantages,
+                mask,
+                selected=cov_selected,
+                clip_eps_low=clip_eps_low,
+                clip_eps_high=clip_eps_high,
+            )
+        case "kl_cov":
+            if cov_selected is None:
+                cov_selected = select_kl_cov_tokens(old_logprobs, advantages, mask, fraction=kl_cov_fraction)
+            return kl_cov_per_token(logprobs, old_logprobs, advantages, mask, selected=cov_selected, coef=kl_cov_coef)
         case "pg":
             return pg_per_token(logprobs, advantages, mask)
         case _:

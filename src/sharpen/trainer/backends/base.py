@@ -73,6 +73,15 @@ class TrainerBackend(Protocol):
     def export(self, folder: Path) -> None: ...
 
 
+class ReferenceScorer(Protocol):
+    """What the trainer needs of a reference policy (the KL term): `single_device.ReferencePolicy` (a frozen copy)
+    or `lora.LoraReferencePolicy` (the LoRA policy with its adapters disabled)."""
+
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
+    ) -> torch.Tensor: ...
+
+
 class ScoresTokenLogprobs:
     """`TrainerBackend.token_logprobs` for a backend that has `score_tokens` (both backends share it)."""
 

@@ -72,13 +72,24 @@ class ValueModel:
         ``input_ids[:, t + 1]`` is a completion token. Position t holds V(s_t), read from the hidden state at
         token t: the same positions as the policy's logprobs, so advantages, logprobs and values line up.
         """
+        return self.values_and_final_values(input_ids, attention_mask, target_mask)[0]
+
+    def values_and_final_values(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`values` ([batch, seq - 1]) and, in the same forward pass, each row's value of the state after its last
+        token ([batch] float32): V read from the hidden state at the row's last attended (right-padded) position,
+        the state from which the next token would be generated; GAE bootstraps a truncated completion with it."""
+        last = attention_mask.sum(dim=1) - 1  # [batch]: right padding, so the last real token's position
+        rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         with autocast_bf16(self.device, enabled=self.is_bf16):
             hidden = self.network.decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
             scores = self.network.head(selected).squeeze(-1).float()  # [num_targets]
+            final = self.network.head(hidden[rows, last]).squeeze(-1).float()  # [batch]
         values = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
         values[target_mask] = scores
-        return values
+        return values, final
 
     def clip_and_step(self, max_grad_norm: float) -> float:
         """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm."""

@@ -39,6 +39,7 @@ from sharpen.trainer.backends.single_device import autocast_bf16, score_tokens
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -168,6 +169,11 @@ class FSDP2Backend(ScoresTokenLogprobs):
         torch.manual_seed(seed)
         self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
         self.model.config.use_cache = False
+        self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
+        if config.lora.enabled:
+            from sharpen.trainer.backends.lora import apply_lora
+
+            self.lora = apply_lora(self.model, config.lora)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -185,7 +191,10 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad],  # all, or the LoRA adapters alone
+            lr=config.learning_rate,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
         )
 
     def score_tokens(
@@ -251,7 +260,14 @@ class FSDP2Backend(ScoresTokenLogprobs):
         the whole iterator in step). Every rank receives each tensor; only rank 0 needs to keep them (an engine
         sender), the others drop each one, so no rank holds more than one gathered tensor beyond what it keeps.
 
-        A tied output embedding is left out, as in `SingleDeviceBackend.named_weights`."""
+        A tied output embedding is left out, as in `SingleDeviceBackend.named_weights`; with LoRA, the merged target
+        weights only, gathered the same way."""
+        if self.lora is not None:
+            from sharpen.trainer.backends.lora import merged_target_weights
+
+            self._fsdp_root.reshard()
+            yield from merged_target_weights(self.lora, full=_full_tensor)
+            return
         for name, tensor in self._sharded_weights().items():
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
@@ -292,6 +308,15 @@ class FSDP2Backend(ScoresTokenLogprobs):
 
         folder = Path(folder)
         is_writer = self.rank == 0
+        if self.lora is not None:  # the merged model and the adapter (`lora.export_merged`), in one piece
+            from sharpen.trainer.backends.lora import export_merged
+
+            self._fsdp_root.reshard()
+            export_merged(self.lora, folder, full=_full_tensor, is_writer=is_writer)
+            if is_writer:
+                self._write_metadata(folder, {}, {})
+            dist.barrier(group=self._group)
+            return
         # full sizes from the DTensors' global shapes: nothing is gathered to plan the files
         sizes = {name: tensor.numel() * tensor.dtype.itemsize for name, tensor in self._sharded_weights().items()}
         files = _plan_shards(sizes, max_shard_bytes)
@@ -319,6 +344,11 @@ class FSDP2Backend(ScoresTokenLogprobs):
         for name in (*_TOKENIZER_FILES, "generation_config.json"):
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, folder / name)
+
+
+def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter as one whole tensor: gathered from the ranks' shards (collective) when it is a DTensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _plan_shards(sizes: dict[str, int], max_bytes: int) -> dict[str, str]:

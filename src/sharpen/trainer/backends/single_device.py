@@ -21,6 +21,7 @@ from sharpen.trainer.backends.chunked_logits import score_hidden
 from sharpen.trainer.precision import Precision, PrecisionChoice, resolve_precision
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from transformers import PreTrainedModel
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -108,11 +109,16 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model: PreTrainedModel = model.to(self.device)  # pyright: ignore[reportArgumentType]
         self.model.config.use_cache = False
+        self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled (self.model is its base)
+        if config.lora.enabled:
+            from sharpen.trainer.backends.lora import apply_lora
+
+            self.lora = apply_lora(self.model, config.lora)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [p for p in self.model.parameters() if p.requires_grad],  # all of them, or the LoRA adapters alone
             lr=config.learning_rate,
             betas=config.betas,
             weight_decay=config.weight_decay,
@@ -160,6 +166,22 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
                 logits_chunk_tokens=self.config.logits_chunk_tokens,
             )
 
+    def score_top_k(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy's k most likely tokens at each target and their logprobs (with gradient), each
+        [num_targets, k] (`teacher.score_top_k`; the top-k distillation variant)."""
+        from sharpen.trainer.backends.teacher import score_top_k  # teacher.py builds on this module
+
+        with autocast_bf16(self.device, enabled=self.precision.is_bf16):
+            return score_top_k(self.model, input_ids, attention_mask, target_mask, temperature=temperature, k=k)
+
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         return dict(values)
 
@@ -180,7 +202,13 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors in HF checkpoint naming (what an engine loads), detached, on their device.
 
-        A tied output embedding is left out: it is the input embedding, and loaders rebuild the tie."""
+        A tied output embedding is left out: it is the input embedding, and loaders rebuild the tie. With LoRA: the
+        merged weights of the target modules only (nothing else changes; `lora.merged_target_weights`)."""
+        if self.lora is not None:
+            from sharpen.trainer.backends.lora import merged_target_weights
+
+            yield from merged_target_weights(self.lora)
+            return
         is_tied = getattr(self.model.config, "tie_word_embeddings", False)
         for name, tensor in self.model.state_dict().items():
             if is_tied and name == "lm_head.weight":
@@ -191,24 +219,42 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         from safetensors.torch import save_file
 
         folder.mkdir(parents=True, exist_ok=True)
-        state = {name: tensor.contiguous() for name, tensor in self.named_weights()}
-        save_file(state, str(folder / "model.safetensors"))
+        if self.lora is not None:  # the base weights are the model folder's: only the adapters are state
+            from sharpen.trainer.backends.lora import save_adapter
+
+            save_adapter(self.lora, folder / "lora")
+        else:
+            state = {name: tensor.contiguous() for name, tensor in self.named_weights()}
+            save_file(state, str(folder / "model.safetensors"))
         torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
 
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_file
 
-        state = load_file(str(folder / "model.safetensors"), device=str(self.device))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        allowed_missing = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
-        if set(missing) - allowed_missing or unexpected:
-            raise ValueError(f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}")
+        if self.lora is not None:
+            from sharpen.trainer.backends.lora import load_adapter
+
+            load_adapter(self.lora, folder / "lora", device=self.device)
+        else:
+            state = load_file(str(folder / "model.safetensors"), device=str(self.device))
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            allowed_missing = {"lm_head.weight"} if getattr(self.model.config, "tie_word_embeddings", False) else set()
+            if set(missing) - allowed_missing or unexpected:
+                raise ValueError(
+                    f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}"
+                )
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device))
 
     def export(self, folder: Path) -> None:
-        """A HF folder (config, safetensors, tokenizer) that transformers and vLLM load."""
+        """A HF folder (config, safetensors, tokenizer) that transformers and vLLM load. With LoRA: the merged model
+        (base + adapters) in the same layout, and the adapter alone under ``folder/adapter`` (peft's format)."""
         folder.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(folder, safe_serialization=True)
+        if self.lora is not None:
+            from sharpen.trainer.backends.lora import export_merged
+
+            export_merged(self.lora, folder)
+        else:
+            self.model.save_pretrained(folder, safe_serialization=True)
         for name in _TOKENIZER_FILES:
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, folder / name)

@@ -27,14 +27,14 @@ def _scores(rows: list[list[float]]) -> torch.Tensor:
 
 def test_grpo_two_right_two_wrong_is_plus_minus_one_over_std():
     # mean 0.5, centred +-0.5, population std 0.5
-    advantages = compute_grpo_advantages(_scores([[1, 0, 0, 1]]), eps=EPS)
+    advantages = compute_grpo_advantages(_scores([[1, 0, 0, 1]]), eps=EPS, std="population")
     expected = torch.tensor([[1, -1, -1, 1]], dtype=torch.float64) * 0.5 / (0.5 + EPS)
     torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
 
 
 def test_grpo_groups_are_normalised_independently():
     # row 0: mean 2, centred [1, -1, 0], std sqrt(2/3); row 1: mean 1, centred [-1, 2, -1], std sqrt(2)
-    advantages = compute_grpo_advantages(_scores([[3, 1, 2], [0, 3, 0]]), eps=EPS)
+    advantages = compute_grpo_advantages(_scores([[3, 1, 2], [0, 3, 0]]), eps=EPS, std="population")
     expected = torch.tensor(
         [
             [1 / (math.sqrt(2 / 3) + EPS), -1 / (math.sqrt(2 / 3) + EPS), 0.0],
@@ -46,17 +46,17 @@ def test_grpo_groups_are_normalised_independently():
 
 
 def test_grpo_without_std_normalisation_only_centres():
-    advantages = compute_grpo_advantages(_scores([[3, 1, 2, 6]]), normalize_std=False)
+    advantages = compute_grpo_advantages(_scores([[3, 1, 2, 6]]), normalize_std=False, std="population")
     assert advantages.tolist() == [[0.0, -2.0, -1.0, 3.0]]
 
 
 def test_grpo_abstained_entries_stay_nan_and_are_left_out_of_mean_and_std():
     # valid scores [1, 0] (the NaNs must not count as zeros): mean 0.5, std 0.5
-    advantages = compute_grpo_advantages(_scores([[1, NAN, 0, NAN]]), eps=EPS)
+    advantages = compute_grpo_advantages(_scores([[1, NAN, 0, NAN]]), eps=EPS, std="population")
     assert math.isnan(advantages[0, 1]) and math.isnan(advantages[0, 3])
     assert advantages[0, 0].item() == pytest.approx(0.5 / (0.5 + EPS), abs=1e-12)
     assert advantages[0, 2].item() == pytest.approx(-0.5 / (0.5 + EPS), abs=1e-12)
-    centred = compute_grpo_advantages(_scores([[4, NAN, 2]]), normalize_std=False)
+    centred = compute_grpo_advantages(_scores([[4, NAN, 2]]), normalize_std=False, std="population")
     assert centred[0, 0].item() == 1.0 and centred[0, 2].item() == -1.0
 
 
@@ -80,7 +80,7 @@ def test_grpo_groups_without_signal_get_exactly_zero(row, normalize_std):
 
 
 def test_grpo_all_abstained_group_is_all_nan_and_does_not_disturb_others():
-    advantages = compute_grpo_advantages(_scores([[NAN, NAN], [1, 0]]), normalize_std=False)
+    advantages = compute_grpo_advantages(_scores([[NAN, NAN], [1, 0]]), normalize_std=False, std="population")
     assert torch.isnan(advantages[0]).all()
     assert advantages[1].tolist() == [0.5, -0.5]
 
@@ -95,7 +95,7 @@ _score = st.one_of(st.none(), st.floats(min_value=-10, max_value=10, allow_nan=F
 )
 def test_grpo_property_valid_advantages_are_finite_and_sum_to_zero_per_group(groups, normalize_std):
     scores = _scores([[NAN if s is None else s for s in group] for group in groups])
-    advantages = compute_grpo_advantages(scores, normalize_std=normalize_std)
+    advantages = compute_grpo_advantages(scores, normalize_std=normalize_std, std="population")
     valid = ~torch.isnan(scores)
     assert torch.equal(torch.isnan(advantages), ~valid)  # NaN exactly where the reward abstained
     for row in range(len(groups)):

@@ -105,7 +105,7 @@ def test_reinforce_pp_normalises_over_the_batch_without_a_group_baseline():
     # valid [1, 0, 0, 0]: batch mean 0.25, centred [0.75, -0.25, -0.25, -0.25], population var 0.75 / 4 = 0.1875.
     # The all-zero group gets -0.25 / std, not 0 as under GRPO: there is no group baseline.
     std = math.sqrt(0.1875)
-    advantages = compute_reinforce_pp_advantages(_t([[1, 0], [0, 0]]), eps=EPS)
+    advantages = compute_reinforce_pp_advantages(_t([[1, 0], [0, 0]]), eps=EPS, std="population")
     expected = _t([[0.75, -0.25], [-0.25, -0.25]]) / (std + EPS)
     torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
 
@@ -113,7 +113,7 @@ def test_reinforce_pp_normalises_over_the_batch_without_a_group_baseline():
 def test_reinforce_pp_abstained_entries_are_left_out_of_the_batch_statistics():
     # valid [2, 0, 4]: mean 2, centred [0, -2, 2], population std sqrt(8/3)
     std = math.sqrt(8 / 3)
-    advantages = compute_reinforce_pp_advantages(_t([[2, NAN], [0, 4]]), eps=EPS)
+    advantages = compute_reinforce_pp_advantages(_t([[2, NAN], [0, 4]]), eps=EPS, std="population")
     assert math.isnan(advantages[0, 1])
     assert advantages[0, 0].item() == 0.0
     assert advantages[1].tolist() == pytest.approx([-2 / (std + EPS), 2 / (std + EPS)], abs=1e-12)
@@ -123,7 +123,7 @@ def test_reinforce_pp_baseline_centres_per_group_then_scales_by_the_batch_std():
     # group-centred [[0.5, -0.5], [2, -2]], batch mean 0, population std sqrt((0.25 * 2 + 4 * 2) / 4) = sqrt(2.125).
     # GRPO would give +-1 to both groups; one batch std keeps the second group's larger spread.
     std = math.sqrt(2.125)
-    advantages = compute_reinforce_pp_baseline_advantages(_t([[1, 0], [4, 0]]), eps=EPS)
+    advantages = compute_reinforce_pp_baseline_advantages(_t([[1, 0], [4, 0]]), eps=EPS, std="population")
     expected = _t([[0.5, -0.5], [2, -2]]) / (std + EPS)
     torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-12)
 
@@ -131,7 +131,7 @@ def test_reinforce_pp_baseline_centres_per_group_then_scales_by_the_batch_std():
 def test_reinforce_pp_baseline_flat_groups_give_zeros_but_count_in_the_batch_std():
     # group-centred [[0.5, -0.5], [0, 0]]: population std sqrt(0.5 / 4)
     std = math.sqrt(0.125)
-    advantages = compute_reinforce_pp_baseline_advantages(_t([[1, 0], [3, 3]]), eps=EPS)
+    advantages = compute_reinforce_pp_baseline_advantages(_t([[1, 0], [3, 3]]), eps=EPS, std="population")
     torch.testing.assert_close(advantages, _t([[0.5, -0.5], [0, 0]]) / (std + EPS), rtol=0, atol=1e-12)
 
 
@@ -148,7 +148,9 @@ def test_reinforce_pp_flat_groups_differ_only_with_a_baseline():
     # plain: batch mean 2, centred [[1, 1], [-1, -1]], std 1; baseline: every group is flat, so all exactly 0
     scores = _t([[3, 3], [1, 1]])
     expected = _t([[1, 1], [-1, -1]]) / (1 + EPS)
-    torch.testing.assert_close(compute_reinforce_pp_advantages(scores, eps=EPS), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        compute_reinforce_pp_advantages(scores, eps=EPS, std="population"), expected, rtol=0, atol=1e-12
+    )
     assert compute_reinforce_pp_baseline_advantages(scores).tolist() == [[0.0, 0.0], [0.0, 0.0]]
 
 
@@ -157,7 +159,7 @@ def test_reinforce_pp_flat_groups_differ_only_with_a_baseline():
 def test_reinforce_pp_property_batch_mean_zero_and_std_one_over_valid_entries(groups, baseline):
     scores = _from_groups(groups)
     estimator = compute_reinforce_pp_baseline_advantages if baseline else compute_reinforce_pp_advantages
-    advantages = estimator(scores, eps=EPS)
+    advantages = estimator(scores, eps=EPS)  # the default, unbiased std: checked with correction=1 below
     _assert_nan_exactly_where_abstained(scores, advantages)
     values = advantages[~torch.isnan(scores)]
     if len(values) == 0:
@@ -168,8 +170,8 @@ def test_reinforce_pp_property_batch_mean_zero_and_std_one_over_valid_entries(gr
     else:
         # std / (std + eps) of the normalised input: 1 up to eps (exactly 1 for the batch's own spread)
         normalised_input = compute_grpo_advantages(scores, normalize_std=False) if baseline else scores
-        std = normalised_input[~torch.isnan(scores)].std(correction=0).item()
-        assert values.std(correction=0).item() == pytest.approx(std / (std + EPS), rel=1e-6)
+        std = normalised_input[~torch.isnan(scores)].std(correction=1).item()
+        assert values.std(correction=1).item() == pytest.approx(std / (std + EPS), rel=1e-6)
 
 
 # --- ReMax -------------------------------------------------------------------------------------------------------
@@ -291,6 +293,9 @@ _HAND_COMPUTED: dict[str, list[list[float]]] = {
     ],
     # greedy baselines [0.5, NaN]: group 1 has no baseline, so it abstains as a whole
     "remax": [[0.5, -0.5, NAN, 0.5], [NAN, NAN, NAN, NAN]],
+    # k = 1 (the default): GRPO with the population std and no eps on 0/1 outcomes; group 1's 3 and 1 are both >= 1,
+    # both correct: no signal
+    "passk": [[1 / math.sqrt(2), -math.sqrt(2), NAN, 1 / math.sqrt(2)], [0.0, NAN, 0.0, NAN]],
 }
 
 
@@ -298,7 +303,7 @@ _HAND_COMPUTED: dict[str, list[list[float]]] = {
 def test_every_group_estimator_of_the_config_gives_its_hand_computed_advantages(name: AdvantageEstimator):
     assert name in _HAND_COMPUTED, f"add hand-computed advantages for the new estimator {name!r}"
     baselines = _t([0.5, NAN]) if name == "remax" else None
-    advantages = compute_advantages(name, _t(_REGISTRY_SCORES), baselines=baselines)
+    advantages = compute_advantages(name, _t(_REGISTRY_SCORES), baselines=baselines, std="population")
     torch.testing.assert_close(advantages, _t(_HAND_COMPUTED[name]), rtol=0, atol=1e-12, equal_nan=True)
 
 
@@ -429,9 +434,9 @@ def test_gae_property_undiscounted_matches_monte_carlo_and_padding_changes_nothi
 def test_whiten_uses_only_masked_entries_and_zeroes_the_rest():
     # masked entries [0, 4]: mean 2, population std 2 (the 100 must not count)
     mask = torch.tensor([[True, True, False]])
-    whitened = whiten(_t([[0, 4, 100]]), mask)
+    whitened = whiten(_t([[0, 4, 100]]), mask, std="population")
     torch.testing.assert_close(whitened, _t([[-2 / (2 + 1e-8), 2 / (2 + 1e-8), 0]]), rtol=0, atol=1e-15)
-    kept_level = whiten(_t([[0, 4, 100]]), mask, shift_mean=False)
+    kept_level = whiten(_t([[0, 4, 100]]), mask, shift_mean=False, std="population")
     torch.testing.assert_close(kept_level, _t([[2 - 2 / (2 + 1e-8), 2 + 2 / (2 + 1e-8), 0]]), rtol=0, atol=1e-15)
 
 
@@ -454,7 +459,7 @@ def test_whiten_edge_cases_never_produce_nan(shift_mean):
 def test_whiten_property_masked_mean_zero_std_one(rows):
     mask = torch.tensor([[s is not None for s in row] for row in rows])
     values = _t([[0.0 if s is None else s for s in row] for row in rows])
-    whitened = whiten(values, mask)
+    whitened = whiten(values, mask, std="population")
     assert torch.isfinite(whitened).all() and (whitened[~mask] == 0).all()
     selected = whitened[mask]
     if len(selected) == 0 or selected.max() == selected.min():
@@ -463,3 +468,39 @@ def test_whiten_property_masked_mean_zero_std_one(rows):
     assert abs(selected.mean().item()) < 1e-9
     std = values[mask].std(correction=0).item()
     assert selected.std(correction=0).item() == pytest.approx(std / (std + 1e-8), rel=1e-6)
+
+
+# --- std convention (trainer.algorithm.advantage_std) --------------------------------------------------------------
+
+
+def test_unbiased_std_is_the_default_and_divides_by_k_minus_1():
+    # group [1, 0, 0, 1]: mean 0.5, squared deviations sum to 1; unbiased std sqrt(1/3), population sqrt(1/4) = 0.5
+    scores = _t([[1, 0, 0, 1]])
+    unbiased = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    population = 0.5 / (0.5 + 1e-6)
+    expected = [[unbiased, -unbiased, -unbiased, unbiased]]
+    torch.testing.assert_close(compute_grpo_advantages(scores), _t(expected), rtol=0, atol=1e-12)
+    torch.testing.assert_close(compute_advantages("grpo", scores), _t(expected), rtol=0, atol=1e-12)
+    pop = compute_grpo_advantages(scores, std="population")
+    torch.testing.assert_close(pop, _t([[population, -population, -population, population]]), rtol=0, atol=1e-12)
+    # REINFORCE++ over the batch [[2, NaN], [0, 4]]: mean 2, squared deviations 0 + 4 + 4 = 8 over k = 3 valid
+    rpp = compute_reinforce_pp_advantages(_t([[2, NAN], [0, 4]]))
+    s = math.sqrt(8 / 2)
+    torch.testing.assert_close(
+        rpp, _t([[0, NAN], [-2 / (s + 1e-6), 2 / (s + 1e-6)]]), rtol=0, atol=1e-12, equal_nan=True
+    )
+    # whitening of [0, 4] (the 100 masked): unbiased std sqrt(8 / 1)
+    w = whiten(_t([[0, 4, 100]]), torch.tensor([[True, True, False]]))
+    s = math.sqrt(8.0)
+    torch.testing.assert_close(w, _t([[-2 / (s + 1e-8), 2 / (s + 1e-8), 0]]), rtol=0, atol=1e-15)
+
+
+def test_advantage_std_config_key_defaults_to_unbiased_and_rejects_other_values():
+    from pydantic import ValidationError
+
+    from sharpen.config.schema import AlgorithmConfig
+
+    assert AlgorithmConfig().advantage_std == "unbiased"
+    assert AlgorithmConfig(advantage_std="population").advantage_std == "population"
+    with pytest.raises(ValidationError, match="advantage_std"):
+        AlgorithmConfig(advantage_std="sample")  # type: ignore[arg-type]

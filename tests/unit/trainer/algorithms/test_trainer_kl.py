@@ -49,21 +49,53 @@ def test_k2_and_k3_are_non_negative(pairs):
             assert torch.isfinite(kl).all() and (kl >= 0).all()
 
 
-def test_clamp_bounds_the_value_and_removes_the_gradient_without_nan():
-    # x = +30 and -30: k3's exp(-x) = exp(30) would be 1e13; with the clamp every estimate is within [-10, 10]
+def test_an_explicit_clamp_bounds_the_value_and_removes_the_gradient_without_nan():
+    # x = +30 and -30: with clamp = 10 (opt-in) every estimate is within [-10, 10] and the clamped tokens lose their
+    # gradient (documented); the default (no clamp) keeps both
     logprobs = torch.tensor([[-31.0, -1.0, -1.0]], dtype=F64, requires_grad=True)
     ref = torch.tensor([[-1.0, -31.0, -1.2]], dtype=F64)
     for estimator in ESTIMATORS:
-        kl = kl_per_token(logprobs, ref, estimator)
+        kl = kl_per_token(logprobs, ref, estimator, clamp=10.0)
         assert kl[0, :2].abs().tolist() == [10.0, 10.0]
         (grad,) = torch.autograd.grad(kl.sum(), logprobs)
         assert grad[0, :2].tolist() == [0.0, 0.0] and grad[0, 2] != 0  # the in-range token keeps its gradient
-    assert kl_per_token(logprobs, ref, "k1", clamp=None)[0, :2].tolist() == [-30.0, 30.0]
-    # unclamped k3 at x = -30 stays finite: the log-ratio is limited to 20 before the exponential
-    k3 = kl_per_token(logprobs, ref, "k3", clamp=None)
-    assert k3[0, 0].item() == pytest.approx(math.exp(20) - 21)
+    assert kl_per_token(logprobs, ref, "k1")[0, :2].tolist() == [-30.0, 30.0]
+    # unclamped k3 at x = -30 (log r = 30, below the overflow guard at 80) is the exact (r - 1) - log r
+    k3 = kl_per_token(logprobs, ref, "k3")
+    assert k3[0, 0].item() == pytest.approx(math.exp(30) - 1 - 30)
     (grad,) = torch.autograd.grad(k3.sum(), logprobs)
-    assert torch.isfinite(grad).all()
+    # d k3 / d log pi = 1 - r = 1 - exp(30) at the first token, 1 - exp(-30) at the second
+    assert grad[0, 0].item() == pytest.approx(1 - math.exp(30))
+    assert grad[0, 1].item() == pytest.approx(1 - math.exp(-30))
+
+
+def test_k2_keeps_value_and_gradient_far_from_the_reference():
+    # |x| = 10 (the old default clamp zeroed k2 from |x| > sqrt(20) ~ 4.5): k2 = x^2 / 2 = 50, d k2 / d log pi = x
+    logprobs = torch.tensor([[-11.0, -1.0, -3.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -11.0, -3.5]], dtype=F64)
+    kl = kl_per_token(logprobs, ref, "k2")
+    assert kl.tolist() == [[50.0, 50.0, 0.125]]
+    (grad,) = torch.autograd.grad(kl.sum(), logprobs)
+    assert grad.tolist() == [[-10.0, 10.0, 0.5]]
+
+
+def test_k3_guards_only_float32_overflow_and_keeps_its_gradient():
+    # log r = -x = 100 > 80: exp(100) ~ 2.7e43 overflows float32; k3 follows its tangent at 80 instead:
+    # k3 = (e^80 - 1 - 80) + (e^80 - 1) (100 - 80), gradient d/d log pi = -(e^80 - 1) (finite, still pushing up)
+    logprobs = torch.tensor([[-101.0, -2.0]], dtype=torch.float32, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]], dtype=torch.float32)
+    kl = kl_per_token(logprobs, ref, "k3")
+    (grad,) = torch.autograd.grad(kl.sum(), logprobs)
+    assert torch.isfinite(kl).all() and torch.isfinite(grad).all()
+    e80 = math.exp(80)
+    assert kl[0, 0].item() == pytest.approx((e80 - 1 - 80) + (e80 - 1) * 20, rel=1e-5)
+    assert grad[0, 0].item() == pytest.approx(-(e80 - 1), rel=1e-5)
+    # below the limit nothing changes: log r = 1 -> k3 = e - 1 - 1, gradient 1 - e
+    assert kl[0, 1].item() == pytest.approx(math.e - 2, rel=1e-6)
+    assert grad[0, 1].item() == pytest.approx(1 - math.e, rel=1e-6)
+    # float64 agrees with the exact formula where exp is finite in float32 too
+    x = torch.tensor([-79.0], dtype=F64)
+    assert kl_per_token(x, torch.zeros_like(x), "k3").item() == pytest.approx(math.exp(79) - 1 - 79)
 
 
 def test_invalid_estimator_and_clamp_raise():

@@ -1,4 +1,5 @@
-"""Off-policy corrections on hand-computed cases: truncated IS (token, sequence), IcePop masks, metrics, edges."""
+"""Off-policy corrections on hand-computed cases: truncated IS (token, sequence), rejection masks, IcePop, metrics,
+edges."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sharpen.trainer.algorithms.offpolicy import (
     LOG_RATIO_LIMIT,
     CorrectionMode,
     compute_correction,
+    icepop,
     sequence_mask_is,
     sequence_tis,
     token_mask_is,
@@ -83,7 +85,7 @@ def test_sequence_tis_long_sequence_does_not_overflow():
     assert out.weights[1].max().item() == 0.0  # e^-20480 underflows to an exact 0, not NaN
 
 
-# --- IcePop token mask ---------------------------------------------------------------------------------------------
+# --- token rejection mask (weight 1) and IcePop (weight r) ------------------------------------------------------------
 
 
 def test_token_mask_keeps_tokens_with_ratio_inside_the_band_with_weight_one():
@@ -102,6 +104,18 @@ def test_token_mask_band_is_inclusive_and_low_zero_means_no_lower_bound():
     assert out.mask.tolist() == [[True, True, False]]
     out = token_mask_is(trainer, engine, _all((1, 3)), low=0.0, high=2.0)
     assert out.mask.tolist() == [[True, True, True]]
+
+
+def test_icepop_weights_kept_tokens_by_their_ratio_and_zeroes_the_rest():
+    # the token_mask case above: same kept tokens, but IcePop's M(r) = r inside [0.5, 2], not 1
+    trainer, engine = _pair([[-1.0, 0.0, 1.0, 0.5, -0.6]])  # ratios 0.37, 1, 2.72, 1.65, 0.55
+    out = icepop(trainer, engine, _all((1, 5)), low=0.5, high=2.0)
+    assert out.mask.tolist() == [[False, True, False, True, True]]
+    expected = [[0.0, 1.0, 0.0, math.exp(0.5), math.exp(-0.6)]]
+    torch.testing.assert_close(out.weights, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert out.metrics["offpolicy/masked_fraction"] == pytest.approx(2 / 5)
+    via_registry = compute_correction("icepop", trainer, engine, _all((1, 5)), **KNOBS)
+    assert torch.equal(via_registry.weights, out.weights)
 
 
 # --- sequence mask -------------------------------------------------------------------------------------------------
@@ -248,7 +262,7 @@ def test_invalid_arguments_raise_value_error():
     with pytest.raises(ValueError, match="low <= high"):
         sequence_mask_is(trainer, engine, mask, low=-0.1, high=2.0)
     with pytest.raises(ValueError, match="unknown off-policy correction"):
-        compute_correction("icepop", trainer, engine, mask, **KNOBS)  # type: ignore[arg-type]
+        compute_correction("masked_icepop", trainer, engine, mask, **KNOBS)  # type: ignore[arg-type]
 
 
 # --- property: random logprobs, including large differences --------------------------------------------------------

@@ -17,10 +17,16 @@ from sharpen.trainer.algorithms.policy_losses import (
     PolicyLoss,
     PolicyLossMetrics,
     cispo_per_token,
+    clip_cov_per_token,
     compute_policy_loss,
+    gmpo_per_token,
     gspo_per_token,
+    kl_cov_per_token,
     pg_per_token,
     ppo_clip_per_token,
+    sapo_per_token,
+    select_clip_cov_tokens,
+    select_kl_cov_tokens,
 )
 
 F64 = torch.float64
@@ -269,6 +275,8 @@ def test_on_policy_every_loss_has_the_reinforce_gradient():
         ppo_clip_per_token(logprobs, old, advantages, mask, dual_clip_c=3.0, **clip),
         gspo_per_token(logprobs, old, advantages, mask, **clip),
         cispo_per_token(logprobs, old, advantages, mask, **clip),
+        sapo_per_token(logprobs, old, advantages, mask, tau_pos=1.0, tau_neg=1.05),
+        gmpo_per_token(logprobs, old, advantages, mask, log_clip_low=0.4, log_clip_high=0.4),
     ):
         torch.testing.assert_close(_grad(per_token, logprobs), expected)
 
@@ -283,6 +291,8 @@ _LOSSES: dict[str, LossFn] = {
     ),
     "gspo": lambda lp, old, a, m: gspo_per_token(lp, old, a, m, clip_eps_low=3e-4, clip_eps_high=4e-4),
     "cispo": lambda lp, old, a, m: cispo_per_token(lp, old, a, m, clip_eps_high=0.28, clip_eps_low=1.0),
+    "sapo": lambda lp, old, a, m: sapo_per_token(lp, old, a, m, tau_pos=1.0, tau_neg=1.05),
+    "gmpo": lambda lp, old, a, m: gmpo_per_token(lp, old, a, m, log_clip_low=0.4, log_clip_high=0.4),
     "pg": lambda lp, old, a, m: pg_per_token(lp, a, m),
 }
 
@@ -319,7 +329,7 @@ def test_contract_metrics_are_at_least_float32_for_bfloat16_inputs(name: str):
     )
     assert per_token.dtype == torch.bfloat16
     assert metrics.ratio_sum.dtype == torch.float32
-    if name != "pg":
+    if name not in ("pg", "sapo"):  # SAPO has no clip
         assert metrics.num_clipped_high.item() == 600.0  # r = e^0.5 > 1 + eps everywhere; exact above 256
 
 
@@ -345,6 +355,20 @@ _DIRECT: dict[str, Callable[..., tuple[torch.Tensor, PolicyLossMetrics]]] = {
     ),
     "gspo": lambda lp, old, adv, mask: gspo_per_token(lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3),
     "cispo": lambda lp, old, adv, mask: cispo_per_token(lp, old, adv, mask, clip_eps_low=0.1, clip_eps_high=0.3),
+    "sapo": lambda lp, old, adv, mask: sapo_per_token(lp, old, adv, mask, tau_pos=1.0, tau_neg=1.05),
+    "gmpo": lambda lp, old, adv, mask: gmpo_per_token(lp, old, adv, mask, log_clip_low=0.4, log_clip_high=0.4),
+    "clip_cov": lambda lp, old, adv, mask: clip_cov_per_token(
+        lp,
+        old,
+        adv,
+        mask,
+        selected=select_clip_cov_tokens(old, adv, mask, fraction=2e-4, cov_low=1.0, cov_high=5.0),
+        clip_eps_low=0.1,
+        clip_eps_high=0.3,
+    ),
+    "kl_cov": lambda lp, old, adv, mask: kl_cov_per_token(
+        lp, old, adv, mask, selected=select_kl_cov_tokens(old, adv, mask, fraction=2e-3), coef=1.0
+    ),
     "pg": lambda lp, old, adv, mask: pg_per_token(lp, adv, mask),
 }
 

@@ -1,0 +1,185 @@
+"""The distillation teacher: a frozen HF causal LM that scores the student's sampled tokens, and what it sees.
+
+`TeacherPolicy` is the reference policy's machinery (`single_device.ReferencePolicy`: a frozen copy on the
+trainer's device, eval mode, no gradient, bf16 autocast under the run's precision) loaded from the teacher's folder,
+plus the top-k scoring the top-k distillation variant needs. It is never part of the policy's parameters, so the
+optimizer never sees it and `Trainer.named_weights` (what the engine receives) never includes it.
+
+`TeacherPrompt` builds the prompt the teacher sees instead of the student's (context distillation: a privileged
+system prompt, e.g. with the task's answer); the completion tokens stay the student's, so the teacher scores
+exactly the tokens the student sampled. `score_top_k` is shared by the teacher and the single-device backend.
+
+Not here: an engine-served teacher (vLLM prompt logprobs); the trainer-side forward is the only teacher for now.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from sharpen.trainer.backends.single_device import ReferencePolicy, autocast_bf16
+from sharpen.trainer.precision import Precision
+from sharpen.types import Example, Message, Rollout
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+TEACHER_PROMPT_FIELDS = frozenset({"answer", "system"})
+"""Placeholders of ``trainer.distillation.teacher_prompt``: the example's reference answer and the student's
+system prompt (empty when it has none)."""
+
+
+def score_top_k(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    *,
+    temperature: float,
+    k: int = 0,
+    candidate_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-vocabulary logprobs (of ``logits / temperature``) of k token ids at every target position, in target
+    order (row by row, then by position): ``(ids, logprobs)``, each [num_targets, k]. The ids are the model's own k
+    most likely tokens (``k``) or the given ``candidate_ids`` [num_targets, k]. Differentiable when grad is on.
+
+    ``input_ids``/``attention_mask`` [batch, seq] right-padded; ``target_mask`` [batch, seq - 1] as in
+    `single_device.score_tokens`. The LM head runs on the target positions only, all at once: its [num_targets,
+    vocab] logits are kept for the backward (the top-k variant's memory cost)."""
+    if (candidate_ids is None) == (k <= 0):
+        raise ValueError("score_top_k needs either k > 0 or candidate_ids")
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    lm_head = cast(nn.Module, model.get_output_embeddings())
+    logits = lm_head(hidden[:, :-1][target_mask]).float() / temperature  # [num_targets, vocab]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = logprobs.detach().topk(k, dim=-1).indices if candidate_ids is None else candidate_ids
+    return ids, logprobs.gather(1, ids)
+
+
+class TeacherPolicy:
+    """A frozen teacher on the trainer's device. ``prompt``: what the teacher sees instead of the student's prompt
+    (None: the student's own prompt ids); ``temperature``: the teacher's logits are divided by it (None: the
+    rollout temperature, the student's)."""
+
+    def __init__(
+        self,
+        *,
+        model_path: Path,
+        dtype: str,
+        device: torch.device,
+        precision: Precision,
+        prompt: TeacherPrompt | None = None,
+        temperature: float | None = None,
+    ) -> None:
+        self.reference = ReferencePolicy(model_path=model_path, dtype=dtype, device=device, precision=precision)
+        self.model = self.reference.model
+        self.device = device
+        self.prompt = prompt
+        self.temperature = temperature
+
+    def prompt_ids(self, rollout: Rollout) -> list[int]:
+        """The prompt the teacher scores ``rollout``'s completion after."""
+        return rollout.prompt_ids if self.prompt is None else self.prompt.prompt_ids(rollout)
+
+    def token_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
+    ) -> torch.Tensor:
+        """[batch, seq - 1] logprobs of the target tokens, without gradient (`ReferencePolicy.token_logprobs`), at
+        the teacher's temperature when it has one, else at ``temperature``."""
+        return self.reference.token_logprobs(
+            input_ids, attention_mask, target_mask, temperature=self.temperature or temperature
+        )
+
+    @torch.no_grad()
+    def candidate_logprobs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        candidate_ids: torch.Tensor,
+        *,
+        temperature: float,
+    ) -> torch.Tensor:
+        """[num_targets, k] the teacher's logprobs of ``candidate_ids`` (the student's top-k) at each target."""
+        with autocast_bf16(self.device, enabled=self.reference.is_bf16):
+            _, logprobs = score_top_k(
+                self.model,
+                input_ids,
+                attention_mask,
+                target_mask,
+                temperature=self.temperature or temperature,
+                candidate_ids=candidate_ids,
+            )
+        return logprobs
+
+
+class TeacherPrompt:
+    """The teacher's prompt from a template for its system message (``{answer}``, ``{system}``), rendered with the
+    chat template by ``render`` (messages -> prompt ids ending with the assistant generation prompt). The teacher
+    sees the example's messages with the system message replaced by the template (put first where there is none).
+
+    The teacher must score exactly the tokens the student sampled, after the same conversation: a rollout whose
+    prompt ids are not the rendered prompt of its example (an agent's segment, a rewritten history) is refused."""
+
+    def __init__(self, template: str, *, render: Callable[[Sequence[Message]], list[int]]) -> None:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+        if fields - TEACHER_PROMPT_FIELDS:
+            raise ValueError(
+                f"trainer.distillation.teacher_prompt: unknown placeholders {sorted(fields - TEACHER_PROMPT_FIELDS)}; "
+                f"it may use {{answer}} and {{system}}"
+            )
+        self.template = template
+        self.render = render
+        self.needs_answer = "answer" in fields
+        self._cache: dict[tuple[tuple[int, ...], str, str | None], list[int]] = {}
+
+    def messages(self, example: Example) -> tuple[Message, ...]:
+        if self.needs_answer and example.answer is None:
+            raise ValueError(
+                f"trainer.distillation.teacher_prompt uses {{answer}}, but example {example.task_key} has no answer"
+            )
+        system = next((m.content for m in example.prompt if m.role == "system"), "")
+        content = self.template.format(answer=example.answer or "", system=system)
+        return (Message(role="system", content=content), *(m for m in example.prompt if m.role != "system"))
+
+    def prompt_ids(self, rollout: Rollout) -> list[int]:
+        example = rollout.example
+        key = (tuple(rollout.prompt_ids), example.task_key, example.answer)
+        if key in self._cache:
+            return self._cache[key]
+        if self.render(example.prompt) != rollout.prompt_ids:
+            raise ValueError(
+                f"rollout {example.task_key}: its prompt ids are not its example's rendered prompt (an agent "
+                "segment or a rewritten history), so trainer.distillation.teacher_prompt cannot align the teacher's "
+                "prompt with it; leave teacher_prompt unset for such environments"
+            )
+        if len(self._cache) >= 4096:  # a step's prompts at most are reused; bound the memory of a long run
+            self._cache.clear()
+        self._cache[key] = ids = self.render(self.messages(example))
+        return ids
+
+
+def check_same_vocabulary(student_path: Path, teacher_path: Path) -> None:
+    """The teacher must score the student's token ids: the same vocabulary size and, where both folders ship one,
+    the same tokenizer.json."""
+    from transformers import AutoConfig
+
+    if Path(student_path).resolve() == Path(teacher_path).resolve():
+        return
+    student, teacher = AutoConfig.from_pretrained(student_path), AutoConfig.from_pretrained(teacher_path)
+    if student.vocab_size != teacher.vocab_size:
+        raise ValueError(
+            f"trainer.distillation.teacher_path {teacher_path}: vocabulary of {teacher.vocab_size} tokens, the "
+            f"student's has {student.vocab_size}; the teacher needs the student's tokenizer"
+        )
+    files = [Path(student_path) / "tokenizer.json", Path(teacher_path) / "tokenizer.json"]
+    if all(f.is_file() for f in files) and files[0].read_bytes() != files[1].read_bytes():
+        raise ValueError(
+            f"trainer.distillation.teacher_path {teacher_path}: its tokenizer.json differs from the student's; the "
+            "teacher needs the student's tokenizer"
+        )
