@@ -149,8 +149,14 @@ def test_a_corrupted_bucket_is_rejected_and_a_good_sync_then_restores_the_engine
 
 
 def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path: Path, tmp_path: Path) -> None:
-    """Exact resume on the real engine: the step after the interruption matches bit for bit (same weights synced
-    into the engine, same per-sample seeds, same data position, same optimizer state)."""
+    """Exact resume on the real engine: the step after the interruption matches the uninterrupted run's (same
+    weights synced into the engine, same per-sample seeds, same data position, same optimizer state).
+
+    The trainer's side is compared bit for bit; what the engine's logprobs feed (the off-policy statistics, the
+    probe's engine side) to 1e-4: vLLM's float32 kernels round differently with the shape of the batch they run,
+    and the batches the request batcher forms depend on when each episode's request arrives (seen in CI: kl_k1
+    -4.4e-7 vs -5.2e-7 on the same tokens). So the run trains without the importance weights here, which would
+    carry that noise into the loss and every trainer number after it."""
     import json
 
     from sharpen.config import load_config
@@ -170,16 +176,24 @@ def test_resume_with_vllm_reproduces_the_uninterrupted_run(engine, smollm2_path:
                 "trainer.micro_batch_size=8",
                 "monitoring.progress=false",
                 'trainer.precision="float32"',  # the engine fixture is float32
+                'trainer.algorithm.off_policy_correction="none"',
             ],
         )
+
+    def engine_side(key: str) -> bool:
+        return key.startswith(("offpolicy/", "sync/probe_mismatch", "sync/probe_engine_delta"))
 
     full = read_jsonl(run_embedded(config("full", 2), engine=engine) / "metrics.jsonl")
     run_embedded(config("split", 1), engine=engine)
     split = read_jsonl(run_embedded(config("split", 2), resume=True, engine=engine) / "metrics.jsonl")
-    stable = [[{k: v for k, v in row.items() if not is_volatile(k)} for row in rows] for rows in (full, split)]
     assert [row["step"] for row in split] == [0, 1]
-    assert stable[1][1] == stable[0][1]
-    assert stable[0][1]["train/num_loss_tokens"] > 0
+    resumed, uninterrupted = split[1], full[1]
+    exact = [{k: v for k, v in row.items() if not is_volatile(k) and not engine_side(k)} for row in (resumed, full[1])]
+    assert exact[0] == exact[1]
+    engine_keys = sorted(k for k in uninterrupted if engine_side(k))
+    assert "offpolicy/kl_k1" in engine_keys and "sync/probe_mismatch_mean" in engine_keys
+    assert {k: resumed[k] for k in engine_keys} == pytest.approx({k: uninterrupted[k] for k in engine_keys}, abs=1e-4)
+    assert exact[1]["train/num_loss_tokens"] > 0 and exact[1]["sync/probe_trainer_delta"] > 1e-3
 
 
 def test_async_in_flight_updates_on_vllm(engine, smollm2_path: Path, tmp_path: Path) -> None:
