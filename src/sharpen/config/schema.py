@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfig
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
+from sharpen.config.lora import LoraConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.config.sandbox import SandboxConfig
@@ -397,48 +398,6 @@ class CriticConfig(Section):
     """Whiten the GAE advantages (zero mean, unit std) over all completion tokens of the step."""
 
 
-class LoraConfig(Section):
-    """LoRA adapters (peft): the base weights stay frozen and only the low-rank matrices A, B of each target module
-    train (docs/algorithms.md, LoRA). The engine receives merged weights W + (alpha / rank) * B @ A of the target
-    modules only."""
-
-    enabled: bool = False
-    """Train LoRA adapters instead of every weight (single-device and FSDP2 backends)."""
-    rank: int = Field(default=16, ge=1)
-    """The adapters' rank r."""
-    alpha: int = Field(default=32, gt=0)
-    """LoRA alpha: the update B @ A is scaled by alpha / rank."""
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    """Dropout on the adapters' input while training (0: none, which keeps the trainer's logprobs equal to the
-    engine's merged weights)."""
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
-    """Names of the linear modules that get adapters (default: the attention and MLP projections of Llama-style
-    models)."""
-    sync: Literal["auto", "merged", "adapter"] = "auto"
-    """How the engine gets the policy: ``merged`` (and ``auto``) sends the merged weights of the target modules
-    through the verified buckets; ``adapter`` (the adapter tensors alone, for an engine with LoRA support) is
-    refused: vLLM's LoRA path is not wired here yet (docs/weight-sync.md, LoRA)."""
-
-    @field_validator("sync")
-    @classmethod
-    def _check_sync(cls, value: str) -> str:
-        if value == "adapter":
-            raise ValueError(
-                'trainer.lora.sync = "adapter" is not supported yet (no engine here loads LoRA adapters from the '
-                'trainer); use "merged" or "auto"'
-            )
-        return value
-
-    @field_validator("target_modules")
-    @classmethod
-    def _check_targets(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError("trainer.lora.target_modules must name at least one module")
-        return value
-
-
 class DistillationConfig(Section):
     """On-policy distillation: a frozen teacher (any HF causal LM with the student's tokenizer, run on the trainer's
     device) scores the tokens the student sampled; the per-token reverse KL, log pi_s(y_t) - log pi_t(y_t), becomes
@@ -708,6 +667,7 @@ class SharpenConfig(Section):
                 "trainer.lora.enabled with runtime.colocate is not supported: a LoRA sync sends only "
                 "the merged target modules, and an engine woken from sleep needs every weight"
             )
+        self._check_adapter_sync()
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
             raise ValueError(
@@ -731,6 +691,20 @@ class SharpenConfig(Section):
                 'reward.component_normalization = "group" cannot be used with advantage = "remax": the greedy '
                 "baseline is a group of one, whose normalised components are all 0"
             )
+
+    def _check_adapter_sync(self) -> None:
+        """An adapter-only LoRA sync needs an engine that serves adapters and a transport that carries them."""
+        if not self.trainer.lora.syncs_adapter:
+            return
+        engine = self.rollout.engine
+        if not isinstance(engine, VllmEngineConfig) or engine.async_engine:
+            kind = "vllm with async_engine" if isinstance(engine, VllmEngineConfig) else engine.type
+            raise ValueError(
+                f'trainer.lora.sync = "adapter" needs rollout.engine.type = "vllm" (batch; the engine that serves '
+                f'LoRA adapters here), not {kind}: use sync = "merged" with this engine'
+            )
+        if self.weight_sync.transport == "broadcast":
+            raise ValueError('trainer.lora.sync = "adapter" goes through the object store, not transport = "broadcast"')
 
     def _check_scale_out(self) -> None:
         """What the runtime's placement, the engines and the weight transport cannot do together."""

@@ -127,6 +127,7 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
             sleep_mode=config.runtime.colocate,
             request_timeout_s=config.rollout.request_timeout_s,
             log_dir=Path(config.run.output_dir) / config.run.name / "engine-logs",
+            lora=config.trainer.lora if config.trainer.lora.syncs_adapter else None,
         )
         for _ in range(config.rollout.num_engines)
     ]

@@ -35,6 +35,8 @@ from sharpen.rollout.engines.base import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from sharpen.config.schema import LoraConfig
+
 __all__ = [
     "AsyncEngine",
     "EngineError",
@@ -67,6 +69,7 @@ def build_engine(
     sleep_mode: bool = False,
     request_timeout_s: float | None = None,
     log_dir: Path | None = None,
+    lora: LoraConfig | None = None,
 ) -> InferenceEngine:
     """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process;
     ``sleep_mode`` prepares an engine that needs it for `SleepableEngine.sleep` (vLLM's sleep mode). Engine
@@ -83,7 +86,13 @@ def build_engine(
             from sharpen.rollout.engines.vllm import VllmEngine
 
             return VllmEngine(
-                config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes, sleep_mode=sleep_mode
+                config,
+                model_path=model_path,
+                dtype=dtype,
+                seed=seed,
+                bucket_bytes=bucket_bytes,
+                sleep_mode=sleep_mode,
+                lora=lora,
             )
         case VllmServerEngineConfig():
             from sharpen.rollout.engines.vllm_server import VllmServerEngine

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from sharpen.config.engines import VllmEngineConfig
+from sharpen.config.schema import LoraConfig
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
 from sharpen.rollout.weight_sync.streaming import BucketedSender
@@ -31,7 +32,10 @@ if TYPE_CHECKING:
     from vllm import RequestOutput
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.logprobs import LogprobsOnePosition
+    from vllm.lora.request import LoRARequest
     from vllm.outputs import CompletionOutput
+
+    from sharpen.rollout.weight_sync.adapter import AdapterFolders
 
 _RECEIVER = "sharpen.rollout.weight_sync.vllm_receiver.VllmWeightReceiver"
 
@@ -93,11 +97,26 @@ def check_sleep_mode(sleep_mode: bool) -> None:
 
 
 def engine_arguments(
-    config: VllmEngineConfig, *, model_path: Path, dtype: str, seed: int, sleep_mode: bool
+    config: VllmEngineConfig,
+    *,
+    model_path: Path,
+    dtype: str,
+    seed: int,
+    sleep_mode: bool,
+    lora: LoraConfig | None = None,
 ) -> dict[str, Any]:
     """The engine arguments sharpen gives vLLM (`vllm.LLM` and vLLM's async engine take the same); on the CPU build
-    also `cpu_scheduling_arguments`."""
+    also `cpu_scheduling_arguments`; with ``lora`` (adapter-only sync) LoRA serving for one adapter of its rank."""
+    lora_arguments: dict[str, Any] = {}
+    if lora is not None:
+        from sharpen.rollout.weight_sync.adapter import vllm_max_lora_rank
+
+        try:
+            lora_arguments = {"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora.rank), "max_loras": 1}
+        except BucketError as error:
+            raise EngineError(str(error)) from error
     return {
+        **lora_arguments,
         **cpu_scheduling_arguments(config.max_model_len, default_step_tokens=4096),
         "model": str(model_path),
         "dtype": dtype,  # validated by the config schema
@@ -192,20 +211,34 @@ class VllmEngine:
         seed: int,
         bucket_bytes: int = 128 << 20,
         sleep_mode: bool = False,
+        lora: LoraConfig | None = None,
     ) -> None:
+        """``lora``: the run's adapters when it syncs them alone (``trainer.lora.sync = "adapter"``): the engine then
+        serves the base model's weights from ``model_path`` plus the adapter of the last `load_weights`."""
         prepare_cpu_environment(config.tensor_parallel_size)
         from vllm import LLM
 
         check_sleep_mode(sleep_mode)
+        if lora is not None and sleep_mode:
+            raise EngineError("vLLM engine: an adapter-only LoRA sync cannot refill an engine woken from sleep")
         self.config = config
         started = time.perf_counter()
-        self.llm = LLM(**engine_arguments(config, model_path=model_path, dtype=dtype, seed=seed, sleep_mode=sleep_mode))
+        arguments = engine_arguments(
+            config, model_path=model_path, dtype=dtype, seed=seed, sleep_mode=sleep_mode, lora=lora
+        )
+        self.llm = LLM(**arguments)
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
         self.is_asleep = False
         self._is_cache_asleep = False  # woken weights, KV cache still released
         self.bucket_bytes = bucket_bytes
         self.sender: BucketedSender | None = None  # its shared-memory slots are made on the first sync
+        self.adapters: AdapterFolders | None = None
+        if lora is not None:
+            from sharpen.rollout.weight_sync.adapter import AdapterFolders
+
+            self.adapters = AdapterFolders(lora)
+        self.lora_request: LoRARequest | None = None  # the adapter every request runs with (None: the base model)
 
     def sleep(self) -> dict[str, float]:
         if self.is_asleep:
@@ -232,20 +265,25 @@ class VllmEngine:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         self._check_awake("generate")
         requests: Any = [{"prompt_token_ids": ids} for ids in prompts]
-        outputs = self.llm.generate(requests, [vllm_sampling_params(p) for p in params], use_tqdm=False)
+        outputs = self.llm.generate(
+            requests, [vllm_sampling_params(p) for p in params], use_tqdm=False, lora_request=self.lora_request
+        )
         return [vllm_completion(output.outputs[0]) for output in outputs]
 
     def score(self, token_ids: list[int]) -> list[float]:
         self._check_awake("score")
         request: Any = {"prompt_token_ids": token_ids}
-        (output,) = self.llm.generate([request], probe_params(), use_tqdm=False)
+        (output,) = self.llm.generate([request], probe_params(), use_tqdm=False, lora_request=self.lora_request)
         return probe_logprobs(output, token_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         """Stream the weights in buckets through shared memory into every worker; each verifies every bucket and
-        reports the version and checksum it loaded, and any refusal raises `EngineError`."""
+        reports the version and checksum it loaded, and any refusal raises `EngineError`. With adapter-only LoRA
+        sync the weights are the adapter tensors alone (`load_adapter`)."""
         if self.is_asleep:
             raise EngineError("vLLM engine: load_weights() while asleep (call wake_up() first)")
+        if self.adapters is not None:
+            return self.load_adapter(weights, version=version)
         if self.sender is None:
             self.sender = BucketedSender(bucket_bytes=self.bucket_bytes)
         try:
@@ -256,6 +294,34 @@ class VllmEngine:
             self.llm.reset_prefix_cache()  # cached KV entries were computed with the old weights
         self.policy_version = version
         return report.metrics()
+
+    def load_adapter(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
+        """Write the adapter tensors (peft's names) as a checked peft folder (`AdapterFolders`), load it into vLLM
+        under a new adapter id, and serve every later request with it; the previous adapter is dropped once the
+        new one has loaded. A refused tensor or a failed load raises `EngineError` and keeps the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        assert self.adapters is not None
+        started = time.perf_counter()
+        try:
+            folder, metrics = self.adapters.write(weights, version=version)
+        except BucketError as error:
+            raise EngineError(f"vLLM rejected adapter version {version}: {error}") from error
+        previous = self.lora_request
+        lora_id = 1 if previous is None else previous.lora_int_id + 1
+        request = LoRARequest(f"sharpen-policy-{lora_id}", lora_id, str(folder))
+        try:
+            loaded = self.llm.llm_engine.add_lora(request)
+        except Exception as error:  # vLLM raises what its loader raised
+            raise EngineError(f"vLLM could not load adapter version {version} from {folder}: {error}") from error
+        if not loaded:
+            raise EngineError(f"vLLM did not load adapter version {version} from {folder}")
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.lora_request = request
+        self.llm.reset_prefix_cache()  # cached KV entries were computed with the old adapter
+        self.policy_version = version
+        return {**metrics, "sync/seconds": time.perf_counter() - started, "sync/num_buckets": 1.0}
 
     @property
     def num_weight_group_members(self) -> int:
@@ -286,6 +352,8 @@ class VllmEngine:
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
+        if self.adapters is not None:
+            self.adapters.close()
         engine = getattr(self.llm, "llm_engine", None)
         shutdown = getattr(engine, "shutdown", None)
         if callable(shutdown):

@@ -261,12 +261,15 @@ class FSDP2Backend(ScoresTokenLogprobs):
         sender), the others drop each one, so no rank holds more than one gathered tensor beyond what it keeps.
 
         A tied output embedding is left out, as in `SingleDeviceBackend.named_weights`; with LoRA, the merged target
-        weights only, gathered the same way."""
+        weights only, gathered the same way, or the adapter tensors alone with ``trainer.lora.sync = "adapter"``."""
         if self.lora is not None:
-            from sharpen.trainer.backends.lora import merged_target_weights
+            from sharpen.trainer.backends.lora import adapter_state_dict, merged_target_weights
 
             self._fsdp_root.reshard()
-            yield from merged_target_weights(self.lora, full=_full_tensor)
+            if self.config.lora.syncs_adapter:
+                yield from adapter_state_dict(self.lora, full=_full_tensor).items()
+            else:
+                yield from merged_target_weights(self.lora, full=_full_tensor)
             return
         for name, tensor in self._sharded_weights().items():
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()

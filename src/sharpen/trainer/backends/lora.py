@@ -3,10 +3,11 @@ the reference policy that LoRA gives for free (the base model, adapters disabled
 
 Owns the mapping between peft's module names and HF checkpoint names. It does not own the optimizer or the
 device: `SingleDeviceBackend` builds the model, calls `apply_lora`, and optimises the parameters that require a
-gradient (the adapters); `FSDP2Backend` does the same before sharding. The engine never sees an adapter:
+gradient (the adapters); `FSDP2Backend` does the same before sharding. By default the engine never sees an adapter:
 `merged_target_weights` yields, for each target module, W + (alpha / rank) * B @ A under the base weight's HF
-name, so every engine (hf, vLLM) loads it like any weight and the probe check verifies it. Sending only the adapter
-tensors (vLLM's LoRA support) is not wired: see docs/weight-sync.md, LoRA.
+name, so every engine (hf, vLLM) loads it like any weight and the probe check verifies it. With
+``trainer.lora.sync = "adapter"`` the backends send `adapter_state_dict` instead, which the vLLM engine serves as a
+LoRA adapter (docs/weight-sync.md, LoRA).
 """
 
 from __future__ import annotations

@@ -203,11 +203,15 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         """Full tensors in HF checkpoint naming (what an engine loads), detached, on their device.
 
         A tied output embedding is left out: it is the input embedding, and loaders rebuild the tie. With LoRA: the
-        merged weights of the target modules only (nothing else changes; `lora.merged_target_weights`)."""
+        merged weights of the target modules only (nothing else changes; `lora.merged_target_weights`), or with
+        ``trainer.lora.sync = "adapter"`` the adapter tensors alone (peft's names; `lora.adapter_state_dict`)."""
         if self.lora is not None:
-            from sharpen.trainer.backends.lora import merged_target_weights
+            from sharpen.trainer.backends.lora import adapter_state_dict, merged_target_weights
 
-            yield from merged_target_weights(self.lora)
+            if self.config.lora.syncs_adapter:
+                yield from adapter_state_dict(self.lora).items()
+            else:
+                yield from merged_target_weights(self.lora)
             return
         is_tied = getattr(self.model.config, "tie_word_embeddings", False)
         for name, tensor in self.model.state_dict().items():
