@@ -10,48 +10,24 @@ float32 master weights with the engine in bfloat16 (on a CPU without bf16 instru
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
 import pytest
-import torch
 
-from sharpen.api import load_config, run
 from sharpen.monitoring import read_jsonl
-from sharpen.types import Example, RewardResult, RewardStatus
-
-
-def vowel_fraction(example: Example, completion: str) -> RewardResult:
-    score = sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
-    return RewardResult(score=score, status=RewardStatus.OK, components={"vowels": score}, verifier="vowels")
+from support.vowel_task import run_vowel_task
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 def test_grpo_raises_the_reward_of_a_tiny_task(tiny_model_path: Path, tmp_path: Path, precision: str) -> None:
-    overrides = {
-        "run.name": json.dumps(f"learn-{precision}"),
-        "run.output_dir": json.dumps(str(tmp_path)),
-        "run.num_steps": "30",
-        "run.export_model": "false",
-        "model.path": json.dumps(str(tiny_model_path)),
-        "data.size": "64",
-        "rollout.engine.type": '"hf"',
-        "rollout.prompts_per_step": "4",
-        "rollout.num_samples_per_prompt": "4",
-        "rollout.max_new_tokens": "8",
-        "trainer.micro_batch_size": "16",
-        "trainer.learning_rate": "5e-2",
-        "trainer.num_threads": "1",
-        "trainer.precision": json.dumps(precision),
-        "monitoring.progress": "false",
-        "monitoring.parity_probe_every": "0",
-    }
-    previous_threads = torch.get_num_threads()
-    try:
-        run_dir = run(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), reward_fn=vowel_fraction)
-    finally:
-        torch.set_num_threads(previous_threads)
+    run_dir = run_vowel_task(
+        name=f"learn-{precision}",
+        output_dir=tmp_path,
+        model_path=tiny_model_path,
+        learning_rate="5e-2",
+        precision=precision,
+    )
     rewards = [row["reward/mean"] for row in read_jsonl(run_dir / "metrics.jsonl")]
     assert len(rewards) == 30
     first, last = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])

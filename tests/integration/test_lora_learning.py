@@ -11,7 +11,6 @@ steps -> 0.45 over the last five; the test asks for +0.1.
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import cast
@@ -19,14 +18,8 @@ from typing import cast
 import pytest
 import torch
 
-from sharpen.api import load_config, run
 from sharpen.monitoring import read_jsonl
-from sharpen.types import Example, RewardResult, RewardStatus
-
-
-def vowel_fraction(example: Example, completion: str) -> RewardResult:
-    score = sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
-    return RewardResult(score=score, status=RewardStatus.OK, components={"vowels": score}, verifier="vowels")
+from support.vowel_task import run_vowel_task
 
 
 @pytest.fixture(scope="module")
@@ -48,32 +41,17 @@ def steerable_model_path(tiny_model_path: Path, tmp_path_factory: pytest.TempPat
 
 
 def test_grpo_with_lora_raises_the_reward_of_a_tiny_task(steerable_model_path: Path, tmp_path: Path) -> None:
-    overrides = {
-        "run.name": '"learn-lora"',
-        "run.output_dir": json.dumps(str(tmp_path)),
-        "run.num_steps": "30",
-        "run.export_model": "true",
-        "model.path": json.dumps(str(steerable_model_path)),
-        "data.size": "64",
-        "rollout.engine.type": '"hf"',
-        "rollout.prompts_per_step": "4",
-        "rollout.num_samples_per_prompt": "4",
-        "rollout.max_new_tokens": "8",
-        "trainer.micro_batch_size": "16",
-        "trainer.learning_rate": "2e-2",
-        "trainer.num_threads": "1",
-        "trainer.precision": '"float32"',
-        "trainer.lora.enabled": "true",
-        "trainer.lora.rank": "16",
-        "trainer.lora.alpha": "32",
-        "monitoring.progress": "false",
-        "monitoring.parity_probe_every": "0",
-    }
-    previous_threads = torch.get_num_threads()
-    try:
-        run_dir = run(load_config(None, [f"{k}={v}" for k, v in overrides.items()]), reward_fn=vowel_fraction)
-    finally:
-        torch.set_num_threads(previous_threads)
+    lora = {"trainer.lora.enabled": "true", "trainer.lora.rank": "16", "trainer.lora.alpha": "32"}
+    export = {"run.export_model": "true"}
+    run_dir = run_vowel_task(
+        name="learn-lora",
+        output_dir=tmp_path,
+        model_path=steerable_model_path,
+        learning_rate="2e-2",
+        precision="float32",
+        **export,
+        **lora,
+    )
     rows = read_jsonl(run_dir / "metrics.jsonl")
     rewards = [row["reward/mean"] for row in rows]
     assert len(rewards) == 30

@@ -11,8 +11,8 @@ from sharpen.config.section import Section
 
 class LoraConfig(Section):
     """LoRA adapters (peft): the base weights stay frozen and only the low-rank matrices A, B of each target module
-    train (docs/algorithms.md, LoRA). The engine receives merged weights W + (alpha / rank) * B @ A of the target
-    modules only."""
+    train (docs/algorithms.md, LoRA). The engine receives the merged weights W + (alpha / rank) * B @ A of the target
+    modules, or the adapter tensors alone (``sync``)."""
 
     enabled: bool = False
     """Train LoRA adapters instead of every weight (single-device and FSDP2 backends)."""

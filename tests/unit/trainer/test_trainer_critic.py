@@ -15,10 +15,9 @@ from sharpen.config.schema import SharpenConfig, TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer, ValueModel
 from sharpen.trainer.algorithms.value import compute_value_loss
 from sharpen.trainer.packing import pack_micro_batch
-from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, TrainBatch
+from sharpen.types import Rollout, TrainBatch
+from support.tiny_trainer import PAD, VOCAB, tiny_critic, uniform_rollout
 
-VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
-_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
 CRITIC_METRICS = {
     "critic/value_loss",
     "critic/value_mean",
@@ -41,37 +40,12 @@ def _config(critic: dict | None = None, **overrides) -> TrainerConfig:
     return TrainerConfig(**{**values, **overrides})
 
 
-def _critic(model_dir: Path, config: TrainerConfig, **kwargs) -> ValueModel:
-    return ValueModel(
-        config.critic,
-        model_path=model_dir,
-        dtype="float32",
-        device=torch.device("cpu"),
-        precision="float32",
-        gradient_checkpointing=False,
-        **kwargs,
-    )
-
-
 def _trainer(model_dir: Path, config: TrainerConfig, **critic_kwargs) -> Trainer:
     return Trainer(
         config,
         backend=SingleDeviceBackend(config, model_path=model_dir, dtype="float32"),
-        critic=_critic(model_dir, config, **critic_kwargs),
+        critic=tiny_critic(model_dir, config, **critic_kwargs),
         pad_token_id=PAD,
-    )
-
-
-def _rollout(prompt: list[int], completion: list[int], score: float, index: int = 0) -> Rollout:
-    return Rollout(
-        example=_EXAMPLE,
-        prompt_ids=prompt,
-        completion_ids=completion,
-        completion_logprobs=[math.log(1 / VOCAB)] * len(completion),
-        versions=[0] * len(completion),
-        sample_index=index,
-        reward=RewardResult(score=score, status=RewardStatus.OK),
-        advantage=0.0,  # the placeholder assign_advantages sets under "gae"
     )
 
 
@@ -83,7 +57,7 @@ def _rollouts(seed: int, num: int = 6, scores: list[float] | None = None) -> lis
         prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
         completion = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))]
         score = scores[index] if scores is not None else rng.uniform(0.0, 1.0)
-        out.append(_rollout(prompt, completion, score, index))
+        out.append(uniform_rollout(prompt, completion, score, sample_index=index))  # advantage 0: the gae placeholder
     return out
 
 
@@ -100,7 +74,7 @@ def test_a_critic_is_needed_exactly_with_gae(model_dir):
         Trainer(config, backend=backend, pad_token_id=PAD)
     grpo = _config(algorithm={"advantage": "grpo"})
     with pytest.raises(ValueError, match="gae"):
-        Trainer(grpo, backend=backend, pad_token_id=PAD, critic=_critic(model_dir, grpo))
+        Trainer(grpo, backend=backend, pad_token_id=PAD, critic=tiny_critic(model_dir, grpo))
     # nothing but the advantage is needed in a whole config
     assert SharpenConfig.model_validate({"trainer": {"algorithm": {"advantage": "gae"}}}).trainer.critic.lam == 0.95
 
@@ -111,7 +85,7 @@ def test_value_head_starts_at_zero_whatever_the_seed(model_dir):
     rollouts = _rollouts(seed=0)
     for seed in (0, 1):
         torch.manual_seed(seed)
-        critic = _critic(model_dir, _config())
+        critic = tiny_critic(model_dir, _config())
         values, mask = _values(critic, rollouts)
         assert values.dtype == torch.float32 and values.shape == mask.shape
         assert torch.count_nonzero(values) == 0
@@ -123,7 +97,7 @@ def test_value_head_starts_at_zero_whatever_the_seed(model_dir):
 
 
 def test_values_are_read_at_the_logprob_positions(model_dir):
-    critic = _critic(model_dir, _config())
+    critic = tiny_critic(model_dir, _config())
     torch.manual_seed(0)
     torch.nn.init.normal_(critic.network.head.weight)
     torch.nn.init.constant_(critic.network.head.bias, 0.25)
@@ -138,7 +112,7 @@ def test_values_are_read_at_the_logprob_positions(model_dir):
 
 
 def test_pack_micro_batch_places_per_token_inputs_on_the_completion(model_dir):
-    rollouts = [_rollout([5, 6, 7], [8, 9], 1.0), _rollout([5, 6], [8, 9, 10], 0.0)]
+    rollouts = [uniform_rollout([5, 6, 7], [8, 9], 1.0), uniform_rollout([5, 6], [8, 9, 10], 0.0)]
     micro = pack_micro_batch(
         rollouts,
         pad_token_id=PAD,
@@ -163,7 +137,7 @@ def test_gae_advantages_reach_the_policy_loss(model_dir):
     algorithm = {"advantage": "gae", "off_policy_correction": "none"}
     config = _config(critic={"lam": 0.9, "whiten_advantages": False}, algorithm=algorithm)
     trainer = _trainer(model_dir, config)
-    good, bad = _rollout([5, 6, 7], [8, 9, 10, 11], 1.0), _rollout([5, 6, 7], [12, 13, 14], 0.0)
+    good, bad = uniform_rollout([5, 6, 7], [8, 9, 10, 11], 1.0), uniform_rollout([5, 6, 7], [12, 13, 14], 0.0)
     metrics = trainer.step(TrainBatch(rollouts=[good, bad], step=0))
     discounted = 0.9**3 + 0.9**2 + 0.9 + 1.0
     assert metrics["train/loss"] == pytest.approx(-discounted / 7, abs=1e-6)

@@ -6,7 +6,6 @@ any micro-batch split."""
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,7 @@ from sharpen.trainer.backends.teacher import TeacherPolicy, TeacherPrompt
 from sharpen.trainer.distill_step import DistillationStep
 from sharpen.trainer.packing import MicroBatch, pack_micro_batch
 from sharpen.types import Example, Message, Rollout, TrainBatch
-
-VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
+from support.tiny_trainer import PAD, captured_step, random_rollouts
 
 
 def _config(distillation: DistillationConfig | None = None, **overrides) -> TrainerConfig:
@@ -38,26 +36,6 @@ def _example(index: int) -> Example:
     return Example(task_key=f"t/{index}", prompt=(Message(role="user", content=f"q{index}"),), answer=str(index))
 
 
-def _rollouts(seed: int, num: int = 6) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for index in range(num):
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
-        completion = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))]
-        out.append(
-            Rollout(
-                example=_example(index),
-                prompt_ids=prompt,
-                completion_ids=completion,
-                completion_logprobs=[math.log(1 / VOCAB) + rng.uniform(-0.4, 0.4) for _ in completion],
-                versions=[0] * len(completion),
-                sample_index=index,
-                advantage=rng.uniform(-1.5, 1.5),
-            )
-        )
-    return out
-
-
 def _own_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
     """A plain HF forward: the model's logprob of each completion token after ``prompt``."""
     ids = torch.tensor([prompt + completion])
@@ -66,23 +44,6 @@ def _own_logprobs(model, prompt: list[int], completion: list[int]) -> list[float
     targets = ids[0, 1:]
     values = logprobs.gather(1, targets[:, None])[:, 0]
     return values[len(prompt) - 1 :].tolist()
-
-
-def _captured_gradient(trainer: Trainer, batch: TrainBatch, monkeypatch) -> dict[str, torch.Tensor]:
-    captured: dict[str, torch.Tensor] = {}
-    backend = trainer.backend
-    assert isinstance(backend, SingleDeviceBackend)
-
-    def capture() -> float:
-        for name, param in backend.model.named_parameters():
-            assert param.grad is not None, name
-            captured[name] = param.grad.detach().clone()
-        backend.optimizer.zero_grad(set_to_none=True)
-        return 0.0
-
-    monkeypatch.setattr(backend, "clip_and_step", capture)
-    trainer.step(batch)
-    return captured
 
 
 def test_teacher_is_frozen_and_never_in_the_weights_sent_to_the_engine(model_dir):
@@ -95,7 +56,7 @@ def test_teacher_is_frozen_and_never_in_the_weights_sent_to_the_engine(model_dir
         teacher=teacher,
     )
     before = {name: p.clone() for name, p in teacher.model.named_parameters()}
-    metrics = trainer.step(TrainBatch(rollouts=_rollouts(seed=3), step=0))
+    metrics = trainer.step(TrainBatch(rollouts=random_rollouts(seed=3, example=_example), step=0))
     assert metrics["distill/reverse_kl"] != 0.0 and math.isfinite(metrics["distill/loss_k2"])
     teacher_storage = {p.data_ptr() for p in teacher.model.parameters()}
     for name, param in teacher.model.named_parameters():
@@ -132,7 +93,7 @@ def _with_old(step: DistillationStep, rollouts: list[Rollout], shift: float, **i
 @pytest.mark.parametrize("gamma", [0.0, 0.5])
 def test_token_advantages_are_task_advantage_plus_coef_times_minus_reverse_kl(model_dir, gamma):
     teacher = _teacher(model_dir)
-    rollouts = _rollouts(seed=5, num=3)  # their engine logprobs are random: never read
+    rollouts = random_rollouts(seed=5, num=3, example=_example)  # their engine logprobs are random: never read
     config = DistillationConfig(enabled=True, coef=2.0, gamma=gamma)
     step = DistillationStep(config, teacher, rollouts, micro_batch_size=2, pad_token_id=PAD, temperature=1.0)
     micro = _with_old(step, rollouts, 0.25)  # pi_old = the teacher's own + 0.25: rkl = 0.25 on every token
@@ -151,7 +112,7 @@ def test_token_advantages_are_task_advantage_plus_coef_times_minus_reverse_kl(mo
 
 def test_critic_token_advantages_get_the_distillation_advantage_added(model_dir):
     teacher = _teacher(model_dir)
-    rollouts = _rollouts(seed=6, num=2)
+    rollouts = random_rollouts(seed=6, num=2, example=_example)
     step = DistillationStep(
         DistillationConfig(enabled=True), teacher, rollouts, micro_batch_size=2, pad_token_id=PAD, temperature=1.0
     )
@@ -169,7 +130,7 @@ def test_the_students_side_is_the_trainers_pi_old_not_the_engines_logprobs(model
     token, whatever the engine's logprobs say (here: random), and whichever mini-batch a rollout trains in (after
     the first update the policy's current logprobs differ from pi_old): no distillation advantage, the plain
     step's gradient. With the engine's logprobs as the student's side the KL would be their mismatch."""
-    rollouts = _rollouts(seed=2)
+    rollouts = random_rollouts(seed=2, example=_example)
     model = _teacher(model_dir).model
     gaps = [
         abs(engine - own)
@@ -188,9 +149,9 @@ def test_the_students_side_is_the_trainers_pi_old_not_the_engines_logprobs(model
     if num_mini_batches == 1:
         fresh = SingleDeviceBackend(config, model_path=model_dir, dtype="float32")
         distilled = Trainer(config, backend=fresh, pad_token_id=PAD, teacher=_teacher(model_dir))
-        with_teacher = _captured_gradient(distilled, TrainBatch(rollouts=rollouts, step=0), monkeypatch)
+        with_teacher = captured_step(distilled, TrainBatch(rollouts=rollouts, step=0), monkeypatch)[1]
         plain = Trainer(_config(DistillationConfig(), **overrides), backend=fresh, pad_token_id=PAD)
-        without = _captured_gradient(plain, TrainBatch(rollouts=rollouts, step=0), monkeypatch)
+        without = captured_step(plain, TrainBatch(rollouts=rollouts, step=0), monkeypatch)[1]
         for name, grad in with_teacher.items():
             assert torch.allclose(grad, without[name], atol=1e-6), name
 
@@ -254,7 +215,7 @@ def test_teacher_prompt_scores_exactly_the_completion_tokens_after_the_teachers_
 
 
 def test_teacher_temperature_divides_the_teachers_logits(model_dir):
-    rollouts = _rollouts(seed=8, num=2)
+    rollouts = random_rollouts(seed=8, num=2, example=_example)
     sharp = DistillationStep(
         DistillationConfig(enabled=True),
         _teacher(model_dir, temperature=0.5),
@@ -282,7 +243,7 @@ def test_teacher_temperature_divides_the_teachers_logits(model_dir):
     ids=["advantage", "loss", "loss-top-k"],
 )
 def test_distillation_gradient_does_not_depend_on_the_micro_batch_size(model_dir, monkeypatch, distillation):
-    batch = TrainBatch(rollouts=_rollouts(seed=1), step=0)
+    batch = TrainBatch(rollouts=random_rollouts(seed=1, example=_example), step=0)
     teacher = _teacher(model_dir, temperature=0.7)  # differs from the policy (temperature 1)
     backend = SingleDeviceBackend(_config(distillation), model_path=model_dir, dtype="float32")
     gradients = {}
@@ -290,9 +251,9 @@ def test_distillation_gradient_does_not_depend_on_the_micro_batch_size(model_dir
         trainer = Trainer(
             _config(distillation, micro_batch_size=size), backend=backend, pad_token_id=PAD, teacher=teacher
         )
-        gradients[size] = _captured_gradient(trainer, batch, monkeypatch)
+        gradients[size] = captured_step(trainer, batch, monkeypatch)[1]
     plain = Trainer(_config(DistillationConfig()), backend=backend, pad_token_id=PAD)
-    without = _captured_gradient(plain, batch, monkeypatch)
+    without = captured_step(plain, batch, monkeypatch)[1]
     whole = gradients[6]
     assert max((g - without[name]).abs().max().item() for name, g in whole.items()) > 1e-4  # distillation acts
     for size in (2, 1):

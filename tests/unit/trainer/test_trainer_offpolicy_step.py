@@ -13,10 +13,9 @@ import torch
 
 from sharpen.config.schema import AlgorithmConfig, TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
-from sharpen.types import Example, Message, Rollout, TrainBatch
+from sharpen.types import Rollout, TrainBatch
+from support.tiny_trainer import EXAMPLE, PAD, VOCAB, captured_step, random_rollouts
 
-VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
-_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
 _REJECT = [
     {"level": "token", "low": 0.8, "high": 1.25},
     {"level": "sequence", "statistic": "max", "divergence": "k2", "high": 0.08},
@@ -36,42 +35,12 @@ def _config(*, micro_batch_size: int = 4, **algorithm) -> TrainerConfig:
 def _rollouts(seed: int, num: int = 6) -> list[Rollout]:
     """Rollouts of different lengths, engine logprobs near the tiny model's (so some tokens are rejected and some
     are not) and random advantages."""
-    rng = random.Random(seed)
-    out = []
-    for index in range(num):
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
-        completion = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
-        out.append(
-            Rollout(
-                example=_EXAMPLE,
-                prompt_ids=prompt,
-                completion_ids=completion,
-                completion_logprobs=[math.log(1 / VOCAB) + rng.uniform(-0.3, 0.3) for _ in completion],
-                versions=[0] * len(completion),
-                sample_index=index,
-                advantage=rng.uniform(-1.5, 1.5),
-            )
-        )
-    return out
+    return random_rollouts(seed, num, completion_lengths=(2, 6), spread=0.3)
 
 
 def _step(trainer: Trainer, rollouts: list[Rollout], monkeypatch) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """The step's metrics and its accumulated gradient (the optimizer step itself is skipped)."""
-    captured: dict[str, torch.Tensor] = {}
-    backend = trainer.backend
-    assert isinstance(backend, SingleDeviceBackend)
-
-    def capture() -> float:
-        for name, param in backend.model.named_parameters():
-            assert param.grad is not None, name
-            captured[name] = param.grad.detach().clone()
-        backend.optimizer.zero_grad(set_to_none=True)
-        return 0.0
-
-    monkeypatch.setattr(backend, "clip_and_step", capture)
-    metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
-    monkeypatch.undo()
-    return metrics, captured
+    return captured_step(trainer, TrainBatch(rollouts=rollouts, step=0), monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +82,7 @@ def _exact_ratio_rollouts(trainer: Trainer, deltas: list[list[float]]) -> list[R
         own = trainer.compute_logprobs(prompt + completion)[len(prompt) - 1 :]
         rollouts.append(
             Rollout(
-                example=_EXAMPLE,
+                example=EXAMPLE,
                 prompt_ids=prompt,
                 completion_ids=completion,
                 completion_logprobs=[lp - d for lp, d in zip(own, delta, strict=True)],

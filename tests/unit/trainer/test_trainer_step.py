@@ -4,7 +4,6 @@ mismatch of zero, logprobs against a plain HF forward, and an exact checkpoint r
 from __future__ import annotations
 
 import math
-import random
 from pathlib import Path
 
 import pytest
@@ -12,10 +11,8 @@ import torch
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
-from sharpen.types import Example, Message, Rollout, TrainBatch
-
-VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
-_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
+from sharpen.types import Rollout, TrainBatch
+from support.tiny_trainer import EXAMPLE, PAD, captured_step, random_rollouts, single_device_trainer
 
 
 def _config(**overrides) -> TrainerConfig:
@@ -25,55 +22,16 @@ def _config(**overrides) -> TrainerConfig:
 
 
 def _trainer(model_dir: Path, **overrides) -> Trainer:
-    config = _config(**overrides)
-    return Trainer(config, backend=SingleDeviceBackend(config, model_path=model_dir, dtype="float32"), pad_token_id=PAD)
-
-
-def _rollouts(seed: int, num: int = 6) -> list[Rollout]:
-    """Rollouts of different lengths (so micro-batches pad differently), random engine logprobs and advantages."""
-    rng = random.Random(seed)
-    out = []
-    for index in range(num):
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
-        completion = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))]
-        out.append(
-            Rollout(
-                example=_EXAMPLE,
-                prompt_ids=prompt,
-                completion_ids=completion,
-                # near the tiny model's ~log(1/128) so some ratios clip and some do not
-                completion_logprobs=[math.log(1 / VOCAB) + rng.uniform(-0.4, 0.4) for _ in completion],
-                versions=[0] * len(completion),
-                sample_index=index,
-                advantage=rng.uniform(-1.5, 1.5),
-            )
-        )
-    return out
-
-
-def _captured_gradient(trainer: Trainer, batch: TrainBatch, monkeypatch) -> dict[str, torch.Tensor]:
-    """The accumulated gradient at the moment the optimizer would step (the step itself is skipped)."""
-    captured: dict[str, torch.Tensor] = {}
-
-    def capture() -> float:
-        for name, param in trainer.backend.model.named_parameters():
-            assert param.grad is not None, name
-            captured[name] = param.grad.detach().clone()
-        trainer.backend.optimizer.zero_grad(set_to_none=True)
-        return 0.0
-
-    monkeypatch.setattr(trainer.backend, "clip_and_step", capture)
-    trainer.step(batch)
-    return captured
+    return single_device_trainer(_config(**overrides), model_dir)
 
 
 def test_gradient_does_not_depend_on_the_micro_batch_size(model_dir, monkeypatch):
-    batch = TrainBatch(rollouts=_rollouts(seed=1), step=0)
+    batch = TrainBatch(rollouts=random_rollouts(seed=1), step=0)
     backend = _trainer(model_dir).backend
     gradients = {}
     for size in (6, 2, 1):
         trainer = Trainer(_config(micro_batch_size=size), backend=backend, pad_token_id=PAD)
-        gradients[size] = _captured_gradient(trainer, batch, monkeypatch)
+        gradients[size] = captured_step(trainer, batch, monkeypatch)[1]
     whole = gradients[6]
     assert max(g.abs().max().item() for g in whole.values()) > 1e-3  # a real gradient, not all zeros
     for size in (2, 1):
@@ -83,16 +41,16 @@ def test_gradient_does_not_depend_on_the_micro_batch_size(model_dir, monkeypatch
 
 
 def test_abstained_and_empty_rollouts_do_not_change_the_gradient(model_dir, monkeypatch):
-    rollouts = _rollouts(seed=2, num=4)
+    rollouts = random_rollouts(seed=2, num=4)
     extra = [
-        Rollout(example=_EXAMPLE, prompt_ids=[5, 6], completion_ids=[7], completion_logprobs=[-1.0], versions=[0]),
+        Rollout(example=EXAMPLE, prompt_ids=[5, 6], completion_ids=[7], completion_logprobs=[-1.0], versions=[0]),
         Rollout(
-            example=_EXAMPLE, prompt_ids=[5, 6], completion_ids=[], completion_logprobs=[], versions=[], advantage=1.0
+            example=EXAMPLE, prompt_ids=[5, 6], completion_ids=[], completion_logprobs=[], versions=[], advantage=1.0
         ),
     ]
     trainer = _trainer(model_dir, micro_batch_size=2)
-    plain = _captured_gradient(trainer, TrainBatch(rollouts=rollouts, step=0), monkeypatch)
-    mixed = _captured_gradient(trainer, TrainBatch(rollouts=[extra[0], *rollouts, extra[1]], step=0), monkeypatch)
+    plain = captured_step(trainer, TrainBatch(rollouts=rollouts, step=0), monkeypatch)[1]
+    mixed = captured_step(trainer, TrainBatch(rollouts=[extra[0], *rollouts, extra[1]], step=0), monkeypatch)[1]
     for name, grad in plain.items():
         assert (grad - mixed[name]).abs().max().item() < 1e-6, name
 
@@ -100,7 +58,7 @@ def test_abstained_and_empty_rollouts_do_not_change_the_gradient(model_dir, monk
 def test_step_changes_weights_and_returns_finite_metrics(model_dir):
     trainer = _trainer(model_dir, micro_batch_size=2)
     before = {name: p.detach().clone() for name, p in trainer.backend.model.named_parameters()}
-    rollouts = _rollouts(seed=3)
+    rollouts = random_rollouts(seed=3)
     metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
 
     assert set(metrics) == {
@@ -142,7 +100,7 @@ def test_step_changes_weights_and_returns_finite_metrics(model_dir):
 def test_batch_without_trainable_rollouts_is_skipped(model_dir):
     trainer = _trainer(model_dir)
     before = {name: p.detach().clone() for name, p in trainer.backend.model.named_parameters()}
-    rollouts = _rollouts(seed=4, num=2)
+    rollouts = random_rollouts(seed=4, num=2)
     for rollout in rollouts:
         rollout.advantage = None
     assert trainer.step(TrainBatch(rollouts=rollouts, step=0)) == {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
@@ -151,7 +109,7 @@ def test_batch_without_trainable_rollouts_is_skipped(model_dir):
 
 def test_on_policy_engine_logprobs_give_zero_mismatch_and_unit_ratio(model_dir):
     trainer = _trainer(model_dir, micro_batch_size=3)
-    rollouts = _rollouts(seed=5)
+    rollouts = random_rollouts(seed=5)
     for rollout in rollouts:
         own = trainer.compute_logprobs(rollout.prompt_ids + rollout.completion_ids)
         rollout.completion_logprobs = own[len(rollout.prompt_ids) - 1 :]
@@ -196,7 +154,8 @@ def test_temperature_scales_the_logits(model_dir):
 
 
 def test_checkpoint_round_trip_restores_weights_and_optimizer_exactly(model_dir, tmp_path):
-    first, second = TrainBatch(rollouts=_rollouts(seed=6), step=0), TrainBatch(rollouts=_rollouts(seed=7), step=1)
+    first = TrainBatch(rollouts=random_rollouts(seed=6), step=0)
+    second = TrainBatch(rollouts=random_rollouts(seed=7), step=1)
     original = _trainer(model_dir, micro_batch_size=3)
     original.step(first)
     original.save_checkpoint(tmp_path / "ckpt")
@@ -233,7 +192,7 @@ def test_kl_penalties_are_minus_coef_times_k1_of_engine_against_the_reference(mo
     reference = ReferencePolicy(model_path=model_dir, dtype="float32", device=torch.device("cpu"), precision="float32")
     backend = SingleDeviceBackend(config, model_path=model_dir, dtype="float32")
     trainer = Trainer(config, backend=backend, pad_token_id=PAD, reference=reference)
-    rollouts = _rollouts(seed=7, num=3)
+    rollouts = random_rollouts(seed=7, num=3)
     for rollout in rollouts:  # engine logprobs = the reference's own + 0.25 per token
         own = trainer.compute_logprobs(rollout.prompt_ids + rollout.completion_ids)[len(rollout.prompt_ids) - 1 :]
         rollout.completion_logprobs = [lp + 0.25 for lp in own]
@@ -255,14 +214,14 @@ def test_a_non_finite_gradient_skips_the_optimizer_step_and_training_goes_on(mod
         return scores
 
     monkeypatch.setattr(trainer.backend, "score_tokens", poisoned)
-    metrics = trainer.step(TrainBatch(rollouts=_rollouts(0), step=0))
+    metrics = trainer.step(TrainBatch(rollouts=random_rollouts(0), step=0))
     assert metrics["train/num_nonfinite_updates"] == 1.0 and metrics["train/num_optimizer_steps"] == 0.0
     assert math.isnan(metrics["train/grad_norm"])
     after = dict(trainer.backend.named_weights())
     assert all(torch.equal(before[name], after[name]) for name in before)  # nothing moved
     assert [s["exp_avg"] for s in trainer.backend.optimizer.state.values()] == exp_avg_before  # AdamW untouched
     monkeypatch.undo()
-    healthy = trainer.step(TrainBatch(rollouts=_rollouts(1), step=1))
+    healthy = trainer.step(TrainBatch(rollouts=random_rollouts(1), step=1))
     assert healthy["train/num_nonfinite_updates"] == 0.0 and math.isfinite(healthy["train/grad_norm"])
     assert any(not torch.equal(before[n], t) for n, t in trainer.backend.named_weights())
 
@@ -271,7 +230,7 @@ def test_weight_snapshots_do_not_change_when_the_trainer_steps(model_dir):
     trainer = _trainer(model_dir, micro_batch_size=2)
     snapshot = trainer.snapshot_weights()
     live = dict(trainer.named_weights())
-    trainer.step(TrainBatch(rollouts=_rollouts(seed=3), step=0))
+    trainer.step(TrainBatch(rollouts=random_rollouts(seed=3), step=0))
     assert [name for name, _ in snapshot] == list(live)
     moved = dict(trainer.named_weights())
     assert any(not torch.equal(tensor, moved[name]) for name, tensor in snapshot), "the step moves the weights"

@@ -4,7 +4,6 @@ ends at 0)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,22 +14,8 @@ from sharpen.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer, ValueModel
 from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.packing import pack_micro_batch
-from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, TrainBatch
-
-VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
-_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
-
-
-def _rollout(prompt: list[int], completion: list[int], score: float = 1.0, **fields) -> Rollout:
-    return Rollout(
-        example=_EXAMPLE,
-        prompt_ids=prompt,
-        completion_ids=completion,
-        completion_logprobs=[math.log(1 / VOCAB)] * len(completion),
-        versions=[0] * len(completion),
-        reward=RewardResult(score=score, status=RewardStatus.OK),
-        **{"advantage": 0.0, **fields},
-    )
+from sharpen.types import TrainBatch
+from support.tiny_trainer import PAD, tiny_critic, uniform_rollout
 
 
 def test_token_advantages_reach_the_policy_loss(model_dir: Path):
@@ -48,22 +33,15 @@ def test_token_advantages_reach_the_policy_loss(model_dir: Path):
         config, backend=SingleDeviceBackend(config, model_path=model_dir, dtype="float32"), pad_token_id=PAD
     )
     rollouts = [
-        _rollout([5, 6, 7], [8, 9, 10], token_advantages=[0.5, -1.0, 2.0]),
-        _rollout([5, 6], [12, 13], advantage=1.0),
+        uniform_rollout([5, 6, 7], [8, 9, 10], token_advantages=[0.5, -1.0, 2.0]),
+        uniform_rollout([5, 6], [12, 13], advantage=1.0),
     ]
     metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
     assert metrics["train/loss"] == pytest.approx(-0.7, abs=1e-6)
 
 
 def _critic(model_dir: Path, config: TrainerConfig) -> ValueModel:
-    critic = ValueModel(
-        config.critic,
-        model_path=model_dir,
-        dtype="float32",
-        device=torch.device("cpu"),
-        precision="float32",
-        gradient_checkpointing=False,
-    )
+    critic = tiny_critic(model_dir, config)
     torch.manual_seed(0)  # a nonzero head: the zero-initialised one would make every bootstrap 0
     torch.nn.init.normal_(critic.network.head.weight)
     torch.nn.init.constant_(critic.network.head.bias, 0.25)
@@ -80,13 +58,13 @@ def test_final_value_is_the_state_after_the_last_token_of_each_padded_row(model_
     # The state after a sequence's last token is the one its next token would be predicted from: in a rollout one
     # token longer, the value at that token's target position. Rows of different lengths: padding is not read.
     critic = _critic(model_dir, _critic_config())
-    short, long = _rollout([5, 6, 7], [8, 9]), _rollout([5, 6], [8, 9, 10, 11])
+    short, long = uniform_rollout([5, 6, 7], [8, 9]), uniform_rollout([5, 6], [8, 9, 10, 11])
     micro = pack_micro_batch([short, long], pad_token_id=PAD, device=torch.device("cpu"))
     with torch.no_grad():
         values, final = critic.values_and_final_values(micro.input_ids, micro.attention_mask, micro.loss_mask)
         assert torch.equal(values, critic.values(micro.input_ids, micro.attention_mask, micro.loss_mask))
         for row, rollout in enumerate([short, long]):
-            extended = _rollout(rollout.prompt_ids, [*rollout.completion_ids, 3])
+            extended = uniform_rollout(rollout.prompt_ids, [*rollout.completion_ids, 3])
             one = pack_micro_batch([extended], pad_token_id=PAD, device=torch.device("cpu"))
             next_values = critic.values(one.input_ids, one.attention_mask, one.loss_mask)  # [1, seq - 1]
             torch.testing.assert_close(final[row], next_values[0, extended.num_tokens - 2], rtol=1e-5, atol=1e-6)
@@ -100,7 +78,7 @@ def test_critic_bootstraps_truncated_completions_only(model_dir: Path):
     gamma, lam = 0.9, 0.95
     config = _critic_config(gamma=gamma, lam=lam, whiten_advantages=False)
     critic = _critic(model_dir, config)
-    finished = _rollout([5, 6, 7], [8, 9, 10], score=1.0)
+    finished = uniform_rollout([5, 6, 7], [8, 9, 10], score=1.0)
     truncated = replace(finished, is_truncated=True)
     step = CriticStep(critic, config.critic, [finished, truncated], micro_batch_size=2, pad_token_id=PAD)
     micro = pack_micro_batch([finished], pad_token_id=PAD, device=torch.device("cpu"))

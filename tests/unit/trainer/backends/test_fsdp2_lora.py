@@ -4,9 +4,7 @@ One launch of 2 forked processes (~10-20 s on 2 shared cores)."""
 
 from __future__ import annotations
 
-import math
 import os
-import random
 import socket
 from pathlib import Path
 
@@ -15,11 +13,11 @@ import torch
 import torch.multiprocessing as mp
 
 from sharpen.config.schema import TrainerConfig
-from sharpen.trainer import SingleDeviceBackend, Trainer
-from sharpen.types import Example, Message, Rollout, TrainBatch
+from sharpen.trainer import Trainer
+from sharpen.types import Rollout, TrainBatch
+from support.tiny_trainer import PAD, random_rollouts, single_device_trainer
 
-VOCAB, PAD, NUM_RANKS = 128, 0, 2  # the tiny model of conftest.model_dir
-_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
+NUM_RANKS = 2
 
 
 def _config() -> TrainerConfig:
@@ -34,22 +32,7 @@ def _config() -> TrainerConfig:
 
 
 def _rollouts(seed: int) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for index in range(6):
-        completion = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
-        out.append(
-            Rollout(
-                example=_EXAMPLE,
-                prompt_ids=[rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))],
-                completion_ids=completion,
-                completion_logprobs=[math.log(1 / VOCAB) + rng.uniform(-0.3, 0.3) for _ in completion],
-                versions=[0] * len(completion),
-                sample_index=index,
-                advantage=rng.uniform(-1.5, 1.5),
-            )
-        )
-    return out
+    return random_rollouts(seed, prompt_lengths=(2, 6), completion_lengths=(2, 6), spread=0.3, completion_first=True)
 
 
 def _steps(trainer: Trainer, seeds: range) -> dict[str, torch.Tensor]:
@@ -100,9 +83,7 @@ def test_lora_on_2_fsdp2_ranks_matches_one_device(model_dir, tmp_path):
     results = torch.load(tmp_path / "r.pt")
     assert results["trainable"] and all(".lora_" in name for name in results["trainable"])
     torch.manual_seed(0)  # what FSDP2Backend does before loading: the adapters' random A start the same
-    single = Trainer(
-        _config(), backend=SingleDeviceBackend(_config(), model_path=model_dir, dtype="float32"), pad_token_id=PAD
-    )
+    single = single_device_trainer(_config(), model_dir)
     expected = _steps(single, range(3))
     assert set(results["continued"]) == set(expected) and len(expected) == 2 * 7
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()

@@ -4,8 +4,6 @@ exact, the export is the merged model, and the disabled-adapter reference is the
 
 from __future__ import annotations
 
-import math
-import random
 from pathlib import Path
 
 import pytest
@@ -14,10 +12,9 @@ import torch
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.trainer.backends.lora import LoraReferencePolicy, adapter_num_bytes
-from sharpen.types import Example, Message, Rollout, TrainBatch
+from sharpen.types import TrainBatch
+from support.tiny_trainer import PAD, captured_step, random_rollouts, single_device_trainer
 
-VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
-_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
 _LORA = {"enabled": True, "rank": 4, "alpha": 8}
 
 
@@ -27,28 +24,7 @@ def _config(**overrides) -> TrainerConfig:
 
 
 def _trainer(model_dir: Path, **overrides) -> Trainer:
-    config = _config(**overrides)
-    return Trainer(config, backend=SingleDeviceBackend(config, model_path=model_dir, dtype="float32"), pad_token_id=PAD)
-
-
-def _rollouts(seed: int, num: int = 6) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for index in range(num):
-        prompt = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 7))]
-        completion = [rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 6))]
-        out.append(
-            Rollout(
-                example=_EXAMPLE,
-                prompt_ids=prompt,
-                completion_ids=completion,
-                completion_logprobs=[math.log(1 / VOCAB) + rng.uniform(-0.4, 0.4) for _ in completion],
-                versions=[0] * len(completion),
-                sample_index=index,
-                advantage=rng.uniform(-1.5, 1.5),
-            )
-        )
-    return out
+    return single_device_trainer(_config(**overrides), model_dir)
 
 
 def _params(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -66,7 +42,7 @@ def test_only_the_adapters_train_and_the_base_weights_stay(model_dir):
     assert optimized == {id(p) for p in model.parameters() if p.requires_grad}
     before = _params(trainer)
     for seed in (1, 2):
-        trainer.step(TrainBatch(rollouts=_rollouts(seed), step=seed))
+        trainer.step(TrainBatch(rollouts=random_rollouts(seed), step=seed))
     after = _params(trainer)
     for name in before:
         if name in trainable:
@@ -81,7 +57,7 @@ def test_merged_weights_are_base_plus_scaled_low_rank_product(model_dir):
     from transformers import AutoModelForCausalLM
 
     trainer = _trainer(model_dir)
-    trainer.step(TrainBatch(rollouts=_rollouts(1), step=0))
+    trainer.step(TrainBatch(rollouts=random_rollouts(1), step=0))
     merged = dict(trainer.named_weights())
     assert len(merged) == 2 * 7 and all(name.startswith("model.layers.") for name in merged)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
@@ -101,7 +77,7 @@ def test_merged_weights_are_base_plus_scaled_low_rank_product(model_dir):
 
 
 def test_lora_gradient_does_not_depend_on_the_micro_batch_size(model_dir, monkeypatch):
-    batch = TrainBatch(rollouts=_rollouts(seed=3), step=0)
+    batch = TrainBatch(rollouts=random_rollouts(seed=3), step=0)
     backend = _trainer(model_dir).backend
     # a nonzero B so that A's gradient is nonzero too
     for name, param in backend.model.named_parameters():
@@ -110,21 +86,7 @@ def test_lora_gradient_does_not_depend_on_the_micro_batch_size(model_dir, monkey
     gradients = {}
     for size in (6, 2, 1):
         trainer = Trainer(_config(micro_batch_size=size), backend=backend, pad_token_id=PAD)
-        captured: dict[str, torch.Tensor] = {}
-
-        def capture(captured=captured) -> float:
-            for name, param in backend.model.named_parameters():
-                if param.requires_grad:
-                    assert param.grad is not None, name
-                    captured[name] = param.grad.detach().clone()
-                else:
-                    assert param.grad is None, name  # the frozen base gets no gradient at all
-            backend.optimizer.zero_grad(set_to_none=True)
-            return 0.0
-
-        monkeypatch.setattr(backend, "clip_and_step", capture)
-        trainer.step(batch)
-        gradients[size] = captured
+        gradients[size] = captured_step(trainer, batch, monkeypatch)[1]  # the frozen base gets no gradient at all
     whole = gradients[6]
     assert max(g.abs().max().item() for g in whole.values()) > 1e-4
     for size in (2, 1):
@@ -134,14 +96,14 @@ def test_lora_gradient_does_not_depend_on_the_micro_batch_size(model_dir, monkey
 
 def test_resume_from_a_lora_checkpoint_is_exact(model_dir, tmp_path):
     first = _trainer(model_dir)
-    first.step(TrainBatch(rollouts=_rollouts(1), step=0))
+    first.step(TrainBatch(rollouts=random_rollouts(1), step=0))
     first.save_checkpoint(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "lora" / "adapter.safetensors").is_file()
     assert not (tmp_path / "ckpt" / "model.safetensors").exists()  # the base weights are the model folder's
-    first.step(TrainBatch(rollouts=_rollouts(2), step=1))
+    first.step(TrainBatch(rollouts=random_rollouts(2), step=1))
     resumed = _trainer(model_dir)
     resumed.load_checkpoint(tmp_path / "ckpt")
-    resumed.step(TrainBatch(rollouts=_rollouts(2), step=1))
+    resumed.step(TrainBatch(rollouts=random_rollouts(2), step=1))
     expected, got = _params(first), _params(resumed)
     for name in expected:
         assert torch.equal(expected[name], got[name]), name
@@ -151,7 +113,7 @@ def test_export_writes_the_merged_model_and_the_adapter(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     trainer = _trainer(model_dir)
-    trainer.step(TrainBatch(rollouts=_rollouts(1), step=0))
+    trainer.step(TrainBatch(rollouts=random_rollouts(1), step=0))
     trainer.export(tmp_path / "out")
     assert (tmp_path / "out" / "adapter" / "adapter_config.json").is_file()
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
@@ -166,7 +128,7 @@ def test_disabled_adapters_are_the_base_model(model_dir):
 
     trainer = _trainer(model_dir)
     for seed in (1, 2):
-        trainer.step(TrainBatch(rollouts=_rollouts(seed), step=seed))
+        trainer.step(TrainBatch(rollouts=random_rollouts(seed), step=seed))
     backend = trainer.backend
     assert isinstance(backend, SingleDeviceBackend) and backend.lora is not None
     reference = LoraReferencePolicy(backend.lora, device=backend.device, precision="float32")
@@ -195,11 +157,8 @@ def test_sync_sends_fewer_bytes_than_full_fine_tuning(model_dir):
     assert adapter_num_bytes(backend.lora) == 4 * 2 * 4 * (64 + 48 + 48 + 64 + 96 + 96 + 96)
 
 
-def test_adapter_sync_and_no_matching_module_are_refused(model_dir):
-    from pydantic import ValidationError
-
-    with pytest.raises(ValidationError, match=r"trainer\.lora\.sync"):
-        _config(lora={**_LORA, "sync": "adapter"})
+def test_a_target_that_matches_no_module_is_refused(model_dir):
+    # (an adapter-only sync with an engine that cannot serve adapters: test_lora_adapter_sync.py)
     with pytest.raises(ValueError, match="matched no module"):
         _trainer(model_dir, lora={**_LORA, "target_modules": ["nope_proj"]})
 
