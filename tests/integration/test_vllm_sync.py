@@ -125,8 +125,8 @@ def corrupt_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: the receiver must refuse it."""
     fill = SharedMemorySlot.fill
 
-    def fill_then_corrupt(self, tensors, *, sync_id, version, index):
-        manifest = fill(self, tensors, sync_id=sync_id, version=version, index=index)
+    def fill_then_corrupt(self, tensors, *, sync_id, version, index, dtype=None):
+        manifest = fill(self, tensors, sync_id=sync_id, version=version, index=index, dtype=dtype)
         if index == 1:
             self.buffer[manifest.num_bytes // 2] = self.buffer[manifest.num_bytes // 2] ^ 1
         return manifest

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 from sharpen.config.engines import VllmEngineConfig
 from sharpen.config.schema import LoraConfig
 from sharpen.rollout.engines.base import EngineError
-from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
+from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
@@ -232,6 +232,7 @@ class VllmEngine:
         self.is_asleep = False
         self._is_cache_asleep = False  # woken weights, KV cache still released
         self.bucket_bytes = bucket_bytes
+        self.dtype = dtype  # floating-point weights are synced in it (`engine_sync_dtype`)
         self.sender: BucketedSender | None = None  # its shared-memory slots are made on the first sync
         self.adapters: AdapterFolders | None = None
         if lora is not None:
@@ -285,7 +286,7 @@ class VllmEngine:
         if self.adapters is not None:
             return self.load_adapter(weights, version=version)
         if self.sender is None:
-            self.sender = BucketedSender(bucket_bytes=self.bucket_bytes)
+            self.sender = BucketedSender(bucket_bytes=self.bucket_bytes, dtype=engine_sync_dtype(self.dtype))
         try:
             report = self.sender.send(weights, version=version, target=RpcBucketTarget(self.llm.collective_rpc))
         except BucketError as error:

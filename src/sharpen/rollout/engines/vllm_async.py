@@ -44,7 +44,7 @@ from sharpen.rollout.engines.vllm import (
     vllm_completion,
     vllm_sampling_params,
 )
-from sharpen.rollout.weight_sync.buckets import BucketError
+from sharpen.rollout.weight_sync.buckets import BucketError, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
@@ -94,6 +94,7 @@ class VllmAsyncEngine(RequestLevelEngine):
         self._refusal: str | None = None  # why requests are refused (a failed sync), until a sync succeeds
         self._request_ids = itertools.count()
         self.bucket_bytes = bucket_bytes
+        self.dtype = dtype  # floating-point weights are synced in it (`engine_sync_dtype`)
         self.sender: BucketedSender | None = None  # its shared-memory slots are made on the first sync
         self._is_closed = False
 
@@ -191,7 +192,9 @@ class VllmAsyncEngine(RequestLevelEngine):
         paused; requests in flight continue with them. Any refusal raises `EngineError`."""
         if self.is_asleep:
             raise EngineError(f"{_NAME}: load_weights() while asleep (call wake_up() first)")
-        sender = self.sender = self.sender or BucketedSender(bucket_bytes=self.bucket_bytes)
+        sender = self.sender = self.sender or BucketedSender(
+            bucket_bytes=self.bucket_bytes, dtype=engine_sync_dtype(self.dtype)
+        )
 
         def load() -> dict[str, float]:
             try:

@@ -45,7 +45,7 @@ from sharpen.config.engines import VllmServerEngineConfig
 from sharpen.rollout.engines.base import EngineError, EngineUnavailable
 from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port, wait_answering
 from sharpen.rollout.engines.vllm import RpcBucketTarget, cpu_scheduling_arguments, prepare_cpu_environment
-from sharpen.rollout.weight_sync.buckets import BucketError
+from sharpen.rollout.weight_sync.buckets import BucketError, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, PolicyVersion, SamplingParams
 
@@ -75,6 +75,7 @@ class VllmServerEngine(RequestLevelEngine):
         self.process: ServerProcess | None = None
         self.policy_version: PolicyVersion = 0
         self.bucket_bytes = bucket_bytes
+        self.dtype = dtype  # floating-point weights are synced in it (`engine_sync_dtype`)
         self.sender: BucketedSender | None = None
         self._refusal: str | None = None  # set while a failed sync leaves half-loaded weights behind
         self._in_weight_group = False
@@ -303,7 +304,7 @@ class VllmServerEngine(RequestLevelEngine):
         requests go on with the new weights (their KV recomputed). A refusal raises `EngineError` and leaves the
         server paused: half-loaded weights must not generate."""
         if self.sender is None:
-            self.sender = BucketedSender(bucket_bytes=self.bucket_bytes)
+            self.sender = BucketedSender(bucket_bytes=self.bucket_bytes, dtype=engine_sync_dtype(self.dtype))
         started = time.perf_counter()
         self._loop.run(self.client.post("/pause", params={"mode": "keep"}))
         try:

@@ -102,6 +102,22 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
+ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def engine_sync_dtype(engine_dtype: str) -> torch.dtype | None:
+    """The dtype a sync sends floating-point weights in to an engine that computes in ``engine_dtype`` (its loader
+    casts what it receives to that dtype anyway, rounding to nearest as ``Tensor.copy_`` does, so casting before the
+    transfer gives the engine the same bits for fewer bytes: half of a float32 trainer's for a bf16 engine). None
+    (send as they are) for a dtype the engine chooses itself ("auto")."""
+    return ENGINE_DTYPES.get(engine_dtype)
+
+
+def sent_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """What ``tensor`` travels as: ``dtype`` for a floating-point tensor when given, else its own dtype."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
 def shared_memory_dir() -> Path:
     shm = Path("/dev/shm")
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
@@ -125,19 +141,26 @@ class SharedMemorySlot:
             self.buffer = self._map(num_bytes)
 
     def fill(
-        self, tensors: list[tuple[str, torch.Tensor]], *, sync_id: str, version: int, index: int
+        self,
+        tensors: list[tuple[str, torch.Tensor]],
+        *,
+        sync_id: str,
+        version: int,
+        index: int,
+        dtype: torch.dtype | None = None,
     ) -> BucketManifest:
-        """Copy ``tensors`` back to back into the slot and describe them."""
+        """Copy ``tensors`` back to back into the slot (each at an offset its element size divides) and describe
+        them; floating-point tensors are cast to ``dtype`` on the way in when it is given (`sent_dtype`)."""
         entries, offset = [], 0
-        self.ensure(sum(t.numel() * t.element_size() for _, t in tensors))
+        self.ensure(sum(t.numel() * sent_dtype(t, dtype).itemsize + 8 for _, t in tensors))
         for name, tensor in tensors:
-            num_bytes = tensor.numel() * tensor.element_size()
-            view = self.buffer[offset : offset + num_bytes].view(tensor.dtype).view(tensor.shape)
+            kind = sent_dtype(tensor, dtype)
+            offset = -(-offset // kind.itemsize) * kind.itemsize
+            num_bytes = tensor.numel() * kind.itemsize
+            view = self.buffer[offset : offset + num_bytes].view(kind).view(tensor.shape)
             view.copy_(tensor.detach())
             entries.append(
-                TensorEntry(
-                    name=name, dtype=str(tensor.dtype), shape=tuple(tensor.shape), offset=offset, num_bytes=num_bytes
-                )
+                TensorEntry(name=name, dtype=str(kind), shape=tuple(tensor.shape), offset=offset, num_bytes=num_bytes)
             )
             offset += num_bytes
         return BucketManifest(

@@ -30,6 +30,7 @@ from sharpen.rollout.weight_sync.buckets import (
     combine_checksums,
     group_key,
     read_bucket,
+    sent_dtype,
 )
 
 
@@ -76,9 +77,10 @@ class SyncReport:
 
 
 def iter_groups(
-    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Batches of at least ``bucket_bytes`` (but the last), cut only between module groups."""
+    """Batches of at least ``bucket_bytes`` (but the last, counted as sent in ``dtype``: `sent_dtype`), cut only
+    between module groups."""
     batch: list[tuple[str, torch.Tensor]] = []
     size, current, closed = 0, None, set()
     for name, tensor in weights:
@@ -93,18 +95,20 @@ def iter_groups(
                 batch, size = [], 0
             current = group
         batch.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
+        size += tensor.numel() * sent_dtype(tensor, dtype).itemsize
     if batch:
         yield batch
 
 
 class BucketedSender:
-    """Sends named full tensors to a `BucketTarget` through reused shared-memory slots."""
+    """Sends named full tensors to a `BucketTarget` through reused shared-memory slots; floating-point tensors
+    travel in ``dtype`` when it is given (the engine's: `engine_sync_dtype`), the checksums cover what was sent."""
 
-    def __init__(self, *, bucket_bytes: int, num_slots: int = 2) -> None:
+    def __init__(self, *, bucket_bytes: int, num_slots: int = 2, dtype: torch.dtype | None = None) -> None:
         if bucket_bytes <= 0 or num_slots < 1:
             raise ValueError(f"bucket_bytes must be > 0 and num_slots >= 1, got {bucket_bytes}, {num_slots}")
         self.bucket_bytes = bucket_bytes
+        self.dtype = dtype
         self.slots = [SharedMemorySlot(bucket_bytes) for _ in range(num_slots)]
 
     def send(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: int, target: BucketTarget) -> SyncReport:
@@ -171,12 +175,13 @@ class BucketedSender:
         fill_seconds: list[float],
     ) -> None:
         try:
-            for index, batch in enumerate(iter_groups(weights, self.bucket_bytes)):
+            for index, batch in enumerate(iter_groups(weights, self.bucket_bytes, dtype=self.dtype)):
                 slot = free.get()
                 if slot is None:
                     return  # the consumer failed
                 started = time.perf_counter()
-                filled.put((slot, slot.fill(batch, sync_id=sync_id, version=version, index=index)))
+                manifest = slot.fill(batch, sync_id=sync_id, version=version, index=index, dtype=self.dtype)
+                filled.put((slot, manifest))
                 fill_seconds[0] += time.perf_counter() - started
             filled.put(None)
         except BaseException as error:  # handed to the consumer, which raises it in the caller's thread

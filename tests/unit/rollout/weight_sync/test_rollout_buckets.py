@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 import torch
 
-from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, group_key, shared_memory_dir
+from sharpen.rollout.weight_sync.buckets import (
+    BucketError,
+    BucketManifest,
+    engine_sync_dtype,
+    group_key,
+    shared_memory_dir,
+)
 from sharpen.rollout.weight_sync.streaming import BucketedSender, BucketReceiver, iter_groups
 
 
@@ -189,3 +195,27 @@ def test_close_leaves_no_shared_memory_behind():
     assert not any(path.exists() for path in paths)
     with pytest.raises(ValueError, match="bucket_bytes"):
         BucketedSender(bucket_bytes=0)
+
+
+def test_floating_point_weights_travel_in_the_engines_dtype_with_the_loaders_bits():
+    weights = _weights()
+    collector = _Collector()
+    sender = BucketedSender(bucket_bytes=1500, dtype=engine_sync_dtype("bfloat16"))
+    try:
+        report = sender.send(iter(weights), version=3, target=LocalBucketTarget(BucketReceiver(collector)))
+    finally:
+        sender.close()
+    assert report.num_bytes == sum(t.numel() * (2 if t.is_floating_point() else 8) for _, t in weights)
+    for name, tensor in weights:
+        got = collector.received[name]
+        if tensor.is_floating_point():
+            loaded = torch.empty(tensor.shape, dtype=torch.bfloat16)
+            loaded.copy_(tensor)  # what an engine's loader does with a float32 tensor for a bf16 parameter
+            assert got.dtype == torch.bfloat16 and torch.equal(got, loaded)
+        else:
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor)  # the int64 buffer keeps its dtype
+    sizes = [
+        sum(t.numel() * 2 for _, t in batch) for batch in iter_groups(iter(weights[:-1]), 1500, dtype=torch.bfloat16)
+    ]
+    assert all(size >= 1500 for size in sizes[:-1])  # buckets are sized by the bytes sent
+    assert engine_sync_dtype("float32") is torch.float32 and engine_sync_dtype("auto") is None
