@@ -155,8 +155,17 @@ def entropy_from_logits(logits: torch.Tensor, *, chunk_size: int | None = None) 
 
 
 def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
-    z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # [rows, vocab]
-    log_probs = torch.log_softmax(z, dim=-1)  # [rows, vocab]: z - logsumexp(z), shifted by the max inside
-    # p = 0 exactly where log p = -inf; a finite stand-in keeps 0 * -inf = NaN out of the value and the gradient.
-    finite_log_probs = torch.where(torch.isfinite(log_probs), log_probs, torch.zeros_like(log_probs))
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    # [rows, vocab]: z - logsumexp(z), shifted by the max inside, computed in `dtype` (the input cast inside)
+    return entropy_from_log_probs(torch.log_softmax(logits, dim=-1, dtype=dtype))
+
+
+def entropy_from_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy -sum_v p_v log p_v over the last dimension from normalised log-probabilities (a log-softmax):
+    [..., vocab] -> [...], in their dtype. `entropy_from_logits` without its log-softmax, for a caller that already
+    has one (the trainer's scoring pass computes it once for the target logprobs and the entropy)."""
+    # p = 0 exactly where log p = -inf: clamping it to the dtype's lowest finite value gives 0 * finite = 0 in the
+    # value and a zero gradient there (clamp passes none below its bound), where 0 * -inf would be NaN; log p <= 0
+    # everywhere else, so nothing else changes. One elementwise pass, no mask tensor.
+    finite_log_probs = log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
     return -(log_probs.exp() * finite_log_probs).sum(dim=-1)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sharpen.trainer.algorithms.kl import entropy_from_logits
+from sharpen.trainer.algorithms.kl import entropy_from_log_probs
 
 
 def score_hidden(
@@ -66,8 +66,13 @@ def _score_chunk(
     with_entropy: bool,
     entropy_requires_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = lm_head(hidden).float() / temperature  # [chunk, vocab]
-    logprobs = -torch.nn.functional.cross_entropy(logits, targets, reduction="none")  # [chunk]
+    logits = lm_head(hidden)  # [chunk, vocab], bfloat16 under autocast
+    if temperature != 1.0:  # dividing by 1 would only cost a pass over the logits (and a copy of them)
+        logits = logits.float() / temperature
+    # One float32 log-softmax (a bfloat16 input is cast inside, no float32 copy of the logits is kept) serves the
+    # targets' logprobs and the entropy: the same values and gradient as cross_entropy (its log-softmax and gather).
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [chunk, vocab]
+    logprobs = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [chunk]
     if not with_entropy:
         return logprobs, None
-    return logprobs, entropy_from_logits(logits if entropy_requires_grad else logits.detach())
+    return logprobs, entropy_from_log_probs(log_probs if entropy_requires_grad else log_probs.detach())

@@ -15,6 +15,7 @@ from torch import nn
 
 from sharpen.config.schema import CriticConfig
 from sharpen.trainer.backends.single_device import autocast_bf16
+from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision
 
 if TYPE_CHECKING:
@@ -61,8 +62,8 @@ class ValueModel:
         network = ValueNetwork(model.get_decoder(), hidden_size=model.config.hidden_size, dtype=torch_dtype)
         self.network: ValueNetwork = network.to(device)
         self.network.train()
-        self.optimizer = torch.optim.AdamW(
-            self.network.parameters(), lr=config.learning_rate, betas=betas, weight_decay=weight_decay
+        self.optimizer = build_adamw(
+            self.network.parameters(), learning_rate=config.learning_rate, betas=betas, weight_decay=weight_decay
         )
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,9 @@ from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
+from sharpen.trainer.backends.cpu_memory import keep_freed_memory
 from sharpen.trainer.backends.single_device import autocast_bf16, score_tokens
+from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 
 if TYPE_CHECKING:
@@ -157,6 +159,8 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.config = config
         self.model_path = Path(model_path)
         self.device = _rank_device(config.device)
+        if config.reuse_cpu_memory and self.device.type == "cpu":
+            keep_freed_memory()  # a process-wide setting of the C library (`cpu_memory`)
         expected = "nccl" if self.device.type == "cuda" else "gloo"
         if dist.get_backend() != expected:
             raise ValueError(f"device {self.device} needs a {expected} process group, not {dist.get_backend()}")
@@ -190,9 +194,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 # plain SUM also avoids PREMUL_SUM, which gloo lacks.
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],  # all, or the LoRA adapters alone
-            lr=config.learning_rate,
+        self.optimizer = build_adamw(
+            (p for p in self.model.parameters() if p.requires_grad),  # all, or the LoRA adapters alone
+            learning_rate=config.learning_rate,
             betas=config.betas,
             weight_decay=config.weight_decay,
         )

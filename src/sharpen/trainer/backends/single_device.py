@@ -18,6 +18,8 @@ from torch import nn
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
 from sharpen.trainer.backends.chunked_logits import score_hidden
+from sharpen.trainer.backends.cpu_memory import keep_freed_memory
+from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision, PrecisionChoice, resolve_precision
 
 if TYPE_CHECKING:
@@ -102,6 +104,8 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self.config = config
         self.model_path = Path(model_path)
         self.device = resolve_device(config.device)
+        if config.reuse_cpu_memory and self.device.type == "cpu":
+            keep_freed_memory()  # a process-wide setting of the C library (`cpu_memory`)
         self.precision: PrecisionChoice = resolve_precision(
             config.precision, self.device, num_threads=config.resolved_num_threads
         )
@@ -117,9 +121,9 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],  # all of them, or the LoRA adapters alone
-            lr=config.learning_rate,
+        self.optimizer = build_adamw(
+            (p for p in self.model.parameters() if p.requires_grad),  # all of them, or the LoRA adapters alone
+            learning_rate=config.learning_rate,
             betas=config.betas,
             weight_decay=config.weight_decay,
         )

@@ -1,0 +1,21 @@
+"""The optimizer every trainer backend and the critic build: AdamW, in torch's fused kernel.
+
+torch's AdamW defaults to its per-tensor loop on the CPU (the multi-tensor and fused paths are chosen by default only
+on CUDA). The fused kernel runs the same update (the same float32 arithmetic per element, in one pass over each
+tensor) and exists on both the CPU and CUDA; measured here on SmolLM2-135M's 272 float32 tensors, 2 threads: 0.05-0.07
+s per step against 0.3-1.0 s for the loop (`benchmarks/limit.py` prints the optimizer's time on its own). It is not
+bit-identical to the loop (another operation order), so a run resumes with the optimizer it started with: this one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def build_adamw(
+    parameters: Iterable[torch.nn.Parameter], *, learning_rate: float, betas: tuple[float, float], weight_decay: float
+) -> torch.optim.AdamW:
+    """AdamW over ``parameters`` (plain tensors or FSDP2's DTensor shards, on the CPU or a CUDA device)."""
+    return torch.optim.AdamW(list(parameters), lr=learning_rate, betas=betas, weight_decay=weight_decay, fused=True)
