@@ -110,6 +110,8 @@ class AgentSession:
     """(messages including the reply, tools, their tokens) of the latest chat call, for continuity."""
     _last_text: tuple[str, list[int]] | None = None
     """(prompt text + completion text, their tokens) of the latest completions call."""
+    _segments: list[Segment] = field(default_factory=list[Segment])
+    """`segments`, extended as each call returns (one prefix match per call, not a rebuild of them all)."""
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A ``/v1/chat/completions`` request -> its response."""
@@ -183,15 +185,22 @@ class AgentSession:
         return self._response("text_completion", body, call, choice)
 
     def segments(self) -> list[Segment]:
-        """The calls joined by token continuity, in the order their segments started."""
-        out: list[Segment] = []
-        for call in self.calls:
-            extended = next((s for s in reversed(out) if call.prompt_ids[: len(s.token_ids)] == s.token_ids), None)
-            if extended is None:
-                extended = Segment(prompt_ids=call.prompt_ids)
-                out.append(extended)
-            extended.extend(call)
-        return out
+        """The calls joined by token continuity, in the order their segments started: a call extends the latest
+        segment whose tokens begin its prompt, or starts one."""
+        return list(self._segments)
+
+    def _segment_of(self, prompt_ids: list[int]) -> Segment | None:
+        """The latest segment whose tokens begin ``prompt_ids`` (the one a call with this prompt extends)."""
+        for segment in reversed(self._segments):
+            num_prompt = len(segment.prompt_ids)
+            num_tokens = num_prompt + len(segment.completion_ids)
+            if (
+                len(prompt_ids) >= num_tokens
+                and prompt_ids[:num_prompt] == segment.prompt_ids
+                and prompt_ids[num_prompt:num_tokens] == segment.completion_ids
+            ):
+                return segment
+        return None
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         last = self._last_chat
@@ -221,7 +230,8 @@ class AgentSession:
         if len(self.calls) + self.num_in_flight >= self.max_calls:
             self.limit_reached = "max_turns"
             raise RequestError(f"the episode's limit of {self.max_calls} model calls is reached", code="episode_limit")
-        used = _segment_tokens(self.segments(), prompt_ids)
+        segment = self._segment_of(prompt_ids)
+        used = 0 if segment is None else len(prompt_ids) - len(segment.prompt_ids)  # what counts against max_tokens
         budget = min(self.sampling.max_new_tokens, self.max_tokens - used, _max_tokens(body, self.sampling))
         if budget <= 0:
             self.limit_reached = "max_tokens"
@@ -248,6 +258,12 @@ class AgentSession:
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         call = AgentCall(prompt_ids=list(prompt_ids), completion=completion, versions=versions, text=text)
         self.calls.append(call)
+        # matched again: calls that returned while this one ran may have extended or started segments
+        segment = self._segment_of(call.prompt_ids)
+        if segment is None:
+            segment = Segment(prompt_ids=call.prompt_ids)
+            self._segments.append(segment)
+        segment.extend(call)
         return call
 
     def _token_logprobs(self, call: AgentCall) -> list[dict[str, Any]]:
@@ -272,14 +288,6 @@ class AgentSession:
             },
             "prompt_token_ids": call.prompt_ids,
         }
-
-
-def _segment_tokens(segments: list[Segment], prompt_ids: list[int]) -> int:
-    """Completion tokens the call's segment will hold before it generates (what counts against max_tokens)."""
-    for segment in reversed(segments):
-        if prompt_ids[: len(segment.token_ids)] == segment.token_ids:
-            return len(prompt_ids) - len(segment.prompt_ids)
-    return 0
 
 
 def _max_tokens(body: dict[str, Any], sampling: SamplingParams) -> int:
