@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
-from sharpen.trainer.backends.cpu_memory import keep_freed_memory
+from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.single_device import autocast_bf16, score_tokens
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
@@ -159,8 +159,8 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.config = config
         self.model_path = Path(model_path)
         self.device = _rank_device(config.device)
-        if config.reuse_cpu_memory and self.device.type == "cpu":
-            keep_freed_memory()  # a process-wide setting of the C library (`cpu_memory`)
+        # a process-wide setting of the C library (`cpu_memory`), bounded after every optimizer step
+        self.freed_memory = FreedMemory.keep(config.reuse_cpu_memory_mb) if self.device.type == "cpu" else None
         expected = "nccl" if self.device.type == "cuda" else "gloo"
         if dist.get_backend() != expected:
             raise ValueError(f"device {self.device} needs a {expected} process group, not {dist.get_backend()}")
@@ -240,6 +240,8 @@ class FSDP2Backend(ScoresTokenLogprobs):
             torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, total_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.freed_memory is not None:
+            self.freed_memory.bound()
         return float(total_norm)
 
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:

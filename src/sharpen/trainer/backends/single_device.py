@@ -18,7 +18,7 @@ from torch import nn
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
 from sharpen.trainer.backends.chunked_logits import score_hidden
-from sharpen.trainer.backends.cpu_memory import keep_freed_memory
+from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision, PrecisionChoice, resolve_precision
 
@@ -104,8 +104,8 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self.config = config
         self.model_path = Path(model_path)
         self.device = resolve_device(config.device)
-        if config.reuse_cpu_memory and self.device.type == "cpu":
-            keep_freed_memory()  # a process-wide setting of the C library (`cpu_memory`)
+        # a process-wide setting of the C library (`cpu_memory`), bounded after every optimizer step
+        self.freed_memory = FreedMemory.keep(config.reuse_cpu_memory_mb) if self.device.type == "cpu" else None
         self.precision: PrecisionChoice = resolve_precision(
             config.precision, self.device, num_threads=config.resolved_num_threads
         )
@@ -200,6 +200,8 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         if torch.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.freed_memory is not None:
+            self.freed_memory.bound()
         return float(grad_norm)
 
     @torch.no_grad()

@@ -1,7 +1,7 @@
 """What the train step does to go faster, each shown to keep its arithmetic: one float32 log-softmax for the targets'
 logprobs and the entropy (against cross_entropy and the entropy of the logits, values and gradients, at temperature 1
 and not), AdamW in torch's fused kernel (against the per-tensor loop), and freed memory kept in the process (no page
-is faulted in again when a freed block of the same size is allocated)."""
+is faulted in again when a freed block of the same size is allocated; beyond the budget it goes back)."""
 
 from __future__ import annotations
 
@@ -85,10 +85,10 @@ _FAULTS = textwrap.dedent(
     """
     import resource, sys
     import torch
-    from sharpen.trainer.backends.cpu_memory import keep_freed_memory
+    from sharpen.trainer.backends.cpu_memory import FreedMemory
 
     if sys.argv[1] == "keep":
-        assert keep_freed_memory()
+        assert FreedMemory.keep(budget_mb=64) is not None
 
     def faults_of_one_block():
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -102,13 +102,40 @@ _FAULTS = textwrap.dedent(
     """
 )
 
+_BOUND = textwrap.dedent(
+    """
+    import torch
+    from sharpen.trainer.backends.cpu_memory import WARM_UP_STEPS, FreedMemory, resident_bytes
+
+    memory = FreedMemory.keep(budget_mb=64)
+    for _ in range(WARM_UP_STEPS):
+        assert not memory.bound()  # the warm-up steps measure the working set
+    held = []
+    for size in range(40):  # blocks of growing sizes, each kept apart by a small live one: holes no later block fits
+        block = torch.ones((8 + size) * 2**20, dtype=torch.uint8)
+        held.append(torch.ones(1024, dtype=torch.uint8))
+        del block
+    grown = resident_bytes() - memory.working_set
+    assert memory.bound() and memory.num_trims == 1
+    print(grown, resident_bytes() - memory.working_set)
+    """
+)
+
+
+def _run(script: str, *args: str) -> list[int]:
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, check=True)
+    return [int(word) for word in done.stdout.split()]
+
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_freed_memory_is_reused_without_faulting_pages_in_again():
-    def faults(mode: str) -> int:
-        done = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, check=True)
-        return int(done.stdout.split()[-1])
-
     pages = 64 * 2**20 // 4096
-    assert faults("default") > pages // 2  # each allocation is a fresh mmap, its pages zero-filled by the kernel
-    assert faults("keep") < pages // 20  # the freed block is the next allocation's
+    assert _run(_FAULTS, "default")[-1] > pages // 2  # each allocation a fresh mmap, zero-filled by the kernel
+    assert _run(_FAULTS, "keep")[-1] < pages // 20  # the freed block is the next allocation's
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_kept_memory_beyond_the_budget_goes_back_after_a_step():
+    grown, after = _run(_BOUND)
+    assert grown > 200 * 2**20  # the fragmented heap kept far more than the 64 MiB budget
+    assert after < 64 * 2**20  # the trim gave it back
