@@ -23,6 +23,13 @@ def vowel_reward(example: Example, completion: str) -> RewardResult:
     return RewardResult(score=score, status=RewardStatus.OK, components={"vowels": score}, verifier="vowels")
 
 
+def even_length_reward(example: Example, completion: str) -> RewardResult:
+    """Right (1) or wrong (0) for the pass@k advantage, which counts only scores >= 1 as correct (a vowel fraction
+    never is): whether the random text has an even number of characters, about one sample in two."""
+    score = float(len(completion) % 2 == 0)
+    return RewardResult(score=score, status=RewardStatus.OK, components={"even": score}, verifier="even")
+
+
 def test_every_algorithm_has_a_recipe() -> None:
     assert {p.stem for p in RECIPES} >= {"grpo", "drgrpo", "dapo", "rloo", "reinforce_pp", "gspo", "ppo", "remax"}
 
@@ -49,8 +56,12 @@ def test_recipe_runs_with_the_tiny_model(recipe: Path, tiny_model_path: Path, tm
         # A random tiny model never emits EOS: every completion is truncated and overlong filtering would leave
         # nothing to train on (tests/unit/orchestration covers the filter itself).
         overrides.append("trainer.algorithm.mask_truncated=false")
+    is_passk = 'advantage = "passk"' in recipe.read_text()
+    if is_passk:
+        # only a group with 1 to n - k right samples trains: 8 groups make one all but certain in each step
+        overrides.append("rollout.prompts_per_step=8")
     config = load_config(recipe, overrides)
-    run_dir = run_embedded(config, reward_fn=vowel_reward)
+    run_dir = run_embedded(config, reward_fn=even_length_reward if is_passk else vowel_reward)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     # trainer.precision = "auto" picks bf16 on a CPU that runs it fast: the engine and the trainer then round
     # differently (measured here: 4e-4 mean), far below the probe's bf16 tolerance but above float32's agreement.
