@@ -143,4 +143,6 @@ def test_the_memory_check_sees_a_leak_of_one_token_list_per_group() -> None:
     num_bytes, num_objects = traced_growth(
         max_concurrent=8, on_group=lambda g: kept.append(g.rollouts[0].completion_ids)
     )
-    assert num_bytes > MAX_GROWTH_BYTES and num_objects >= 8 * 20
+    # 160 kept lists (8 groups x 20 steps), less what other objects may net over the same steps: the count that the
+    # leak-free runs above stay under (a clean-clone run saw 159: one interpreter object freed between the marks)
+    assert num_bytes > MAX_GROWTH_BYTES and num_objects > 8 * 20 - 64, (num_bytes, num_objects)
