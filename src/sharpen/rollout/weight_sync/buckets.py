@@ -102,7 +102,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def engine_sync_dtype(engine_dtype: str) -> torch.dtype | None:
@@ -110,7 +110,7 @@ def engine_sync_dtype(engine_dtype: str) -> torch.dtype | None:
     casts what it receives to that dtype anyway, rounding to nearest as ``Tensor.copy_`` does, so casting before the
     transfer gives the engine the same bits for fewer bytes: half of a float32 trainer's for a bf16 engine). None
     (send as they are) for a dtype the engine chooses itself ("auto")."""
-    return ENGINE_DTYPES.get(engine_dtype)
+    return _ENGINE_DTYPES.get(engine_dtype)
 
 
 def sent_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
