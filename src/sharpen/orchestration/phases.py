@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sharpen.config.schema import AlgorithmConfig, RewardConfig
+from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.schema import RewardConfig
 from sharpen.orchestration.filters import is_informative, shape_overlong_reward
 from sharpen.rewards import RewardFn, score_weights
 from sharpen.rewards.scoring import score_rollout

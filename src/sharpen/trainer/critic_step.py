@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sharpen.config.schema import CriticConfig
+from sharpen.config.algorithm import CriticConfig
 from sharpen.trainer.algorithms.advantages import StdConvention
 from sharpen.trainer.algorithms.aggregation import AggregationMode, aggregate_loss
 from sharpen.trainer.algorithms.estimators import compute_gae, whiten

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from sharpen.config.schema import DistillationConfig
+from sharpen.config.algorithm import DistillationConfig
 from sharpen.trainer.algorithms.distill import (
     distillation_advantages,
     quantile,

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from sharpen.config.schema import AlgorithmConfig, TrainerConfig
+from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_per_token
 from sharpen.trainer.algorithms.offpolicy import (

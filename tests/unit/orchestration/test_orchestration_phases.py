@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sharpen.config.schema import AlgorithmConfig
+from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.orchestration.phases import assign_advantages, reward_metrics
 from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, RolloutGroup
 

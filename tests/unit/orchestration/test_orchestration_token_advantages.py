@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from sharpen.config.schema import AlgorithmConfig
+from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.orchestration.phases import assign_advantages
 from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, RolloutGroup, with_segments
 

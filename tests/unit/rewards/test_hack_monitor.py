@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sharpen.config.schema import AlgorithmConfig
+from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.orchestration.phases import assign_advantages
 from sharpen.rewards.hack_monitor import PolicyErrorMonitor, hack_metrics, penalise_flagged, screen_flagged
 from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, RolloutGroup

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import DistillationConfig, TrainerConfig
+from sharpen.config.algorithm import DistillationConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.trainer.backends.teacher import TeacherPolicy, TeacherPrompt
 from sharpen.trainer.distill_step import DistillationStep

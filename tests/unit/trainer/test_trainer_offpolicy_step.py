@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import AlgorithmConfig, TrainerConfig
+from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.types import Rollout, TrainBatch
 from support.tiny_trainer import EXAMPLE, PAD, VOCAB, captured_step, random_rollouts

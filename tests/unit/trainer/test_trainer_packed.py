@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import AlgorithmConfig, TrainerConfig
+from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.trainer.backends.single_device import score_tokens
 from sharpen.trainer.packing import pack_micro_batch, split_micro_batches_by_tokens, unpack_scores

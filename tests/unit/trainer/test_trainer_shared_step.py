@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import AlgorithmConfig, TrainerConfig
+from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer, prefix
 from sharpen.trainer.packing import split_micro_batches
 from sharpen.types import Example, Message, Rollout, TrainBatch

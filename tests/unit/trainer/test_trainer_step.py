@@ -183,7 +183,7 @@ def test_checkpoint_round_trip_restores_weights_and_optimizer_exactly(model_dir,
 
 
 def test_kl_penalties_are_minus_coef_times_k1_of_engine_against_the_reference(model_dir):
-    from sharpen.config.schema import AlgorithmConfig
+    from sharpen.config.algorithm import AlgorithmConfig
     from sharpen.trainer import ReferencePolicy
 
     config = _config().model_copy(

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import AlgorithmConfig, CriticConfig, TrainerConfig
+from sharpen.config.algorithm import AlgorithmConfig, CriticConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer, ValueModel
 from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.packing import pack_micro_batch

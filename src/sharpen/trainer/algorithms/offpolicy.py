@@ -62,7 +62,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
-    from sharpen.config.schema import OffPolicyRejectConfig
+    from sharpen.config.algorithm import OffPolicyRejectConfig
 
 CorrectionMode = Literal["none", "token_tis", "sequence_tis", "token_mask", "icepop", "sequence_mask"]
 

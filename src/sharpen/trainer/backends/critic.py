@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from sharpen.config.schema import CriticConfig
+from sharpen.config.algorithm import CriticConfig
 from sharpen.trainer.backends.single_device import autocast_bf16
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision

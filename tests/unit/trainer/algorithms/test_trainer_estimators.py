@@ -12,7 +12,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from sharpen.config.schema import AlgorithmConfig
+from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 from sharpen.trainer.algorithms.estimators import (
     AdvantageEstimator,
@@ -498,7 +498,7 @@ def test_unbiased_std_is_the_default_and_divides_by_k_minus_1():
 def test_advantage_std_config_key_defaults_to_unbiased_and_rejects_other_values():
     from pydantic import ValidationError
 
-    from sharpen.config.schema import AlgorithmConfig
+    from sharpen.config.algorithm import AlgorithmConfig
 
     assert AlgorithmConfig().advantage_std == "unbiased"
     assert AlgorithmConfig(advantage_std="population").advantage_std == "population"

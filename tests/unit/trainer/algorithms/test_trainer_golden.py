@@ -32,7 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import AlgorithmConfig, TrainerConfig
+from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer
 from sharpen.trainer.algorithms.estimators import compute_advantages
 from sharpen.types import Example, Message, Rollout, TrainBatch

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from sharpen.config.schema import OffPolicyRejectConfig
+from sharpen.config.algorithm import OffPolicyRejectConfig
 from sharpen.trainer.algorithms.offpolicy import (
     compute_correction,
     correction_metrics,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from sharpen.config.schema import AlgorithmConfig
+from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.policy_losses import (
     PolicyLoss,

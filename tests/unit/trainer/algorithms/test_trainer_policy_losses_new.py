@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from sharpen.config.schema import AlgorithmConfig
+from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.policy_losses import (
     compute_policy_loss,
