@@ -1,4 +1,5 @@
-"""Shared fixtures: the real small model (pulled by `make test`) and a tiny random model with its tokenizer."""
+"""Shared fixtures: the real small model (pulled by `make test`), and tiny random models (a Llama, a Qwen2-VL) with
+its tokenizer."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sharpen.config.models import ModelNotFoundError, resolve_model_path
-from sharpen.testing import save_tiny_llama
+from sharpen.testing import save_tiny_llama, save_tiny_qwen2_vl
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +29,9 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path
 def tiny_reward_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
     """A 2-layer random Llama reward model (one label) with SmolLM2's tokenizer and chat template."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-rm"), tokenizer_from=smollm2_path, reward_model=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A tiny random Qwen2-VL (a vision-language model) with SmolLM2's tokenizer plus Qwen2-VL's vision tokens."""
+    return save_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"), tokenizer_from=smollm2_path)

@@ -1,5 +1,6 @@
 """Tiny random models for tests and benchmarks: a 2-layer Llama (causal LM, or a one-label reward model) with
-SmolLM2's tokenizer and chat template, built in a second from a fixed seed. The 49k vocabulary dominates its size.
+SmolLM2's tokenizer and chat template, and a tiny Qwen2-VL (a vision-language model) with the same tokenizer plus
+the vision tokens, each built in a second from a fixed seed. The 49k vocabulary dominates its size.
 torch and transformers are imported only when a model is built. And `ByteChatTokenizer`, a chat tokenizer without
 a model, for tests and benchmarks of the episode path."""
 
@@ -46,6 +47,79 @@ def save_tiny_llama(folder: Path, *, tokenizer_from: Path, reward_model: bool = 
         if (tokenizer_from / name).is_file():
             shutil.copy2(tokenizer_from / name, Path(folder) / name)
     return Path(folder)
+
+
+# A ChatML template (SmolLM2's layout) that also renders OpenAI-style content parts: text as is, each image part as
+# Qwen2-VL's vision block with one placeholder, which `data.vision.VisionProcessor` expands per image.
+_VISION_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if loop.first and message['role'] != 'system' -%}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- else -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def save_tiny_qwen2_vl(folder: Path, *, tokenizer_from: Path, hidden_size: int = 64) -> Path:
+    """A tiny random Qwen2-VL (2 text layers, a 1-block vision tower) with SmolLM2's tokenizer plus Qwen2-VL's vision
+    tokens, a chat template that renders image parts, and a PIL image processor that keeps images small (at most
+    112x112 pixels: 16 patches, 4 placeholder tokens); returns ``folder``. Seeded, like `save_tiny_llama`. The real
+    architecture, so transformers' ``Qwen2VLForConditionalGeneration`` (and vLLM's) load it."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_VISION_TOKENS)})
+    tokenizer.chat_template = _VISION_CHAT_TEMPLATE
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(_VISION_TOKENS))
+    head_dim = hidden_size // 4
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        # M-RoPE splits each head's rotary half into temporal, height and width sections
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": _mrope_section(head_dim)},
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    vision = {"depth": 1, "embed_dim": 32, "hidden_size": hidden_size, "num_heads": 2, "mlp_ratio": 2}
+    config = Qwen2VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=image,
+        video_token_id=video,
+        vision_start_token_id=start,
+        vision_end_token_id=end,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    Qwen2VLImageProcessorPil(min_pixels=28 * 28, max_pixels=112 * 112).save_pretrained(folder)
+    return Path(folder)
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    """Temporal, height and width shares of the ``head_dim // 2`` rotary frequencies (Qwen2-VL's 16/24/24 of 64)."""
+    half = head_dim // 2
+    temporal = half // 4
+    height = (half - temporal) // 2
+    return [temporal, height, half - temporal - height]
 
 
 class ByteChatTokenizer:

@@ -16,11 +16,71 @@ PolicyVersion = int
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
+class TextPart:
+    """Text inside a message whose content is a sequence of parts (OpenAI's ``{"type": "text", "text": ...}``)."""
+
+    text: str
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ImagePart:
+    """An image inside a message (OpenAI's ``{"type": "image", ...}``): the bytes of an image file (PNG, JPEG: what
+    PIL reads) or the path of one, exactly one of the two. Hashable and picklable, so prompts with images can be
+    cache keys and cross process boundaries; `Message.to_json` records a digest of the bytes, never the bytes."""
+
+    data: bytes = b""
+    path: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.data) == bool(self.path):
+            raise ValueError("ImagePart: give exactly one of data (the image file's bytes) or path")
+
+    def to_json(self) -> dict[str, Any]:
+        """``{"type": "image", "path": ...}`` or ``{"type": "image", "sha256": ..., "num_bytes": ...}``."""
+        if self.path:
+            return {"type": "image", "path": self.path}
+        import hashlib
+
+        return {"type": "image", "sha256": hashlib.sha256(self.data).hexdigest(), "num_bytes": len(self.data)}
+
+
+ContentPart = TextPart | ImagePart
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
 class Message:
-    """One chat message."""
+    """One chat message: a string (the common case) or a tuple of text and image parts, in order."""
 
     role: Literal["system", "user", "assistant", "tool"]
-    content: str
+    content: str | tuple[ContentPart, ...]
+
+    @property
+    def text(self) -> str:
+        """The content's text (its text parts joined, without the images)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    @property
+    def images(self) -> tuple[ImagePart, ...]:
+        """The content's images, in order (none for a string)."""
+        if isinstance(self.content, str):
+            return ()
+        return tuple(part for part in self.content if isinstance(part, ImagePart))
+
+    def to_json(self) -> str | list[dict[str, Any]]:
+        """The content as JSON data: the string itself, or one dict per part (`ImagePart.to_json` for images)."""
+        if isinstance(self.content, str):
+            return self.content
+        return [
+            part.to_json() if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+            for part in self.content
+        ]
+
+
+def prompt_images(messages: tuple[Message, ...] | list[Message]) -> tuple[ImagePart, ...]:
+    """Every image of ``messages``, in the order a chat template renders them."""
+    return tuple(image for message in messages for image in message.images)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -42,7 +102,7 @@ class Example:
         import json
 
         payload = json.dumps(
-            {"prompt": [[m.role, m.content] for m in self.prompt], "answer": self.answer},
+            {"prompt": [[m.role, m.to_json()] for m in self.prompt], "answer": self.answer},
             sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -126,6 +186,9 @@ class Rollout:
     completion_ids: list[int]
     completion_logprobs: list[float]
     """Behaviour (engine) logprob of each completion token, at temperature 1 after any sampling transforms."""
+    images: tuple[ImagePart, ...] = ()
+    """The images the prompt ids hold placeholders for, in order (each expanded to the tokens its image takes);
+    the engine and the trainer turn them into the model's pixel inputs with the model's image processor."""
     versions: list[PolicyVersion]
     """Policy version that produced each completion token (all equal in synchronous mode)."""
     completion_text: str = ""

@@ -14,13 +14,16 @@ from typing import Any
 from sharpen.types import Message
 
 
+class ImageInputError(ValueError):
+    """Images given to a model or tokenizer that cannot take them, or an image that cannot be read."""
+
+
 def render_prompt(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
-    """Token ids of ``messages`` under the tokenizer's chat template, ending with the assistant generation prompt."""
+    """Token ids of ``messages`` under the tokenizer's chat template, ending with the assistant generation prompt.
+    Content given as parts renders as its text; images need a vision model's `vision.VisionProcessor`."""
     if not messages:
         raise ValueError("render_prompt: no messages to render")
-    return _template_ids(
-        tokenizer, [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
-    )
+    return template_ids(tokenizer, _text_messages("render_prompt", messages), add_generation_prompt=True)
 
 
 def render_messages(
@@ -30,7 +33,7 @@ def render_messages(
     definitions, which the template renders where it puts them (usually the system prompt)."""
     if not messages:
         raise ValueError("render_messages: no messages to render")
-    return _template_ids(tokenizer, [dict(m) for m in messages], add_generation_prompt=True, tools=tools)
+    return template_ids(tokenizer, [dict(m) for m in messages], add_generation_prompt=True, tools=tools)
 
 
 # A conversation that ends with an assistant turn: what a continuation is rendered after. Its content never reaches
@@ -48,10 +51,13 @@ def render_continuation(tokenizer: Any, messages: Sequence[Message], *, end_of_t
     (SmolLM2's "\\n") belongs to the continuation."""
     if not messages:
         raise ValueError("render_continuation: no messages to render")
+    return continuation_ids(tokenizer, _text_messages("render_continuation", messages), end_of_turn_id=end_of_turn_id)
+
+
+def continuation_ids(tokenizer: Any, messages: list[dict[str, Any]], *, end_of_turn_id: int) -> list[int]:
+    """`render_continuation` of messages already as the template reads them (dicts; `vision` renders image parts)."""
     base = _anchor_ids(tokenizer)
-    full = _template_ids(
-        tokenizer, [*_ANCHOR, *({"role": m.role, "content": m.content} for m in messages)], add_generation_prompt=True
-    )
+    full = template_ids(tokenizer, [*_ANCHOR, *messages], add_generation_prompt=True)
     if end_of_turn_id not in base:
         raise ValueError(
             f"render_continuation: the chat template does not end an assistant turn with token {end_of_turn_id}; "
@@ -67,12 +73,25 @@ def render_continuation(tokenizer: Any, messages: Sequence[Message], *, end_of_t
 def _anchor_ids(tokenizer: Any) -> list[int]:
     """The anchor conversation's ids, rendered once per tokenizer (half of every continuation's template work);
     read-only."""
-    return _template_ids(tokenizer, list(_ANCHOR), add_generation_prompt=False)
+    return template_ids(tokenizer, list(_ANCHOR), add_generation_prompt=False)
 
 
-def _template_ids(
+def _text_messages(where: str, messages: Sequence[Message]) -> list[dict[str, Any]]:
+    """``messages`` as the chat template reads them, each content a string; images are an error here (a text-only
+    tokenizer has no placeholder for them, and multi-turn observations do not carry images yet)."""
+    num_images = sum(len(m.images) for m in messages)
+    if num_images:
+        raise ImageInputError(
+            f"{where}: the messages hold {num_images} image(s), which a text-only tokenizer cannot render: a "
+            "vision-language model's prompts go through sharpen.data.vision.VisionProcessor.render_prompt"
+        )
+    return [{"role": m.role, "content": m.text} for m in messages]
+
+
+def template_ids(
     tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[Any] | None = None
 ) -> list[int]:
+    """The flat token ids of ``messages`` (dicts as the template reads them) under the tokenizer's chat template."""
     extra = {} if tools is None else {"tools": tools}
     rendered = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra

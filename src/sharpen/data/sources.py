@@ -276,7 +276,7 @@ def _example_from_row(row: dict[str, Any], config: HfDataConfig, *, task_key: st
         used.append(config.answer_column)
         answer = _checked_answer(row[config.answer_column], where=f"{where}: column {config.answer_column!r}")
     elif final is not None:
-        answer = final.content
+        answer = final.text
     else:
         raise DataError(
             f"{where}: column {config.messages_column!r}: the conversation does not end with an assistant message "

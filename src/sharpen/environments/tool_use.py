@@ -55,7 +55,7 @@ class ToolEnvironment:
     def system_prompt(self, example: Example) -> str:
         """The example's own system prompt (if any), then the tool instructions and specs."""
         specs = "\n".join(json.dumps(spec["function"]) for spec in self.specs)
-        own = [m.content for m in example.prompt if m.role == "system"]
+        own = [m.text for m in example.prompt if m.role == "system"]
         return "\n\n".join([*own, TOOL_INSTRUCTIONS.format(specs=specs)])
 
     async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 
 class ProbeEngine(Protocol):
@@ -43,6 +43,23 @@ class ProbeTrainer(Protocol):
     def compute_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprobs of ``token_ids[1:]`` given their prefixes under the current weights, at temperature 1."""
         ...
+
+
+class ImageProbeEngine(Protocol):
+    """An engine's ``score`` for probes with images (the `hf` engine's): only image probes call it, so engines
+    without image prompts keep the plain `ProbeEngine.score`."""
+
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...]) -> list[float]: ...
+
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]: ...
+
+
+class ImageProbeTrainer(Protocol):
+    """The trainer's ``compute_logprobs`` for probes with images."""
+
+    def compute_logprobs(self, token_ids: list[int], images: tuple[ImagePart, ...]) -> list[float]: ...
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -77,11 +94,18 @@ def parity_metrics(differences: Sequence[float]) -> dict[str, float]:
 
 class ParityProbe:
     """Fixed probe sequences, each ``(token_ids, prompt_length)``: the prompt is ``token_ids[:prompt_length]`` and
-    the rest is the completion whose logprobs are compared."""
+    the rest is the completion whose logprobs are compared. ``images`` (one tuple per sequence, when some prompts
+    hold images): the images each prompt's placeholders stand for, passed to the engine's ``score`` and the
+    trainer's ``compute_logprobs`` (an image prompt is compared with the same pixels on both sides)."""
 
-    def __init__(self, sequences: Sequence[tuple[list[int], int]]) -> None:
+    def __init__(
+        self, sequences: Sequence[tuple[list[int], int]], images: Sequence[tuple[ImagePart, ...]] | None = None
+    ) -> None:
         if not sequences:
             raise ValueError("ParityProbe: no probe sequences")
+        if images is not None and len(images) != len(sequences):
+            raise ValueError(f"ParityProbe: {len(images)} image tuples for {len(sequences)} probe sequences")
+        self.images: list[tuple[ImagePart, ...]] = list(images) if images is not None else [()] * len(sequences)
         for index, (token_ids, prompt_length) in enumerate(sequences):
             if not 1 <= prompt_length < len(token_ids):
                 raise ValueError(
@@ -100,8 +124,16 @@ class ParityProbe:
         return ParityReference(
             version=version,
             logprobs=[
-                _completion_logprobs(trainer.compute_logprobs(token_ids), token_ids, prompt_length, source="trainer")
-                for token_ids, prompt_length in self.sequences
+                _completion_logprobs(
+                    # an image probe needs a trainer that takes images (`Trainer.compute_logprobs` does)
+                    cast(ImageProbeTrainer, trainer).compute_logprobs(token_ids, images)
+                    if images
+                    else trainer.compute_logprobs(token_ids),
+                    token_ids,
+                    prompt_length,
+                    source="trainer",
+                )
+                for (token_ids, prompt_length), images in zip(self.sequences, self.images, strict=True)
             ],
         )
 
@@ -119,8 +151,12 @@ class ParityProbe:
                 f"{len(self.sequences)}"
             )
         differences: list[float] = []
-        for (token_ids, prompt_length), trainer_logprobs in zip(self.sequences, reference.logprobs, strict=True):
-            engine_logprobs = _completion_logprobs(engine.score(token_ids), token_ids, prompt_length, source="engine")
+        for (token_ids, prompt_length), images, trainer_logprobs in zip(
+            self.sequences, self.images, reference.logprobs, strict=True
+        ):
+            # an image probe was built by an engine that generates from images, which also scores them
+            scored = cast(ImageProbeEngine, engine).score(token_ids, images) if images else engine.score(token_ids)
+            engine_logprobs = _completion_logprobs(scored, token_ids, prompt_length, source="engine")
             differences.extend(t - e for t, e in zip(trainer_logprobs, engine_logprobs, strict=True))
         return parity_metrics(differences)
 
@@ -143,19 +179,30 @@ def _completion_logprobs(
     return logprobs[prompt_length - 1 :]
 
 
-def build_probe_set(prompts: list[list[int]], engine: ProbeEngine, *, max_new_tokens: int) -> ParityProbe:
+def build_probe_set(
+    prompts: list[list[int]],
+    engine: ProbeEngine,
+    *,
+    max_new_tokens: int,
+    images: Sequence[tuple[ImagePart, ...]] | None = None,
+) -> ParityProbe:
     """Probes from rendered prompts (e.g. ``render_prompt`` of the run's first examples), each completed greedily
     by ``engine`` in one ``generate`` call: the policy's own kind of text, then fixed for the run. A prompt whose
-    completion comes back empty is left out."""
+    completion comes back empty is left out. ``images``: each prompt's images, when some prompts hold images (a
+    vision model's `VisionProcessor.render_prompt`); the engine then generates with them (``generate_with_images``)."""
     if not prompts:
         raise ValueError("build_probe_set: no prompts")
     params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)] * len(prompts)  # 0: greedy
-    completions = engine.generate(prompts, params)
-    sequences = [
-        (prompt + completion.token_ids, len(prompt))
-        for prompt, completion in zip(prompts, completions, strict=True)
+    per_prompt = list(images) if images is not None else [()] * len(prompts)
+    if any(per_prompt):  # image prompts need an engine that generates from images (the hf engine)
+        completions = cast(ImageProbeEngine, engine).generate_with_images(prompts, per_prompt, params)
+    else:
+        completions = engine.generate(prompts, params)
+    kept = [
+        (prompt + completion.token_ids, len(prompt), prompt_images)
+        for prompt, completion, prompt_images in zip(prompts, completions, per_prompt, strict=True)
         if completion.token_ids
     ]
-    if not sequences:
+    if not kept:
         raise ValueError(f"build_probe_set: the engine's greedy completions of all {len(prompts)} prompts are empty")
-    return ParityProbe(sequences)
+    return ParityProbe([(ids, length) for ids, length, _ in kept], [found for _, _, found in kept])

@@ -33,7 +33,7 @@ def rollout_record(step: int, rollout: Rollout) -> dict[str, Any]:
         "task_key": rollout.example.task_key,
         "task_hash": rollout.example.task_hash,
         "sample_index": rollout.sample_index,
-        "prompt": [{"role": m.role, "content": m.content} for m in rollout.example.prompt],
+        "prompt": [{"role": m.role, "content": m.to_json()} for m in rollout.example.prompt],
         "prompt_ids": list(rollout.prompt_ids),
         "completion_text": rollout.completion_text,
         "completion_ids": list(rollout.completion_ids),

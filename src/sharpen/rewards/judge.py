@@ -298,7 +298,7 @@ class Judge:
         return True
 
     def _screen(self, example: Example, completion: str) -> ScreenedCandidate:
-        context = "\n".join([*(m.content for m in example.prompt), example.answer or ""])
+        context = "\n".join([*(m.text for m in example.prompt), example.answer or ""])
         candidate = screen_candidate(completion, context=context, max_score=self.prompt.max_score)
         if candidate.signals:
             logger.info("judge: %s screened for %s", example.task_key, ", ".join(candidate.signals))

@@ -257,7 +257,7 @@ def _wrap(system: str, blocks: str, nonce: str) -> list[dict[str, str]]:
 
 
 def _task_blocks(example: Example, nonce: str) -> str:
-    task = "\n\n".join(f"[{m.role}] {m.content}" for m in example.prompt)
+    task = "\n\n".join(f"[{m.role}] {m.text}" for m in example.prompt)
     reference = example.answer if example.answer is not None else "none"
     return _BLOCK.format(title="Task", tag="task", nonce=nonce, body=task) + _BLOCK.format(
         title="Reference answer", tag="reference", nonce=nonce, body=reference

@@ -68,7 +68,7 @@ class RewardModelClient:
         for start in range(0, len(pairs), self.batch_size):
             chunk = pairs[start : start + self.batch_size]
             inputs = [
-                {"prompt": [{"role": m.role, "content": m.content} for m in example.prompt], "completion": completion}
+                {"prompt": [{"role": m.role, "content": m.text} for m in example.prompt], "completion": completion}
                 for example, completion in chunk
             ]
             try:

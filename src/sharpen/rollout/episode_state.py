@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sharpen.data import render_prompt
+from sharpen.data.vision import VisionProcessor
 from sharpen.environments import EpisodeContext
 from sharpen.environments.base import AgentEnvironment, Environment
 from sharpen.rollout.agent_session import Segment
-from sharpen.types import EpisodeRecord, Example, Message, Rollout, RolloutGroup
+from sharpen.types import EpisodeRecord, Example, ImagePart, Message, Rollout, RolloutGroup, prompt_images
 
 
 @dataclass(kw_only=True)
@@ -31,6 +32,8 @@ class EpisodeState:
     context: EpisodeContext
     record: EpisodeRecord
     prompt_ids: list[int] = field(default_factory=list[int])
+    images: tuple[ImagePart, ...] = ()
+    """The images the prompt ids hold placeholders for (a vision-language model's first prompt)."""
     completion_ids: list[int] = field(default_factory=list[int])
     logprobs: list[float] = field(default_factory=list[float])
     versions: list[int] = field(default_factory=list[int])
@@ -65,10 +68,13 @@ class EpisodeState:
 
 class PromptCache:
     """The first prompts of a run's episodes, each distinct observation rendered once (a group's samples share one):
-    a chat template is the costliest part of an episode with a real tokenizer (SmolLM2's: ~0.25 ms a prompt)."""
+    a chat template is the costliest part of an episode with a real tokenizer (SmolLM2's: ~0.25 ms a prompt).
+    ``vision`` (a vision-language model's `data.vision.VisionProcessor`) renders observations that hold images; without
+    one they are an error (`chat.render_prompt`)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, *, vision: VisionProcessor | None = None) -> None:
         self.tokenizer = tokenizer
+        self.vision = vision
         self._ids: dict[tuple[Message, ...], list[int]] = {}
 
     def render(self, observation: list[Any]) -> list[int]:
@@ -77,8 +83,16 @@ class PromptCache:
         key = tuple(observation)
         ids = self._ids.get(key)
         if ids is None:
-            ids = self._ids[key] = render_prompt(self.tokenizer, observation)
+            if self.vision is not None and prompt_images(key):
+                ids = self._ids[key] = self.vision.render_prompt(key)
+            else:
+                ids = self._ids[key] = render_prompt(self.tokenizer, observation)
         return list(ids)  # each rollout owns its list
+
+    @staticmethod
+    def images_of(observation: list[Any]) -> tuple[ImagePart, ...]:
+        """The images of a rendered observation, in order (none for OpenAI-style dict messages)."""
+        return prompt_images([m for m in observation if isinstance(m, Message)])
 
 
 class Groups:
@@ -137,6 +151,7 @@ def rollout_of(example: Example, episode: EpisodeState) -> Rollout:
         completion_ids=episode.completion_ids,
         completion_logprobs=episode.logprobs,
         versions=episode.versions,
+        images=episode.images,
         completion_text=episode.last_text,
         is_truncated=episode.is_truncated,
         loss_mask=episode.loss_mask if is_multi_turn else None,

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
 from sharpen.data import render_continuation
+from sharpen.data.vision import VisionProcessor
 from sharpen.environments import (
     EnvironmentFactory,
     EpisodeContext,
@@ -42,17 +43,19 @@ from sharpen.environments import (
 from sharpen.environments.base import AgentEnvironment, Environment
 from sharpen.rollout.agent_endpoint import AgentEndpoint
 from sharpen.rollout.agent_episodes import run_agent_episode
-from sharpen.rollout.engines.base import AsyncEngine, EngineError, InferenceEngine, request_level
+from sharpen.rollout.engines.base import AsyncEngine, EngineError, InferenceEngine, generate_prompts, request_level
 from sharpen.rollout.engines.batcher import DaemonWorker, RequestBatcher
 from sharpen.rollout.episode_state import EpisodeState, Groups, PromptCache
 from sharpen.types import (
     Completion,
     EpisodeRecord,
     Example,
+    ImagePart,
     PolicyVersion,
     RolloutGroup,
     SamplingParams,
     TurnRecord,
+    prompt_images,
 )
 
 logger = logging.getLogger(__name__)
@@ -82,8 +85,10 @@ class _DirectRequests:
         pass
 
     async def generate_one(
-        self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = ()
+        self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = (), images: tuple[ImagePart, ...] = ()
     ) -> tuple[Completion, PolicyVersion]:
+        if images:
+            raise EngineError(f"{type(self.engine).__name__} takes no image prompts yet (the hf engine does)")
         completion = await self._requests.generate_async(prompt, params)
         if completion.versions is None or len(completion.versions) != len(completion.token_ids):
             raise EngineError(f"{type(self.engine).__name__} returned a completion without per-token versions")
@@ -119,6 +124,9 @@ class EpisodeRunner:
     """An episode still running this many seconds after it started (engine and environment time together) is
     ended where it is, as truncated, with stop reason ``episode_timeout``; its tokens so far are kept (None: no
     limit). Under lockstep scheduling it bounds environment calls only (a turn's batch is shared)."""
+    vision: VisionProcessor | None = None
+    """A vision-language model's `data.vision.VisionProcessor`: prompts and observations with images are rendered
+    by it and the episode's images go to the engine with its tokens. None: text only (images are an error)."""
 
     def generate_groups(
         self,
@@ -161,7 +169,7 @@ class EpisodeRunner:
         """`generate_groups` for callers that already run an event loop."""
         episodes = [self._new_episode(examples[i], i, s) for i in range(len(examples)) for s in range(num_samples)]
         groups = Groups(examples, episodes, on_group)
-        prompts = PromptCache(self.tokenizer)
+        prompts = PromptCache(self.tokenizer, vision=self.vision)
         kinds = {type(e.environment): e.environment for e in episodes}  # a protocol check costs ~15 us: one per class
         has_agents = any(isinstance(environment, AgentEnvironment) for environment in kinds.values())
         if has_agents and self.scheduling == "lockstep":
@@ -276,6 +284,7 @@ class EpisodeRunner:
         observation = await _reset(episode, example)
         if observation is not None:
             episode.prompt_ids = prompts.render(observation)
+            episode.images = prompts.images_of(observation)
         turn = 0
         while not episode.is_done:
             ids, params = _request(episode, sampling, limits=self.limits, seed=seed, turn=turn)
@@ -284,7 +293,7 @@ class EpisodeRunner:
             is_episode_bound = left is not None and (self.request_timeout_s is None or left < self.request_timeout_s)
             timeout = left if is_episode_bound else self.request_timeout_s
             try:
-                request = batcher.generate_one(ids, params, key=key)
+                request = batcher.generate_one(ids, params, key=key, images=episode.images)
                 completion, version = await asyncio.wait_for(request, timeout=timeout)
             except TimeoutError:
                 if is_episode_bound:  # the request is dropped; the episode ends with the tokens it has
@@ -295,7 +304,8 @@ class EpisodeRunner:
             _append(episode, completion.token_ids, completion.logprobs, versions=completion.versions, is_generated=True)
             episode.last_text = completion.text
             result = await _step(episode, completion.text)
-            _advance(episode, completion, result, self.tokenizer, version=version, limits=self.limits, turn=turn)
+            renderers = {"tokenizer": self.tokenizer, "vision": self.vision}
+            _advance(episode, completion, result, version=version, limits=self.limits, turn=turn, **renderers)
             turn += 1
 
     async def _run_lockstep(
@@ -310,7 +320,7 @@ class EpisodeRunner:
         seed: int | str,
     ) -> None:
         """Every live episode's turn in one engine call, then every environment's step."""
-        limits, tokenizer = self.limits, self.tokenizer
+        limits, renderers = self.limits, {"tokenizer": self.tokenizer, "vision": self.vision}
         if self.episode_timeout_s is not None:
             for episode in episodes:
                 episode.deadline = time.monotonic() + self.episode_timeout_s
@@ -318,13 +328,15 @@ class EpisodeRunner:
         for episode, observation in zip(episodes, observations, strict=True):
             if observation is not None:
                 episode.prompt_ids = prompts.render(observation)
+                episode.images = prompts.images_of(observation)
         turn = 0
         while live := [e for e in episodes if not e.is_done]:
             for episode in episodes:
                 if episode.is_done:
                     groups.ended(episode)
             requests = [_request(e, sampling, limits=limits, seed=seed, turn=turn) for e in live]
-            completions = engine.generate([ids for ids, _ in requests], [params for _, params in requests])
+            prompts_now, params_now = [ids for ids, _ in requests], [params for _, params in requests]
+            completions = generate_prompts(engine, prompts_now, [e.images for e in live], params_now)
             version = engine.policy_version
             for episode, completion in zip(live, completions, strict=True):
                 versions = completion.versions or [version] * len(completion.token_ids)
@@ -332,7 +344,7 @@ class EpisodeRunner:
                 episode.last_text = completion.text
             results = await asyncio.gather(*(_step(e, c.text) for e, c in zip(live, completions, strict=True)))
             for episode, completion, result in zip(live, completions, results, strict=True):
-                _advance(episode, completion, result, tokenizer, version=version, limits=limits, turn=turn)
+                _advance(episode, completion, result, version=version, limits=limits, turn=turn, **renderers)
             turn += 1
         for episode in episodes:
             groups.ended(episode)
@@ -429,13 +441,15 @@ def _advance(
     episode: EpisodeState,
     completion: Completion,
     result: StepResult,
-    tokenizer: Any,
     *,
+    tokenizer: Any,
     version: int,
     limits: EpisodeLimits,
     turn: int,
+    vision: VisionProcessor | None = None,
 ) -> None:
-    """Record the turn and either end the episode or append the observation for the next turn."""
+    """Record the turn and either end the episode or append the observation for the next turn (with ``vision``, an
+    observation's images too)."""
     record = TurnRecord(
         action_text=completion.text,
         num_action_tokens=len(completion.token_ids),
@@ -461,7 +475,11 @@ def _advance(
         )
     else:
         end_of_turn_id = tokenizer.eos_token_id  # the token the engine stops a turn on
-        ids = render_continuation(tokenizer, result.observation, end_of_turn_id=end_of_turn_id)
+        images = prompt_images(result.observation)
+        if images and vision is not None:
+            ids = vision.render_continuation(result.observation, end_of_turn_id=end_of_turn_id)
+        else:  # a text observation (images without a vision processor are an error there)
+            ids = render_continuation(tokenizer, result.observation, end_of_turn_id=end_of_turn_id)
         if not completion.token_ids or completion.token_ids[-1] != end_of_turn_id:
             ids = [end_of_turn_id, *ids]  # the turn stopped on another stop token: close it as the template would
         if len(episode.completion_ids) + len(ids) >= limits.max_tokens:
@@ -469,3 +487,4 @@ def _advance(
             return
         record.observation_ids = ids
         _append(episode, ids, [0.0] * len(ids), versions=[version] * len(ids), is_generated=False)
+        episode.images += images

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sharpen.types import Rollout
+from sharpen.types import ImagePart, Rollout
 
 
 @dataclass(kw_only=True, slots=True)
@@ -34,6 +34,7 @@ class MicroBatch:
     returns: torch.Tensor | None = None  # [batch, seq - 1] the critic's regression targets (PPO with a critic)
     packed: PackedRow | None = None  # the model's input without padding (``trainer.packing``)
     prompt_lengths: tuple[int, ...] = ()  # each row's prompt tokens (rows with equal prompts can share one pass)
+    images: tuple[tuple[ImagePart, ...], ...] = ()  # each row's images (`Rollout.images`); () when no row has any
 
     @property
     def num_loss_tokens(self) -> int:
@@ -71,9 +72,16 @@ def pack_micro_batch(
     positions (0 elsewhere). Tokens an environment appended (``rollout.loss_mask`` False) are inputs only.
     ``token_advantages`` replaces the rollouts' sequence advantages (``advantages`` is then [batch, seq - 1]);
     ``rollout.advantage`` must still be set, as the mark of a trainable rollout. ``is_packed``: also build the
-    `PackedRow` of the rollouts (in this order)."""
+    `PackedRow` of the rollouts (in this order); rollouts with images are never packed (a vision model derives its
+    3-D positions per right-padded row)."""
     if not rollouts:
         raise ValueError("cannot pack an empty micro-batch")
+    images = tuple(r.images for r in rollouts) if any(r.images for r in rollouts) else ()
+    if is_packed and images:
+        raise ValueError(
+            "trainer.packing: rollouts with images cannot be packed into one row (a vision model's 3-D positions "
+            "are computed per row); set trainer.packing = false for image prompts"
+        )
     seq_len = max(r.num_tokens for r in rollouts)
     batch = len(rollouts)
     input_ids = torch.full((batch, seq_len), pad_token_id, dtype=torch.long)
@@ -123,6 +131,7 @@ def pack_micro_batch(
         returns=optional("returns"),
         packed=pack_row(rollouts, device=device) if is_packed else None,
         prompt_lengths=tuple(len(r.prompt_ids) for r in rollouts),
+        images=images,
     )
 
 

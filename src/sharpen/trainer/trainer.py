@@ -52,7 +52,7 @@ from sharpen.trainer.packing import (
     unpack_scores,
 )
 from sharpen.trainer.sharding import split_rollouts_by_tokens
-from sharpen.types import Rollout, TrainBatch
+from sharpen.types import ImagePart, Rollout, TrainBatch
 
 
 def build_kl_controller(config: AlgorithmConfig) -> KLController:
@@ -140,6 +140,7 @@ class Trainer:
         rollouts = [r for r in batch.rollouts if r.advantage is not None and r.num_loss_tokens]
         if not rollouts:
             return {"train/num_loss_tokens": 0.0, "train/skipped": 1.0}
+        self._check_images(rollouts)
         size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
         mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
         needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1 or algorithm.off_policy_normalize
@@ -198,6 +199,25 @@ class Trainer:
         if distill_step is not None:
             metrics.update(distill_step.metrics(self.backend.all_reduce_sum, self.backend.num_ranks))
         return metrics
+
+    def _check_images(self, rollouts: list[Rollout]) -> None:
+        """Rollouts with images train with the policy alone for now: the parts that score them elsewhere (the
+        reference policy, the critic, a teacher, packed rows) take no pixel inputs yet, so refuse rather than score
+        image placeholders as if they were text."""
+        if not any(r.images for r in rollouts):
+            return
+        unsupported = [
+            name
+            for name, is_on in (
+                ("trainer.algorithm.kl_coef > 0 (the reference policy)", self.reference is not None),
+                ('trainer.algorithm.advantage = "gae" (the critic)', self.critic is not None),
+                ("trainer.distillation (the teacher)", self.teacher is not None),
+                ("trainer.packing", self.config.packing),
+            )
+            if is_on
+        ]
+        if unsupported:
+            raise ValueError(f"rollouts with images cannot be trained with {', '.join(unsupported)} yet")
 
     def _distillation_step(self, mini_batches: list[list[Rollout]]) -> DistillationStep | None:
         """The teacher's scores of this rank's rollouts (``trainer.distillation``), before any update."""
@@ -446,6 +466,7 @@ class Trainer:
                 with_entropy=with_entropy,
                 entropy_requires_grad=entropy_requires_grad,
                 prompt_lengths=micro.prompt_lengths if self._shares_prompts(micro) else None,
+                images=micro.images,
             )
         scores = self.backend.score_tokens(
             packed.input_ids,
@@ -471,6 +492,8 @@ class Trainer:
         """Whether ``micro`` is scored with its shared prompts computed once: ``trainer.share_prompt``, one device
         (the FSDP2 backend takes whole rows), and two rows at least with the same prompt."""
         if not self.config.share_prompt or self.backend.num_ranks != 1 or len(micro.prompt_lengths) < 2:
+            return False
+        if micro.images:  # image rows run whole: the shared-prompt pass has no pixel inputs
             return False
         rows = zip(micro.input_ids, micro.prompt_lengths, strict=True)
         prompts = {tuple(row[:length].tolist()) for row, length in rows}
@@ -541,12 +564,18 @@ class Trainer:
         return [[-coef * value for value in kl[id(r)]] for r in rollouts]
 
     @torch.no_grad()
-    def compute_logprobs(self, token_ids: list[int]) -> list[float]:
+    def compute_logprobs(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         """Logprobs of ``token_ids[1:]`` given their prefixes under the current weights (temperature 1), in the
-        master weights' dtype without autocast: the weight-sync probe checks weights, not autocast rounding."""
+        master weights' dtype without autocast: the weight-sync probe checks weights, not autocast rounding.
+        ``images``: those the ids hold placeholders for (an image prompt's parity probe)."""
         ids = torch.tensor([token_ids], dtype=torch.long, device=self.backend.device)
         mask = torch.ones_like(ids)
         target_mask = torch.ones((1, len(token_ids) - 1), dtype=torch.bool, device=self.backend.device)
+        if images:
+            scores = self.backend.score_tokens(
+                ids, mask, target_mask, temperature=1.0, use_autocast=False, images=[images]
+            )
+            return scores.logprobs[0].tolist()
         logprobs = self.backend.token_logprobs(ids, mask, target_mask, temperature=1.0, use_autocast=False)
         return logprobs[0].tolist()
 

@@ -105,3 +105,21 @@ def test_resume_truncates_and_zero_records_nothing(tmp_path: Path) -> None:
     off.record(0, [_rollout(0)])
     off.close()
     assert not (tmp_path / "off.jsonl").exists()
+
+
+def test_an_image_prompt_is_recorded_with_its_digest_not_its_bytes(tmp_path: Path) -> None:
+    import hashlib
+
+    from sharpen.types import ImagePart, TextPart
+
+    image = ImagePart(data=b"\x89PNG fake bytes")
+    prompt = (Message(role="user", content=(image, TextPart(text="colour?"))),)
+    rollout = _rollout(0)
+    rollout.example = Example(task_key="colour/0", prompt=prompt)
+    rollout.images = (image,)
+    recorder = RolloutRecorder(tmp_path / "rollouts.jsonl", num_per_step=1)
+    recorder.record(0, [rollout])
+    recorder.close()
+    (record,) = read_jsonl(tmp_path / "rollouts.jsonl")
+    digest = {"type": "image", "sha256": hashlib.sha256(image.data).hexdigest(), "num_bytes": len(image.data)}
+    assert record["prompt"] == [{"role": "user", "content": [digest, {"type": "text", "text": "colour?"}]}]

@@ -101,7 +101,7 @@ class RewardModelPool:
 
     def _send(self, chunk: Sequence[tuple[Example, str]]) -> tuple[int, Any] | None:
         """Send ``chunk`` to the least busy live actor: (its index, the call's ref); None when none is alive."""
-        pairs = [([{"role": m.role, "content": m.content} for m in e.prompt], completion) for e, completion in chunk]
+        pairs = [([{"role": m.role, "content": m.text} for m in e.prompt], completion) for e, completion in chunk]
         with self._lock:
             index = self._least_busy()
             if index is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -56,6 +56,33 @@ def request_level(engine: InferenceEngine) -> AsyncEngine | None:
         return None
     replicas = replicas_of(engine)  # a router's serving replicas: none while all are down, then batches wait too
     return engine if replicas and all(isinstance(replica, AsyncEngine) for replica in replicas) else None
+
+
+@runtime_checkable
+class ImageEngine(Protocol):
+    """An engine that also generates from image prompts (a vision-language model's; the `hf` engine for now)."""
+
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        """`InferenceEngine.generate` for prompts whose ids hold image placeholders (`VisionProcessor.render_prompt`):
+        ``images[i]`` are prompt i's images, in order. A text-only model given images raises `ValueError`."""
+        ...
+
+
+def generate_prompts(
+    engine: InferenceEngine,
+    prompts: list[list[int]],
+    images: Sequence[tuple[ImagePart, ...]],
+    params: list[SamplingParams],
+) -> list[Completion]:
+    """``engine.generate``, or `ImageEngine.generate_with_images` when a prompt holds images (``images[i]``: prompt
+    i's); an engine that takes no images is an `EngineError` saying so."""
+    if not any(images):
+        return engine.generate(prompts, params)
+    if not isinstance(engine, ImageEngine):
+        raise EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf engine does)")
+    return engine.generate_with_images(prompts, images, params)
 
 
 @runtime_checkable

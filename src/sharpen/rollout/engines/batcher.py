@@ -31,8 +31,8 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sharpen.rollout.engines.base import InferenceEngine
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.rollout.engines.base import InferenceEngine, generate_prompts
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 
 class DaemonWorker(Executor):
@@ -84,6 +84,7 @@ class _Request:
     params: SamplingParams
     arrived: float
     future: asyncio.Future[tuple[Completion, PolicyVersion]] = field(repr=False)
+    images: tuple[ImagePart, ...] = ()
 
 
 class RequestBatcher:
@@ -125,11 +126,14 @@ class RequestBatcher:
         self._next()
 
     async def generate_one(
-        self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = ()
+        self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = (), images: tuple[ImagePart, ...] = ()
     ) -> tuple[Completion, PolicyVersion]:
-        """The completion of one request and the policy version the engine held when it was made."""
+        """The completion of one request and the policy version the engine held when it was made. ``images``: the
+        images the prompt holds placeholders for (`generate_prompts`)."""
         loop = asyncio.get_running_loop()
-        request = _Request(key=key, prompt=prompt, params=params, arrived=loop.time(), future=loop.create_future())
+        request = _Request(
+            key=key, prompt=prompt, params=params, arrived=loop.time(), future=loop.create_future(), images=images
+        )
         self._pending.append(request)
         self._quiet_ticks = 0
         if self._is_busy:
@@ -186,7 +190,9 @@ class RequestBatcher:
 
     def _generate(self, batch: list[_Request]) -> tuple[list[Completion], PolicyVersion]:
         started = time.perf_counter()
-        completions = self.engine.generate([r.prompt for r in batch], [r.params for r in batch])
+        completions = generate_prompts(
+            self.engine, [r.prompt for r in batch], [r.images for r in batch], [r.params for r in batch]
+        )
         self._last_batch_seconds = time.perf_counter() - started
         return completions, self.engine.policy_version
 

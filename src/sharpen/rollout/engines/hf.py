@@ -1,5 +1,6 @@
 """A transformers engine: plain `generate` in this process. The fallback where vLLM cannot run, and the fast
-engine of unit and integration tests with tiny models.
+engine of unit and integration tests with tiny models. A vision-language model (Qwen2-VL) also generates from image
+prompts (`HfEngine.generate_with_images`), its pixel inputs computed by `data.vision.VisionProcessor`.
 
 It holds its own copy of the model, so weight sync into it is a real copy, checked like any other engine's.
 Every request is sampled with its own seed, as vLLM does: the last logits processor (`_PerRequestSampler`) draws
@@ -15,15 +16,16 @@ the next `load_weights` must replace every one of them (a weight it misses is an
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from sharpen.data.vision import VisionProcessor, is_vision_model, model_class, text_only_error
 from sharpen.rollout.engines.base import EngineError
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 _GLOBAL_RNG = threading.Lock()
 """Held while a batch samples: rows without a seed, and transformers' own draw of the one-hot choice, use torch's one
@@ -32,11 +34,14 @@ global generator, which engines of this process (replicas behind a router, the a
 
 class HfEngine:
     def __init__(self, model_path: Path, *, dtype: str = "float32", device: str = "cpu", batch_size: int = 32) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.device = torch.device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model = model_class(model_path).from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
+        """A vision-language model's image processor (`generate_with_images`); None for a text-only model."""
+        self.model_path = Path(model_path)
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
         self.batch_size = batch_size
@@ -87,14 +92,25 @@ class HfEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        return self.generate_with_images(prompts, [()] * len(prompts), params)
+
+    @torch.no_grad()
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        """`generate` for prompts that hold image placeholders (`VisionProcessor.render_prompt`): ``images[i]`` are
+        prompt i's images, in order (empty for a text prompt)."""
         self._check_awake("generate")
+        self._check_takes_images(sum(len(row) for row in images))
         out: list[Completion] = []
         for start in range(0, len(prompts), self.batch_size):
-            chunk = prompts[start : start + self.batch_size]
-            out.extend(self._generate_batch(chunk, params[start : start + self.batch_size]))
+            end = start + self.batch_size
+            out.extend(self._generate_batch(prompts[start:end], params[start:end], images[start:end]))
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    def _generate_batch(
+        self, prompts: list[list[int]], params: list[SamplingParams], images: Sequence[tuple[ImagePart, ...]]
+    ) -> list[Completion]:
         if len({_key(p) for p in params}) > 1:
             raise ValueError("the HF engine needs the same sampling settings (apart from seed) for a whole batch")
         width = max(len(p) for p in prompts)
@@ -103,8 +119,9 @@ class HfEngine:
         for row, ids in enumerate(prompts):  # left padding: every prompt ends where generation starts
             input_ids[row, width - len(ids) :] = torch.tensor(ids)
             attention_mask[row, width - len(ids) :] = 1
+        image_inputs = self._image_inputs(input_ids.to(self.device), [image for row in images for image in row])
         with _GLOBAL_RNG:  # unseeded rows and transformers' own (one-hot) draw use torch's global generator
-            return self._seeded_generate_batch(prompts, params, input_ids, attention_mask, width)
+            return self._seeded_generate_batch(prompts, params, input_ids, attention_mask, width, image_inputs)
 
     def _seeded_generate_batch(
         self,
@@ -113,6 +130,7 @@ class HfEngine:
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         width: int,
+        image_inputs: dict[str, torch.Tensor],
     ) -> list[Completion]:
         param = params[0]  # the settings are the same for the whole batch; the seeds are each request's
         eos = [self.tokenizer.eos_token_id, *param.stop_token_ids]
@@ -133,6 +151,7 @@ class HfEngine:
         result = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
+            **image_inputs,  # pixel values and the placeholders' types (M-RoPE positions) of an image prompt
             **sampling_kwargs,
             max_new_tokens=param.max_new_tokens,
             eos_token_id=eos,
@@ -166,11 +185,23 @@ class HfEngine:
             )
         return completions
 
+    def _check_takes_images(self, num_images: int) -> None:
+        if num_images and self.vision is None:
+            raise text_only_error("HF engine", num_images, str(self.model_path))
+
+    def _image_inputs(self, input_ids: torch.Tensor, images: Sequence[ImagePart]) -> dict[str, torch.Tensor]:
+        """The model's pixel inputs of ``images`` (the rows' images in row order); none without images."""
+        if self.vision is None:  # a text-only model: `_check_takes_images` refused any image
+            return {}
+        return self.vision.model_inputs(input_ids, images)
+
     @torch.no_grad()
-    def score(self, token_ids: list[int]) -> list[float]:
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        """`InferenceEngine.score`; ``images``: those the ids hold placeholders for (an image prompt's probe)."""
         self._check_awake("score")
+        self._check_takes_images(len(images))
         ids = torch.tensor([token_ids], device=self.device)
-        logits = self.model(input_ids=ids).logits[0, :-1].float()
+        logits = self.model(input_ids=ids, **self._image_inputs(ids, images)).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
 
     @torch.no_grad()

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from sharpen.types import ImagePart
+
 
 @dataclass(kw_only=True, slots=True)
 class TokenScores:
@@ -38,12 +40,14 @@ class TrainerBackend(Protocol):
         entropy_requires_grad: bool = False,
         position_ids: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> TokenScores:
         """Per-token logprobs (and entropy) where ``target_mask`` is set: right-padded rows with their
         ``attention_mask``, or packed rows (`packing.PackedRow`) with ``position_ids`` and no attention mask.
         ``prompt_lengths`` (right-padded rows only): each row's prompt tokens, which lets a backend compute a prompt
         that several rows share once (`prefix.score_shared_prompts`); a backend may ignore it, the scores are the
-        same either way."""
+        same either way. ``images`` (right-padded rows only): each row's images, in the order of its image
+        placeholders (`Rollout.images`); empty for text rows. A backend that takes no images raises on any."""
         ...
 
     def token_logprobs(

@@ -39,6 +39,7 @@ from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.single_device import autocast_bf16, score_tokens
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
+from sharpen.types import ImagePart
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -213,10 +214,13 @@ class FSDP2Backend(ScoresTokenLogprobs):
         entropy_requires_grad: bool = False,
         position_ids: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> TokenScores:
         """This rank's rows only; collective (every rank must call it, also with a zero-weighted filler batch).
         ``prompt_lengths`` is ignored: shared prompts are computed once on the single-device backend only (the
-        sharded root's forward takes whole rows)."""
+        sharded root's forward takes whole rows). Rows with ``images`` are not sharded yet: an error."""
+        if any(images):
+            raise ValueError("the FSDP2 backend takes no image prompts yet; train vision models with trainer_ranks = 1")
         with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
             logprobs, entropy = self._root(
                 input_ids,

@@ -1,7 +1,8 @@
 """One process, one device: a HF causal LM, AdamW, optional bf16 autocast and gradient checkpointing.
 
 Owns the parameters, the optimizer and their persistence. Knows nothing of rollouts or losses: it turns token
-ids into per-token logprobs and applies accumulated gradients.
+ids into per-token logprobs and applies accumulated gradients. A vision-language model (Qwen2-VL) also scores rows
+that hold images, from the same `ImagePart`s the engine saw (`data.vision.VisionProcessor` makes the pixel inputs).
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import torch
 from torch import nn
 
 from sharpen.config.schema import TrainerConfig
+from sharpen.data.vision import VisionProcessor, is_vision_model, model_class, text_only_error
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
 from sharpen.trainer.backends.chunked_logits import score_hidden
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision, PrecisionChoice, resolve_precision
+from sharpen.types import ImagePart
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -40,6 +43,7 @@ def score_tokens(
     entropy_requires_grad: bool = False,
     position_ids: torch.Tensor | None = None,
     logits_chunk_tokens: int = 0,
+    image_inputs: dict[str, torch.Tensor] | None = None,
 ) -> TokenScores:
     """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
     The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
@@ -52,13 +56,21 @@ def score_tokens(
     Packed rows (`packing.PackedRow`): ``attention_mask`` None and ``position_ids`` [batch, seq] restarting at 0 at
     each sequence. transformers then masks attention block-diagonally, per sequence, which it does only without an
     attention mask and without a cache; the cache is turned off here so that no model config can turn it on.
+
+    ``image_inputs`` (`VisionProcessor.model_inputs` of the rows' images; right-padded rows only): a vision-language
+    model's base model embeds the images at their placeholders and derives its 3-D positions itself.
     """
     if position_ids is not None and attention_mask is not None:
         raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
-    decoder = model.get_decoder()
-    hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
+    if image_inputs is not None:
+        assert position_ids is None, "rows with images are right-padded, never packed"
+        hidden = model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **image_inputs
+        ).last_hidden_state
+    else:
+        hidden = model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
     selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
     lm_head = cast(nn.Module, model.get_output_embeddings())  # a causal LM always has one
     targets = input_ids[:, 1:][target_mask]  # [num_targets]
@@ -98,8 +110,6 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
     num_ranks = 1
 
     def __init__(self, config: TrainerConfig, *, model_path: Path, dtype: str) -> None:
-        from transformers import AutoModelForCausalLM
-
         torch.set_num_threads(config.resolved_num_threads)
         self.config = config
         self.model_path = Path(model_path)
@@ -109,9 +119,11 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self.precision: PrecisionChoice = resolve_precision(
             config.precision, self.device, num_threads=config.resolved_num_threads
         )
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        model = model_class(self.model_path).from_pretrained(self.model_path, dtype=getattr(torch, dtype))
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model: PreTrainedModel = model.to(self.device)  # pyright: ignore[reportArgumentType]
+        self.vision = VisionProcessor.from_pretrained(self.model_path) if is_vision_model(self.model_path) else None
+        """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled (self.model is its base)
         if config.lora.enabled:
@@ -140,10 +152,25 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         entropy_requires_grad: bool = False,
         position_ids: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
+        images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> TokenScores:
         """``use_autocast=False`` computes in the weights' own dtype even when the precision is bf16 (autocast).
-        With ``prompt_lengths`` (right-padded rows), each prompt that rows share runs once (prefix.py)."""
+        With ``prompt_lengths`` (right-padded rows), each prompt that rows share runs once (prefix.py); rows with
+        ``images`` (one tuple per row) run whole, their pixel inputs made from the images."""
+        image_inputs = self._image_inputs(input_ids, position_ids, images)
         with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
+            if image_inputs is not None:
+                return score_tokens(
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    target_mask,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    entropy_requires_grad=entropy_requires_grad,
+                    logits_chunk_tokens=self.config.logits_chunk_tokens,
+                    image_inputs=image_inputs,
+                )
             if prompt_lengths is not None and position_ids is None and attention_mask is not None:
                 from sharpen.trainer.prefix import score_shared_prompts  # transformers' cache classes: import late
 
@@ -169,6 +196,19 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
                 position_ids=position_ids,
                 logits_chunk_tokens=self.config.logits_chunk_tokens,
             )
+
+    def _image_inputs(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, images: Sequence[tuple[ImagePart, ...]]
+    ) -> dict[str, torch.Tensor] | None:
+        """The model's pixel inputs of the rows' images, or None when the rows hold none."""
+        flat = [image for row in images for image in row]
+        if self.vision is None:
+            if flat:
+                raise text_only_error("trainer", len(flat), str(self.model_path))
+            return None
+        if flat and position_ids is not None:
+            raise ValueError("rows with images cannot be packed (trainer.packing = false for image prompts)")
+        return self.vision.model_inputs(input_ids, flat) or None  # checks that text rows hold no placeholders
 
     def score_top_k(
         self,
@@ -277,9 +317,7 @@ class ReferencePolicy:
     """A frozen copy of the initial policy for the KL term; built only when the KL coefficient is positive."""
 
     def __init__(self, *, model_path: Path, dtype: str, device: torch.device, precision: Precision) -> None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        model = model_class(model_path).from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model: PreTrainedModel = model.to(device)  # pyright: ignore[reportArgumentType]
         self.model.eval().requires_grad_(False)
         self.is_bf16 = precision == "bf16"

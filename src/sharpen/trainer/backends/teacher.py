@@ -143,7 +143,7 @@ class TeacherPrompt:
             raise ValueError(
                 f"trainer.distillation.teacher_prompt uses {{answer}}, but example {example.task_key} has no answer"
             )
-        system = next((m.content for m in example.prompt if m.role == "system"), "")
+        system = next((m.text for m in example.prompt if m.role == "system"), "")
         content = self.template.format(answer=example.answer or "", system=system)
         return (Message(role="system", content=content), *(m for m in example.prompt if m.role != "system"))
 

@@ -1,0 +1,104 @@
+"""GRPO on image prompts of the tiny Qwen2-VL: a step on rollouts the engine generated from images changes the
+weights (the vision tower's too: the loss reaches the pixels), the loss mask never covers an image placeholder, and
+what cannot take images yet (packed rows, the reference policy) refuses them with a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sharpen.config.schema import TrainerConfig
+from sharpen.data.vision import VisionProcessor
+from sharpen.rollout.engines.hf import HfEngine
+from sharpen.trainer import SingleDeviceBackend, Trainer
+from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
+from sharpen.trainer.packing import pack_micro_batch
+from sharpen.types import Example, Rollout, SamplingParams, TrainBatch
+from support.images import image_prompt, png_image
+
+GROUP_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_vlm_path: Path) -> list[Rollout]:
+    """Two image prompts, four sampled completions each, given an arbitrary reward (the token ids' sum modulo 7) and
+    GRPO advantages."""
+    vision = VisionProcessor.from_pretrained(tiny_vlm_path)
+    engine = HfEngine(tiny_vlm_path)
+    out = []
+    for index, image in enumerate((png_image((200, 30, 30)), png_image((30, 30, 200), stripe=True))):
+        example = Example(task_key=f"colour/{index}", prompt=image_prompt(image))
+        prompt = vision.render_prompt(example.prompt)
+        params = [SamplingParams(max_new_tokens=6, seed=10 * index + s) for s in range(GROUP_SIZE)]
+        completions = engine.generate_with_images([prompt] * GROUP_SIZE, [(image,)] * GROUP_SIZE, params)
+        scores = torch.tensor([[float(sum(c.token_ids) % 7) for c in completions]])
+        advantages = compute_grpo_advantages(scores)[0].tolist()
+        for sample, (completion, advantage) in enumerate(zip(completions, advantages, strict=True)):
+            out.append(
+                Rollout(
+                    example=example,
+                    prompt_ids=prompt,
+                    completion_ids=completion.token_ids,
+                    completion_logprobs=completion.logprobs,
+                    versions=[0] * len(completion.token_ids),
+                    images=(image,),
+                    sample_index=sample,
+                    advantage=advantage,
+                )
+            )
+    assert any(r.advantage for r in out), "the rewards must differ within a group for a gradient"
+    return out
+
+
+def _trainer(model_path: Path, **overrides) -> tuple[Trainer, SingleDeviceBackend]:
+    values = {"device": "cpu", "precision": "float32", "num_threads": 1, "learning_rate": 1e-2, "micro_batch_size": 4}
+    config = TrainerConfig(**{**values, **overrides})
+    backend = SingleDeviceBackend(config, model_path=model_path, dtype="float32")
+    assert backend.vision is not None, "a vision-language model's backend has its image processor"
+    return Trainer(config, backend=backend, pad_token_id=backend.vision.tokenizer.pad_token_id), backend
+
+
+def test_a_grpo_step_on_image_prompts_changes_the_weights_vision_tower_included(tiny_vlm_path, rollouts):
+    trainer, backend = _trainer(tiny_vlm_path)
+    model = backend.model
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
+    assert all(torch.isfinite(torch.tensor(value)) for value in metrics.values()), metrics
+    assert metrics["train/num_sequences"] == len(rollouts)
+    changed = {name for name, p in model.named_parameters() if not torch.equal(p, before[name])}
+    assert any(name.startswith("model.visual.") for name in changed), "the loss did not reach the vision tower"
+    assert any(name.startswith("model.language_model.") for name in changed)
+
+
+def test_the_loss_mask_never_covers_an_image_placeholder(tiny_vlm_path, rollouts):
+    image_token_id = VisionProcessor.from_pretrained(tiny_vlm_path).image_token_id
+    micro = pack_micro_batch(rollouts, pad_token_id=0, device=torch.device("cpu"))
+    targets = micro.input_ids[:, 1:]  # [batch, seq - 1]: the token each loss-mask position predicts
+    assert int((targets == image_token_id).sum()) > 0
+    assert not bool(micro.loss_mask[targets == image_token_id].any())
+    assert micro.images == tuple(r.images for r in rollouts)
+    text = pack_micro_batch(
+        [Rollout(**{**_fields(rollouts[0]), "images": ()})], pad_token_id=0, device=torch.device("cpu")
+    )
+    assert text.images == ()
+
+
+def test_what_takes_no_images_yet_refuses_them(tiny_vlm_path, rollouts):
+    with pytest.raises(ValueError, match="rollouts with images cannot be packed"):
+        pack_micro_batch(rollouts, pad_token_id=0, device=torch.device("cpu"), is_packed=True)
+    trainer, _ = _trainer(tiny_vlm_path, packing=True)
+    with pytest.raises(ValueError, match=r"rollouts with images cannot be trained with trainer\.packing yet"):
+        trainer.step(TrainBatch(rollouts=rollouts, step=0))
+
+
+def _fields(rollout: Rollout) -> dict:
+    return {
+        "example": rollout.example,
+        "prompt_ids": rollout.prompt_ids,
+        "completion_ids": rollout.completion_ids,
+        "completion_logprobs": rollout.completion_logprobs,
+        "versions": rollout.versions,
+        "advantage": rollout.advantage,
+    }
