@@ -13,7 +13,10 @@ def user_error_message(error: BaseException) -> str | None:
     from sharpen.environments.sandbox import SandboxUnavailable
     from sharpen.monitoring import TrackingSetupError
     from sharpen.plugins import PluginLoadError
+    from sharpen.serving import ServiceRequestError, ServiceUnavailable
 
     if isinstance(error, DataError | PullError | PluginLoadError | TrackingSetupError | SandboxUnavailable):
         return str(error)
+    if isinstance(error, ServiceUnavailable | ServiceRequestError):  # raised when a client starts: URLs or token
+        return f"a remote service (remote.urls) cannot be used: {error}"
     return None

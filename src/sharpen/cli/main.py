@@ -1,4 +1,5 @@
-"""`sharpen train | eval | config | inspect | dashboard | replay | serve-rm | models`: the entry point.
+"""`sharpen train | eval | config | inspect | dashboard | replay | serve-rm | serve-sandbox | serve-env | simulate |
+models`: the entry point.
 
 Start-up imports only argparse, pydantic and the config schemas, so `sharpen --help` and config errors answer
 in well under a second. User errors (bad recipe, missing model, bad data) print one line and exit 2.
@@ -89,6 +90,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_rm.add_argument("--max-length", type=int, default=1024, help="inputs are cut to their last N tokens")
 
+    for name, what in (("serve-sandbox", "the recipe's [sandbox]"), ("serve-env", "the recipe's [environment]")):
+        serve = commands.add_parser(
+            name, help=f"serve {what} over HTTP (token in $SHARPEN_SERVICE_TOKEN; /healthz, /readyz, /metrics)"
+        )
+        _add_recipe_arguments(serve)
+        serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+        serve.add_argument("--port", type=int, default=8100, help="port to listen on (0 picks a free one)")
+
+    simulate = commands.add_parser(
+        "simulate", help="simulate a cluster scenario: step time, GPU use per role, async speedup, best GPU split"
+    )
+    simulate.add_argument("scenario", help="a scenario TOML (see scenarios/ and docs/scaling.md)")
+    simulate.add_argument("--json", action="store_true", help="print the report as JSON")
+    simulate.add_argument(
+        "--search-split",
+        type=int,
+        default=None,
+        metavar="BUDGET_GPUS",
+        help="also simulate engine/trainer splits of this many GPUs (at most 25) and name the fastest",
+    )
+
     dashboard = commands.add_parser(
         "dashboard", help="a local web page of runs: metric curves, rollouts coloured per token, eval results"
     )
@@ -136,6 +158,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "serve-rm":
         return _serve_rm(args)
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "dashboard":
         return _dashboard(args)
     recipe, overrides = _split_overrides(args.recipe, args.overrides)
@@ -149,6 +173,13 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
     config = load_config(recipe, overrides)
+    if args.command in ("serve-sandbox", "serve-env"):
+        from sharpen.cli.serve import serve_environment, serve_sandbox
+
+        if args.command == "serve-env" and recipe is None:
+            raise ConfigError("serve-env needs a recipe: its [environment] section says what to serve")
+        serve = serve_sandbox if args.command == "serve-sandbox" else serve_environment
+        return serve(config, host=args.host, port=args.port)
     if args.command == "eval":
         return _eval(config, args)
     return _train(config, args)
@@ -243,6 +274,14 @@ def _serve_rm(args: argparse.Namespace) -> int:
     )
     print(f"serving {args.model_path} at {server.url}", flush=True)
     server.serve_forever()
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from sharpen.simulation import build_report, load_scenario
+
+    report = build_report(load_scenario(Path(args.scenario)), split_budget=args.search_split)
+    print(report.to_json() if args.json else report.to_text())
     return 0
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from sharpen.config.section import Section
+from sharpen.config.service import RemoteConfig, ServiceConfig
 
 
 class EpisodeLimitsSection(Section):
@@ -22,6 +23,18 @@ class EpisodeLimitsSection(Section):
     wall_seconds: float | None = Field(default=120.0, gt=0.0)
     """Wall-clock budget of the environment's side of one episode (its reset and steps); an episode that exceeds
     it ends and abstains (status timeout). None: unbounded."""
+    remote: RemoteConfig | None = None
+    """Run the episodes on `sharpen serve-env` replicas at ``remote.urls`` (each serves this same environment section
+    from its own recipe) instead of in this process. A replica lost mid-episode is replaced by replaying the
+    episode's seed and actions on another; an episode that does not replay identically abstains."""
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    """How `sharpen serve-env` admits work and when it forgets idle episodes; read by the server."""
+
+    @model_validator(mode="after")
+    def _check_remote(self) -> EpisodeLimitsSection:
+        if self.remote is not None and not self.remote.urls:
+            raise ValueError("environment.remote needs the replicas' URLs in environment.remote.urls")
+        return self
 
 
 class SingleTurnEnvironmentConfig(Section):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sharpen.config.section import Section, internal
+from sharpen.config.service import RemoteConfig, ServiceConfig
 
 _SANDBOX_PATHS = ("/home/sandbox", "/tmp", "/proc", "/dev")
 
@@ -18,12 +19,13 @@ _SANDBOX_PATHS = ("/home/sandbox", "/tmp", "/proc", "/dev")
 class SandboxConfig(Section):
     """Where and under which limits untrusted code runs. Every limit applies to one execution."""
 
-    backend: Literal["auto", "bwrap", "unshare", "process"] = "auto"
+    backend: Literal["auto", "bwrap", "unshare", "process", "remote"] = "auto"
     """Isolation mechanism: bubblewrap (strong: own user, mount, pid, network and IPC namespaces, a minimal
     read-only filesystem), unshare (medium: own namespaces but the host filesystem stays visible, read-only by
     permissions), a plain process with rlimits (weak: no isolation beyond a non-root uid). "auto" picks the strongest
     that works on this host, checked by running a trivial command in each. Either way a backend weaker than
-    ``min_isolation`` is refused."""
+    ``min_isolation`` is refused. "remote": executions run on `sharpen serve-sandbox` replicas (``remote.urls``),
+    whose own [sandbox] section chooses their isolation."""
     min_isolation: Literal["strong", "medium", "weak"] = "strong"
     """The weakest isolation accepted. The backend chosen (or named in ``backend``) must give at least this
     level, or the Sandbox refuses to start with SandboxUnavailable: a host where bubblewrap fails never falls back
@@ -70,6 +72,17 @@ class SandboxConfig(Section):
     """Host directory of a Sandbox's own state (warm workers' logs) and, for the weak ``process`` backend only,
     its executions' work directories (None: /dev/shm when present, else the system temp dir). The other backends
     give every execution a private tmpfs home: nothing of an execution is on a host filesystem."""
+
+    remote: RemoteConfig = Field(default_factory=RemoteConfig)
+    """The `sharpen serve-sandbox` replicas of ``backend = "remote"`` and how calls to them are retried."""
+    service: ServiceConfig = Field(default_factory=ServiceConfig)
+    """How `sharpen serve-sandbox` admits work (its queue, request limits, idle sessions); read by the server."""
+
+    @model_validator(mode="after")
+    def _check_remote(self) -> SandboxConfig:
+        if self.backend == "remote" and not self.remote.urls:
+            raise ValueError('sandbox.backend = "remote" needs the replicas\' URLs in sandbox.remote.urls')
+        return self
 
     @field_validator("extra_ro_binds")
     @classmethod

@@ -26,7 +26,9 @@ from sharpen.environments.calculator import CalculatorEnvironment
 from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
 from sharpen.environments.python_tool import PythonEnvironment
-from sharpen.environments.sandbox import SandboxPool
+from sharpen.environments.remote import RemoteEnvironmentFactory
+from sharpen.environments.sandbox import Sandbox, SandboxPool
+from sharpen.environments.sandbox.remote import RemoteSandbox, RemoteSandboxPool
 from sharpen.environments.textarena_adapter import TextArenaEnvironment, import_textarena
 from sharpen.environments.verifiers_adapter import VerifiersEnvironment, import_verifiers
 from sharpen.plugins import PluginLoadError, load_object
@@ -34,7 +36,11 @@ from sharpen.types import Example
 
 
 def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
-    """A callable that builds a fresh environment for each episode."""
+    """A callable that builds a fresh environment for each episode (on `sharpen serve-env` replicas when the
+    section has ``remote``)."""
+    remote = getattr(config, "remote", None)
+    if remote is not None:
+        return RemoteEnvironmentFactory(remote)
     match config:
         case SingleTurnEnvironmentConfig():
             return SingleTurnEnvironment
@@ -91,13 +97,19 @@ def _verifiers_arguments(config: VerifiersEnvironmentConfig) -> dict[str, Any]:
     }
 
 
-def build_sandbox(config: EnvironmentConfig, sandbox: SandboxConfig) -> SandboxPool | None:
+def build_sandbox(config: EnvironmentConfig, sandbox: SandboxConfig) -> SandboxPool | RemoteSandboxPool | None:
     """The pool of ``sandbox`` (the run's [sandbox] section) for environments that run code (probed now: a host
-    without the isolation the config asks for fails here, before anything slow starts), else None. The caller
-    closes it."""
-    if isinstance(config, PythonEnvironmentConfig):
-        return SandboxPool(sandbox)
+    without the isolation the config asks for fails here, before anything slow starts; with ``backend = "remote"``
+    a replica is asked), else None. The caller closes it."""
+    if isinstance(config, PythonEnvironmentConfig) and config.remote is None:  # remote: the replicas run the code
+        return RemoteSandboxPool(sandbox) if sandbox.backend == "remote" else SandboxPool(sandbox)
     return None
+
+
+def open_sandbox(sandbox: SandboxConfig) -> Sandbox | RemoteSandbox:
+    """A `Sandbox` of the [sandbox] section (code-test rewards), or its client when ``backend = "remote"``. The
+    caller closes it."""
+    return RemoteSandbox(sandbox) if sandbox.backend == "remote" else Sandbox(sandbox)
 
 
 def episode_limits(config: EnvironmentConfig) -> EpisodeLimits:

@@ -18,8 +18,9 @@ from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples, render_prompt
 from sharpen.data.humaneval import humaneval_examples
-from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
-from sharpen.environments.sandbox import Sandbox, SandboxPool
+from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits, open_sandbox
+from sharpen.environments.sandbox import SandboxPool
+from sharpen.environments.sandbox.remote import RemoteSandboxPool
 from sharpen.monitoring import (
     DIGEST_FILE_NAME,
     ParityProbe,
@@ -78,7 +79,7 @@ def build_reward_fn(
         sandbox_config = config.sandbox.model_copy(
             update={"extra_ro_binds": [*config.sandbox.extra_ro_binds, *pytest_ro_binds()]}
         )
-        base = HumanEvalReward(stack.enter_context(Sandbox(sandbox_config)))
+        base = HumanEvalReward(stack.enter_context(open_sandbox(sandbox_config)))
     count_tokens = None
     if any(c.type == "length" and c.unit == "tokens" for c in config.reward.components):
         tokenizer = load_tokenizer(resolve_model_path(config.model.path))
@@ -199,7 +200,9 @@ def build_teacher(
     )
 
 
-def build_episode_runner(config: SharpenConfig, *, tokenizer: Any, sandbox: SandboxPool | None) -> EpisodeRunner:
+def build_episode_runner(
+    config: SharpenConfig, *, tokenizer: Any, sandbox: SandboxPool | RemoteSandboxPool | None
+) -> EpisodeRunner:
     """The run's episode runner: its environment, limits and sandbox; environments are seeded from the run seed."""
     return EpisodeRunner(
         tokenizer=tokenizer,

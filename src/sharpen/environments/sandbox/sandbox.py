@@ -56,6 +56,8 @@ class Sandbox:
     backend: Backend
 
     def __init__(self, config: SandboxConfig) -> None:
+        if config.backend == "remote":
+            raise ValueError('sandbox.backend = "remote" runs on replicas: build a RemoteSandbox (remote.py) for it')
         self.config = config
         self.cgroup_dirs: list[ControllerDir] = []
         self._prepared: list[Launch] = []

@@ -1,0 +1,64 @@
+"""`sharpen serve-sandbox` and `sharpen serve-env`: build the component from the recipe, serve it until stopped.
+
+Owns the checks a user can fix before anything starts (the token variable, a recipe that would serve a remote
+component, a port that is taken), said in one line each. The services themselves are
+`sharpen.environments.sandbox.service` and `sharpen.environments.service`; heavy imports happen here, lazily.
+"""
+
+from __future__ import annotations
+
+from sharpen.config import ConfigError, SharpenConfig
+
+
+def _token(env_name: str) -> str:
+    from sharpen.serving import read_token
+
+    try:
+        return read_token(env_name)
+    except ValueError as error:
+        raise ConfigError(f"the service refuses to start without a token: {error}") from None
+
+
+def serve_sandbox(config: SharpenConfig, *, host: str, port: int) -> int:
+    """Serve the recipe's [sandbox] until interrupted."""
+    sandbox = config.sandbox
+    if sandbox.backend == "remote":
+        raise ConfigError('serve-sandbox runs a local sandbox: sandbox.backend may not be "remote" here')
+    token = _token(sandbox.service.token_env)
+    from sharpen.environments.sandbox import SandboxPool
+    from sharpen.environments.sandbox.service import SandboxService
+
+    if config.data.type == "humaneval":  # its checker runs pytest in the sandbox, as a local run's would (build.py)
+        from sharpen.rewards.code_tests import pytest_ro_binds
+
+        sandbox = sandbox.model_copy(update={"extra_ro_binds": [*sandbox.extra_ro_binds, *pytest_ro_binds()]})
+
+    with SandboxPool(sandbox) as pool:
+        try:
+            service = SandboxService(sandbox, pool=pool, token=token, host=host, port=port)
+        except OSError as error:
+            raise ConfigError(f"serve-sandbox: cannot listen on {host}:{port}: {error.strerror}") from None
+        print(f"serving the sandbox ({pool.report.backend}, {pool.report.level}) at {service.url}", flush=True)
+        service.serve_forever()
+    return 0
+
+
+def serve_environment(config: SharpenConfig, *, host: str, port: int) -> int:
+    """Serve the recipe's [environment] (and its [sandbox], for environments that run code) until interrupted."""
+    environment = config.environment
+    if getattr(environment, "remote", None) is not None:
+        raise ConfigError("serve-env serves a local environment: remove environment.remote from its recipe")
+    from sharpen.config.service import ServiceConfig
+    from sharpen.environments.service import EnvironmentService
+
+    token = _token(getattr(environment, "service", ServiceConfig()).token_env)
+
+    try:
+        service = EnvironmentService(environment, sandbox=config.sandbox, token=token, host=host, port=port)
+    except OSError as error:
+        raise ConfigError(f"serve-env: cannot listen on {host}:{port}: {error.strerror}") from None
+    except ValueError as error:
+        raise ConfigError(f"serve-env: {error}") from None
+    print(f"serving environment {environment.type!r} at {service.url}", flush=True)
+    service.serve_forever()
+    return 0

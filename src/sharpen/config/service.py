@@ -1,0 +1,72 @@
+"""Configuration of components served over HTTP (`sharpen serve-sandbox`, `sharpen serve-env`) and of their clients.
+
+Pydantic only. `ServiceConfig` is the server's side (queue, limits, expiry); `RemoteConfig` the client's (replica
+URLs, timeouts, retries). Both sides read one shared-secret token from an environment variable, never from a file
+of the recipe. The sections are mounted by the sandbox and environment sections; this module does not know them.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from sharpen.config.section import Section
+
+TOKEN_ENV = "SHARPEN_SERVICE_TOKEN"
+
+
+class ServiceConfig(Section):
+    """How a served component admits and keeps work (read by the server only)."""
+
+    max_queue_size: int = Field(default=64, ge=0)
+    """Requests that may wait for a free slot beyond those running; one more is answered 503 with Retry-After (the
+    client then tries another replica) and /readyz reports not ready while the queue is full."""
+    max_body_mb: float = Field(default=16.0, gt=0.0)
+    """Largest request body in MiB (code, files, stdin, an action); a bigger one is answered 413."""
+    max_open: int = Field(default=256, ge=1)
+    """Sandbox sessions or environment episodes open at once on one replica; one more is answered 503."""
+    idle_seconds: float = Field(default=300.0, gt=0.0)
+    """An open session or episode that no request touched for this long is closed and forgotten (its client then
+    gets 404 and recovers or abstains)."""
+    idempotency_ttl_s: float = Field(default=600.0, gt=0.0)
+    """How long a finished request's answer is kept by its Idempotency-Key, so that a retried request is answered
+    with it instead of running again."""
+    max_idempotency_keys: int = Field(default=4096, ge=1)
+    """Answers kept by Idempotency-Key at most (the oldest finished ones are forgotten first)."""
+    retry_after_s: int = Field(default=1, ge=0)
+    """The Retry-After of a 503 answer, in seconds."""
+    token_env: str = TOKEN_ENV
+    """The environment variable that holds the shared-secret token every call but /healthz, /readyz and /metrics
+    must carry (``Authorization: Bearer <token>``); the server refuses to start without it."""
+
+
+class RemoteConfig(Section):
+    """Where the replicas of a served component are and how calls to them are retried (read by the client)."""
+
+    urls: list[str] = Field(default_factory=list[str])
+    """Base URLs of the replicas (``http://host:port``); calls are spread over them, least busy first."""
+    token_env: str = TOKEN_ENV
+    """The environment variable that holds the servers' shared-secret token."""
+    connect_timeout_s: float = Field(default=2.0, gt=0.0)
+    """How long to wait for a connection to a replica before trying another."""
+    timeout_s: float = Field(default=120.0, gt=0.0)
+    """How long one call may take on a replica (queueing and running included) before it is retried there."""
+    max_retries: int = Field(default=6, ge=0)
+    """Attempts after the first, on another replica when one is dead or full; when they run out the call fails as
+    an infrastructure fault (the episode or the reward abstains)."""
+    backoff_s: float = Field(default=0.1, ge=0.0)
+    """Wait before retrying when every replica was full or dead, doubled per round (up to 2 s, or the server's
+    Retry-After when it gives one)."""
+    max_in_flight: int = Field(default=64, ge=1)
+    """Calls from this process in flight at once, over all replicas (the client's threads)."""
+    replica_cooldown_s: float = Field(default=5.0, ge=0.0)
+    """A replica that refused a connection gets no calls for this long (then it is tried again)."""
+
+    @field_validator("urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"replica URL {url!r} must start with http:// or https://")
+        if len(set(urls)) != len(urls):
+            raise ValueError("replica URLs must be distinct")
+        return [url.rstrip("/") for url in urls]

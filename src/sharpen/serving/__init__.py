@@ -1,0 +1,21 @@
+"""Serving components over HTTP: the service shell (shell.py: token, limits, bounded queue, probes, idempotency)
+and the replica client (replicas.py: load spread over N URLs, safe retries). Components' own service modules
+(`sharpen.environments.sandbox.service`, `sharpen.environments.service`) give the routes; this package knows none
+of them. Standard library HTTP on the server, httpx on the client.
+"""
+
+from sharpen.serving.replicas import ReplicaClient, ReplicaLost, ServiceRequestError, ServiceUnavailable, new_key
+from sharpen.serving.shell import Request, Route, ServiceError, ServiceShell, read_token
+
+__all__ = [
+    "ReplicaClient",
+    "ReplicaLost",
+    "Request",
+    "Route",
+    "ServiceError",
+    "ServiceRequestError",
+    "ServiceShell",
+    "ServiceUnavailable",
+    "new_key",
+    "read_token",
+]

@@ -1,0 +1,135 @@
+"""What `sharpen simulate` prints: a scenario's simulated step time, utilisation per role, sync time, the async
+speedup over the same cluster run synchronously, and, on request, the best rollout/trainer split of a GPU budget.
+
+It owns running the variants a report needs (the sync counterpart, the split candidates) and formatting them as
+text or JSON. It does not model anything itself (cluster.py, costs.py).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from sharpen.simulation.cluster import SimulationResult, simulate
+from sharpen.simulation.scenario import Scenario, ScenarioError
+
+MAX_SPLIT_CANDIDATES = 24
+
+
+def with_changes(scenario: Scenario, **sections: dict[str, object]) -> Scenario:
+    """A copy with some keys of some sections replaced, validated again (so a bad combination still errors)."""
+    data = scenario.model_dump()
+    for section, values in sections.items():
+        data[section].update(values)
+    return Scenario.model_validate(data)
+
+
+@dataclass(kw_only=True, slots=True)
+class SplitCandidate:
+    num_engine_gpus: int
+    num_trainer_gpus: int
+    step_seconds: float
+
+
+@dataclass(kw_only=True, slots=True)
+class SimulationReport:
+    result: SimulationResult
+    sync_result: SimulationResult | None = None  # the same cluster in sync mode, when the scenario is async
+    split: list[SplitCandidate] = field(default_factory=list)
+
+    @property
+    def async_speedup(self) -> float | None:
+        if self.sync_result is None:
+            return None
+        return self.sync_result.step_seconds / self.result.step_seconds
+
+    @property
+    def best_split(self) -> SplitCandidate | None:
+        return min(self.split, key=lambda c: (c.step_seconds, c.num_engine_gpus)) if self.split else None
+
+    def to_json(self) -> str:
+        data = {
+            "result": _without_step_times(self.result),
+            "sync_result": _without_step_times(self.sync_result) if self.sync_result else None,
+            "async_speedup": self.async_speedup,
+            "split": [asdict(c) for c in self.split],
+            "best_split": asdict(self.best_split) if self.best_split else None,
+        }
+        return json.dumps(data, indent=2)
+
+    def to_text(self) -> str:
+        r = self.result
+        occupancy = "n/a, capacity unbounded" if r.engine_occupancy is None else f"{r.engine_occupancy:.0%}"
+        lines = [
+            f"scenario: {r.name}",
+            f"  {r.mode} (max_staleness {r.max_staleness}), {r.placement}: {r.num_engines} engine replicas on "
+            f"{r.num_engine_gpus} GPUs, trainer on {r.num_trainer_gpus} GPUs",
+            f"  step time        {r.step_seconds:10.2f} s   (steady state; {r.total_seconds:.1f} s in all)",
+            f"  generation       {r.generation_seconds:10.2f} s   per batch, admission to last score",
+            f"  training         {r.train_seconds:10.2f} s   per step",
+            f"  weight sync      {r.sync_seconds:10.3f} s   per step",
+            f"  engine GPUs      {r.engine_busy_fraction:10.0%}     busy (slot occupancy {occupancy})",
+            f"  trainer GPUs     {r.trainer_busy_fraction:10.0%}     busy (training + sync)",
+            f"  staleness        {r.staleness_mean:10.2f}     mean versions behind, trained batches",
+            f"  throughput       {r.tokens_per_second:10.0f}     trained tokens/s",
+        ]
+        if r.num_engine_failures:
+            lines.append(
+                f"  failures         {r.num_engine_failures:10d}     engine restarts, {r.wasted_tokens:.0f} tokens lost"
+            )
+        if self.sync_result is not None and self.async_speedup is not None:
+            lines.append(
+                f"  async speedup    {self.async_speedup:10.2f}x    over sync on the same GPUs "
+                f"({self.sync_result.step_seconds:.2f} s/step)"
+            )
+        if self.split:
+            lines.append("split search (engine GPUs + trainer GPUs: step time):")
+            best = self.best_split
+            for c in self.split:
+                mark = "  <- best" if c is best else ""
+                lines.append(f"  {c.num_engine_gpus:5d} + {c.num_trainer_gpus:<5d} {c.step_seconds:10.2f} s{mark}")
+        return "\n".join(lines)
+
+
+def _without_step_times(result: SimulationResult) -> dict[str, object]:
+    data = asdict(result)
+    data["step_times"] = [round(t, 6) for t in result.step_times]
+    return data
+
+
+def split_candidates(scenario: Scenario, budget: int) -> list[int]:
+    """Engine GPU counts to try: multiples of the replica size that leave the trainer at least one GPU."""
+    size = scenario.cluster.gpus_per_engine
+    counts = list(range(size, budget, size))
+    if not counts:
+        raise ScenarioError(f"--search-split {budget}: the budget must exceed one engine replica ({size} GPUs)")
+    stride = -(-len(counts) // MAX_SPLIT_CANDIDATES)
+    picked = counts[::stride]
+    return picked if picked[-1] == counts[-1] else [*picked, counts[-1]]
+
+
+def search_split(scenario: Scenario, budget: int) -> list[SplitCandidate]:
+    """Simulate every candidate split of `budget` GPUs between engines and trainer (disaggregated)."""
+    if scenario.cluster.placement == "colocated":
+        raise ScenarioError("--search-split splits GPUs between engines and trainer: use a disaggregated scenario")
+    candidates = []
+    for engine_gpus in split_candidates(scenario, budget):
+        variant = with_changes(
+            scenario, cluster={"num_engine_gpus": engine_gpus, "num_trainer_gpus": budget - engine_gpus}
+        )
+        result = simulate(variant)
+        candidates.append(
+            SplitCandidate(
+                num_engine_gpus=engine_gpus, num_trainer_gpus=budget - engine_gpus, step_seconds=result.step_seconds
+            )
+        )
+    return candidates
+
+
+def build_report(scenario: Scenario, *, split_budget: int | None = None) -> SimulationReport:
+    result = simulate(scenario)
+    sync_result = None
+    if scenario.rollout.mode == "async":
+        sync_result = simulate(with_changes(scenario, rollout={"mode": "sync", "continuous_batching": False}))
+    split = search_split(scenario, split_budget) if split_budget is not None else []
+    return SimulationReport(result=result, sync_result=sync_result, split=split)
