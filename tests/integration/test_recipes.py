@@ -73,6 +73,11 @@ def test_recipe_runs_with_the_tiny_model(recipe: Path, tiny_model_path: Path, tm
         assert math.isfinite(row["train/loss"]) and math.isfinite(row["train/grad_norm"])
         assert row["train/num_optimizer_steps"] == config.trainer.algorithm.num_mini_batches
         assert row["sync/probe_mismatch_mean"] < max_mismatch
+    if 'type = "browser"' in recipe.read_text():
+        # the browser's task rewards, not vowel_reward: a random tiny model never writes a tool call, every reward is
+        # 0 and nothing moves (tests/integration/test_browser_env.py covers the environment with scripted actions)
+        assert rows[-1]["reward/mean"] == 0.0
+        return
     assert rows[-1]["sync/probe_trainer_delta"] > 0.0  # the policy moved and the engine followed
     if config.trainer.algorithm.kl_in_reward:
         assert rows[-1]["reward/kl_penalty"] != 0.0  # the policy moved away from the frozen reference

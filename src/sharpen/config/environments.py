@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
+from sharpen.config.browser import BrowserEnvironmentConfig
 from sharpen.config.section import Section
 from sharpen.config.service import RemoteConfig, ServiceConfig
 
@@ -172,6 +173,7 @@ EnvironmentConfig = Annotated[
     | GymnasiumEnvironmentConfig
     | TextArenaEnvironmentConfig
     | VerifiersEnvironmentConfig
-    | CustomEnvironmentConfig,
+    | CustomEnvironmentConfig
+    | BrowserEnvironmentConfig,
     Field(discriminator="type"),
 ]

@@ -359,7 +359,7 @@ class MonitoringConfig(Section):
     """Token limit of the parity probes' greedy completions."""
 
 
-ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers")
+ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers", "browser")
 
 
 class SharpenConfig(Section):

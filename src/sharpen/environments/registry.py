@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from sharpen.config.browser import BrowserEnvironmentConfig
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
     CustomEnvironmentConfig,
@@ -22,6 +23,7 @@ from sharpen.config.environments import (
 )
 from sharpen.config.sandbox import SandboxConfig
 from sharpen.environments.base import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
+from sharpen.environments.browser import build_browser_factory, make_browser_tasks
 from sharpen.environments.calculator import CalculatorEnvironment
 from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
@@ -85,6 +87,8 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
         case VerifiersEnvironmentConfig():
             import_verifiers()
             return partial(VerifiersEnvironment, **_verifiers_arguments(config))
+        case BrowserEnvironmentConfig():
+            return build_browser_factory(config)
 
 
 def _verifiers_arguments(config: VerifiersEnvironmentConfig) -> dict[str, Any]:
@@ -135,6 +139,8 @@ def environment_tasks(config: EnvironmentConfig, *, size: int, seed: int) -> lis
             )
         case VerifiersEnvironmentConfig():
             return VerifiersEnvironment(**_verifiers_arguments(config)).make_tasks(size)
+        case BrowserEnvironmentConfig():
+            return make_browser_tasks(config, size=size, seed=seed)
         case CustomEnvironmentConfig(tasks=str(tasks)):
             return list(load_object(tasks, what="environment.tasks")(size, seed=seed))
         case _:

@@ -1,0 +1,82 @@
+"""The browser environment's section (``environment.type = "browser"``): MiniWoB++ tasks in headless Chromium.
+
+Pydantic only. It declares the episode limits itself instead of deriving from ``EpisodeLimitsSection``: that class
+lives in `sharpen.config.environments`, which imports this module for its union. Task names are checked against the
+installed ``miniwob`` package when the environment is built (`sharpen.environments.registry`), not here.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from sharpen.config.section import Section
+
+_TASK_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+
+
+class BrowserEnvironmentConfig(Section):
+    """Web tasks of MiniWoB++ (the ``miniwob`` package's local pages; needs ``pip install 'sharpen[browser]'`` and
+    the Debian packages chromium and chromium-driver). The policy sees the task and the page as text with element
+    ids and acts with tool calls: ``click(id)``, ``type(id, text)``, ``press(key)``, ``scroll(dx, dy)``, ``done()``.
+    The reward is the task's own: 1 solved, 0 failed."""
+
+    type: Literal["browser"] = "browser"
+    max_turns: int = Field(default=4, ge=1)
+    """Policy turns per episode (each turn's token limit is rollout.max_new_tokens)."""
+    max_episode_tokens: int = Field(default=1024, ge=1)
+    """Completion tokens per episode, generated plus appended by the environment (the page after each turn)."""
+    wall_seconds: float | None = Field(default=120.0, gt=0.0)
+    """Wall-clock budget of the environment's side of one episode (waiting for a browser included); an episode
+    that exceeds it ends and abstains (status timeout). None: unbounded."""
+    tasks: list[str] = Field(default_factory=lambda: ["click-button"], min_length=1)
+    """MiniWoB task names (the ``miniwob`` package's ``html/miniwob/<name>.html``), for ``data.type =
+    "environment"``: task instances cycle through them, each with its own seed."""
+    observation: Literal["text", "screenshot", "both"] = "text"
+    """What the policy sees: ``text`` is the page as lines ``[id] tag "text"``. Screenshots arrive with multimodal
+    messages; until then ``screenshot`` and ``both`` are refused."""
+    tool_parser: Literal["hermes", "json"] = "hermes"
+    """How actions are read from a turn: ``<tool_call>{json}</tool_call>`` blocks (Hermes, Qwen) or a turn that is
+    one JSON object with ``name`` and ``parameters`` (Llama 3)."""
+    pool_size: int = Field(default=2, ge=1)
+    """Browsers kept running and shared by the episodes (each about 150 MB and one busy core while it works);
+    episodes beyond this many wait for one to come free."""
+    call_timeout_s: float = Field(default=10.0, gt=0.0)
+    """Wall clock of one browser call (a reset, an action, reading the page); a browser that takes longer is
+    killed and replaced, and its episode abstains (infra_error)."""
+    js_heap_mb: int = Field(default=256, ge=16)
+    """Cap of a page's JavaScript heap (V8's old space), so a runaway page cannot take the host's memory."""
+    max_page_chars: int = Field(default=2000, ge=100)
+    """Characters of the page text shown to the policy; the rest is cut with a note."""
+    instructions: str = ""
+    """The system prompt; empty: the default, which explains element ids and lists the tools as JSON schema (a
+    small model does better with a short prompt of its own and ``demonstration``)."""
+    demonstration: bool = False
+    """Start every episode with one worked example (a page and the right tool call, as a user turn and an
+    assistant turn), which shows a small model the action format."""
+    chromium: str = "chromium"
+    """The Chromium executable (a name on PATH or a path)."""
+    chromedriver: str = "chromedriver"
+    """The chromedriver executable matching ``chromium``."""
+
+    @field_validator("observation")
+    @classmethod
+    def _check_observation(cls, value: str) -> str:
+        if value != "text":
+            raise ValueError(
+                f'observation = "{value}" needs images in messages, which arrive with multimodal messages; '
+                'use observation = "text" for now'
+            )
+        return value
+
+    @field_validator("tasks")
+    @classmethod
+    def _check_tasks(cls, value: list[str]) -> list[str]:
+        bad = [name for name in value if not _TASK_NAME.fullmatch(name)]
+        if bad:
+            raise ValueError(
+                f"tasks {bad} are not MiniWoB task names (lower-case words joined by '-', e.g. click-button)"
+            )
+        return value

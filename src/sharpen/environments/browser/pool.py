@@ -1,0 +1,251 @@
+"""`BrowserPool`: headless Chromium processes (driven by selenium through chromedriver) reused across episodes.
+
+Owns the browsers' lives: starting one isolated (its own temporary user-data dir, no network: every host name
+resolves to nothing and every proxied request goes to a closed port, so only ``file://`` pages load), lending it for
+one environment call at a time, bounding each call by a wall clock, and killing and replacing a browser that
+crashed or hung (a crash is reported as `EnvironmentInfraError`: the episode abstains). It knows nothing of tasks,
+pages or actions (`sharpen.environments.browser.page`), nor of episodes (`BrowserEnvironment`).
+
+A browser is lent per call, not per episode: the episode loop never tells an environment that its episode ended
+(it may stop one at max_turns), so an episode-long lease would hold a browser forever. Each browser remembers the
+last episode it served (``owner``); that episode gets it back when it is free, and an episode that gets another
+browser restores its page by replaying its own seeded task and actions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import weakref
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from sharpen.environments.base import EnvironmentInfraError
+
+T = TypeVar("T")
+
+_POLL_SECONDS = 0.005
+"""How often a waiting episode looks for a free browser. Polling works on any event loop: the episode runner
+starts a new loop per step, and a browser freed by one loop's episode may be taken by the next loop's."""
+
+# Selenium's driver manager would look up drivers online and send usage statistics; the driver and browser here
+# are Debian's, named explicitly, so nothing needs to leave the machine.
+_SELENIUM_OFFLINE = {"SE_OFFLINE": "true", "SE_AVOID_STATS": "true"}
+
+
+def chromium_arguments(user_data_dir: str, *, js_heap_mb: int) -> list[str]:
+    """Chromium's flags: headless, isolated, offline, small."""
+    return [
+        "--headless=new",
+        # Chromium refuses to start as root with its sandbox on (the test machines run as root); the isolation that
+        # matters here is the network's and the profile's, below, and the pages are MiniWoB's own local files.
+        *(["--no-sandbox"] if os.geteuid() == 0 else []),
+        f"--user-data-dir={user_data_dir}",
+        "--proxy-server=http://127.0.0.1:9",  # the discard port: nothing listens, every proxied request fails
+        "--host-resolver-rules=MAP * ~NOTFOUND",  # and no host name resolves
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-default-apps",
+        "--disable-extensions",
+        "--disable-sync",
+        "--no-first-run",
+        "--no-default-browser-check",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
+        "--renderer-process-limit=1",
+        f"--js-flags=--max-old-space-size={js_heap_mb}",
+        "--window-size=400,400",
+    ]
+
+
+@dataclass(kw_only=True, eq=False)
+class Browser:
+    """One Chromium with its chromedriver (in their own process group, so both die together)."""
+
+    driver: Any
+    process: Any
+    """chromedriver's ``subprocess.Popen`` (Chromium is its child, in its process group)."""
+    user_data_dir: str
+    owner: Any = None
+    """The episode (an environment object) whose page this browser shows now; None: nobody's."""
+    is_dead: bool = False
+
+    def kill(self) -> None:
+        """Kill chromedriver and Chromium at once (no polite quit: a hung browser would not answer it)."""
+        self.is_dead = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the group id is its pid
+        with contextlib.suppress(Exception):
+            self.process.wait(timeout=5)  # reap it
+        shutil.rmtree(self.user_data_dir, ignore_errors=True)
+
+
+def start_browser(*, chromium: str, chromedriver: str, js_heap_mb: int) -> Browser:
+    """A fresh, isolated headless Chromium (about a second on an idle core)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    for name, value in _SELENIUM_OFFLINE.items():
+        os.environ.setdefault(name, value)
+    for path in (chromium, chromedriver):
+        if shutil.which(path) is None:
+            raise EnvironmentInfraError(
+                f"browser environment: {path} not found (install the Debian packages chromium and chromium-driver)"
+            )
+    user_data_dir = tempfile.mkdtemp(prefix="sharpen-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which(chromium) or chromium
+    for argument in chromium_arguments(user_data_dir, js_heap_mb=js_heap_mb):
+        options.add_argument(argument)
+    service = Service(executable_path=shutil.which(chromedriver), popen_kw={"start_new_session": True})
+    try:
+        driver = webdriver.Chrome(service=service, options=options)
+    except Exception as error:  # any start-up failure is the host's, not the policy's
+        shutil.rmtree(user_data_dir, ignore_errors=True)
+        raise EnvironmentInfraError(f"browser environment: Chromium did not start: {error}") from error
+    process = service.process
+    assert process is not None, "a started service has its process"
+    return Browser(driver=driver, process=process, user_data_dir=user_data_dir)
+
+
+@dataclass(kw_only=True)
+class PoolStats:
+    """Counters of a pool's life, for benchmarks and tests."""
+
+    num_started: int = 0
+    num_crashed: int = 0
+    """Browsers killed because a call failed or ran past its wall clock (each is replaced on demand)."""
+    num_calls: int = 0
+
+
+class BrowserPool:
+    """Up to ``size`` browsers, started on demand and kept for later episodes. Calls made through `lease` run on the
+    pool's own threads (one per browser), so a blocking selenium call never holds the event loop or the default
+    executor; each is bounded by ``call_timeout_s``, after which the browser is killed and the call raises
+    `EnvironmentInfraError`."""
+
+    def __init__(
+        self,
+        *,
+        size: int = 1,
+        call_timeout_s: float = 10.0,
+        chromium: str = "chromium",
+        chromedriver: str = "chromedriver",
+        js_heap_mb: int = 256,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"browser pool size must be >= 1, got {size}")
+        self.size, self.call_timeout_s = size, call_timeout_s
+        self._start = lambda: start_browser(chromium=chromium, chromedriver=chromedriver, js_heap_mb=js_heap_mb)
+        self._lock = threading.Lock()
+        self._idle: list[Browser] = []
+        self._alive: list[Browser] = []  # idle and lent
+        self._num_alive = 0  # idle + lent + starting
+        # a thread per browser, and as many again for calls still stuck in a browser that was just killed
+        self._executor = ThreadPoolExecutor(max_workers=2 * size, thread_name_prefix="sharpen-browser")
+        self.stats = PoolStats()
+        self._finalizer = weakref.finalize(self, _close_all, self._alive, self._idle, self._executor)
+        atexit.register(self._finalizer)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, owner: Any) -> AsyncIterator[Lease]:
+        """A browser for ``owner`` until the block ends: the one that last served it if that one is free, else a
+        free one, else a new one while the pool has room, else the first to come free."""
+        browser = await self._acquire(owner)
+        try:
+            yield Lease(self, browser)
+        finally:
+            self._release(browser)
+
+    async def _acquire(self, owner: Any) -> Browser:
+        while True:
+            with self._lock:
+                if self._idle:
+                    mine = [b for b in self._idle if b.owner is owner]
+                    unowned = [b for b in self._idle if b.owner is None]
+                    browser = (mine or unowned or self._idle)[0]
+                    self._idle.remove(browser)
+                    return browser
+                may_start = self._num_alive < self.size
+                if may_start:
+                    self._num_alive += 1
+            if may_start:
+                starting = self._executor.submit(self._start)
+                try:
+                    browser = await asyncio.wrap_future(starting)
+                except BaseException:
+                    with self._lock:
+                        self._num_alive -= 1
+                    # cancelled while Chromium starts (the episode's clock ran out): kill it once it is up
+                    starting.add_done_callback(lambda done: done.exception() is None and done.result().kill())
+                    raise
+                self.stats.num_started += 1
+                with self._lock:
+                    self._alive.append(browser)
+                return browser
+            await asyncio.sleep(_POLL_SECONDS)
+
+    def _release(self, browser: Browser) -> None:
+        with self._lock:
+            if browser.is_dead:
+                self._num_alive -= 1
+                self._alive.remove(browser)
+            else:
+                self._idle.append(browser)
+
+    async def run(self, browser: Browser, function: Callable[[Any], T]) -> T:
+        """``function(driver)`` on a pool thread, within the wall clock; a failure or a timeout kills the browser."""
+        self.stats.num_calls += 1
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, function, browser.driver)
+        try:
+            return await asyncio.wait_for(future, timeout=self.call_timeout_s)
+        except asyncio.CancelledError:  # the episode's own clock ran out: the call may still run on this browser
+            self._kill(browser)
+            raise
+        except TimeoutError:
+            self._kill(browser)
+            raise EnvironmentInfraError(
+                f"browser environment: a browser call ran past {self.call_timeout_s:g} s; the browser was replaced"
+            ) from None
+        except Exception as error:  # a dead or broken browser: not the policy's fault (policy errors are returned)
+            self._kill(browser)
+            raise EnvironmentInfraError(
+                f"browser environment: the browser failed ({type(error).__name__}: {error}); it was replaced"
+            ) from error
+
+    def _kill(self, browser: Browser) -> None:
+        if not browser.is_dead:
+            self.stats.num_crashed += 1
+            browser.kill()
+
+    def close(self) -> None:
+        """Kill every browser (also at exit, and when the pool is garbage-collected)."""
+        self._finalizer()
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One browser lent to one environment call."""
+
+    pool: BrowserPool
+    browser: Browser
+
+    async def run(self, function: Callable[[Any], T]) -> T:
+        return await self.pool.run(self.browser, function)
+
+
+def _close_all(alive: list[Browser], idle: list[Browser], executor: ThreadPoolExecutor) -> None:
+    for browser in alive:
+        browser.kill()
+    alive.clear()
+    idle.clear()
+    executor.shutdown(wait=False, cancel_futures=True)
