@@ -8,6 +8,8 @@ component, a port that is taken), said in one line each. The services themselves
 from __future__ import annotations
 
 from sharpen.config import ConfigError, SharpenConfig
+from sharpen.config.episodes import EpisodeLimitsSection
+from sharpen.config.service import ServiceConfig
 
 
 def _token(env_name: str) -> str:
@@ -46,12 +48,12 @@ def serve_sandbox(config: SharpenConfig, *, host: str, port: int) -> int:
 def serve_environment(config: SharpenConfig, *, host: str, port: int) -> int:
     """Serve the recipe's [environment] (and its [sandbox], for environments that run code) until interrupted."""
     environment = config.environment
-    if getattr(environment, "remote", None) is not None:
+    if isinstance(environment, EpisodeLimitsSection) and environment.remote is not None:
         raise ConfigError("serve-env serves a local environment: remove environment.remote from its recipe")
-    from sharpen.config.service import ServiceConfig
     from sharpen.environments.service import EnvironmentService
 
-    token = _token(getattr(environment, "service", ServiceConfig()).token_env)
+    service_config = environment.service if isinstance(environment, EpisodeLimitsSection) else ServiceConfig()
+    token = _token(service_config.token_env)
 
     try:
         service = EnvironmentService(environment, sandbox=config.sandbox, token=token, host=host, port=port)

@@ -1,8 +1,7 @@
 """The browser environment's section (``environment.type = "browser"``): MiniWoB++ tasks in headless Chromium.
 
-Pydantic only. It declares the episode limits itself instead of deriving from ``EpisodeLimitsSection``: that class
-lives in `sharpen.config.environments`, which imports this module for its union. Task names are checked against the
-installed ``miniwob`` package when the environment is built (`sharpen.environments.registry`), not here.
+Pydantic only. Task names are checked against the installed ``miniwob`` package when the environment is built
+(`sharpen.environments.registry`), not here.
 """
 
 from __future__ import annotations
@@ -12,12 +11,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from sharpen.config.section import Section
+from sharpen.config.episodes import EpisodeLimitsSection
 
 _TASK_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 
-class BrowserEnvironmentConfig(Section):
+class BrowserEnvironmentConfig(EpisodeLimitsSection):
     """Web tasks of MiniWoB++ (the ``miniwob`` package's local pages; needs ``pip install 'sharpen[browser]'`` and
     the Debian packages chromium and chromium-driver). The policy sees the task and the page as text with element
     ids and acts with tool calls: ``click(id)``, ``type(id, text)``, ``press(key)``, ``scroll(dx, dy)``, ``done()``.
@@ -26,11 +25,6 @@ class BrowserEnvironmentConfig(Section):
     type: Literal["browser"] = "browser"
     max_turns: int = Field(default=4, ge=1)
     """Policy turns per episode (each turn's token limit is rollout.max_new_tokens)."""
-    max_episode_tokens: int = Field(default=1024, ge=1)
-    """Completion tokens per episode, generated plus appended by the environment (the page after each turn)."""
-    wall_seconds: float | None = Field(default=120.0, gt=0.0)
-    """Wall-clock budget of the environment's side of one episode (waiting for a browser included); an episode
-    that exceeds it ends and abstains (status timeout). None: unbounded."""
     tasks: list[str] = Field(default_factory=lambda: ["click-button"], min_length=1)
     """MiniWoB task names (the ``miniwob`` package's ``html/miniwob/<name>.html``), for ``data.type =
     "environment"``: task instances cycle through them, each with its own seed."""

@@ -11,31 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from sharpen.config.browser import BrowserEnvironmentConfig
+from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.section import Section
-from sharpen.config.service import RemoteConfig, ServiceConfig
-
-
-class EpisodeLimitsSection(Section):
-    max_turns: int = Field(default=1, ge=1)
-    """Policy turns per episode (each turn's token limit is rollout.max_new_tokens)."""
-    max_episode_tokens: int = Field(default=1024, ge=1)
-    """Completion tokens per episode, generated plus appended by the environment (keep prompt + this within the
-    engine's max_model_len)."""
-    wall_seconds: float | None = Field(default=120.0, gt=0.0)
-    """Wall-clock budget of the environment's side of one episode (its reset and steps); an episode that exceeds
-    it ends and abstains (status timeout). None: unbounded."""
-    remote: RemoteConfig | None = None
-    """Run the episodes on `sharpen serve-env` replicas at ``remote.urls`` (each serves this same environment section
-    from its own recipe) instead of in this process. A replica lost mid-episode is replaced by replaying the
-    episode's seed and actions on another; an episode that does not replay identically abstains."""
-    service: ServiceConfig = Field(default_factory=ServiceConfig)
-    """How `sharpen serve-env` admits work and when it forgets idle episodes; read by the server."""
-
-    @model_validator(mode="after")
-    def _check_remote(self) -> EpisodeLimitsSection:
-        if self.remote is not None and not self.remote.urls:
-            raise ValueError("environment.remote needs the replicas' URLs in environment.remote.urls")
-        return self
 
 
 class SingleTurnEnvironmentConfig(Section):

@@ -21,6 +21,7 @@ from sharpen.config.environments import (
     TextArenaEnvironmentConfig,
     VerifiersEnvironmentConfig,
 )
+from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.sandbox import SandboxConfig
 from sharpen.environments.base import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
 from sharpen.environments.browser import build_browser_factory, make_browser_tasks
@@ -40,9 +41,8 @@ from sharpen.types import Example
 def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
     """A callable that builds a fresh environment for each episode (on `sharpen serve-env` replicas when the
     section has ``remote``)."""
-    remote = getattr(config, "remote", None)
-    if remote is not None:
-        return RemoteEnvironmentFactory(remote)
+    if isinstance(config, EpisodeLimitsSection) and config.remote is not None:
+        return RemoteEnvironmentFactory(config.remote)
     match config:
         case SingleTurnEnvironmentConfig():
             return SingleTurnEnvironment

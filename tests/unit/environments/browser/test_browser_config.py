@@ -67,3 +67,10 @@ def test_tasks_cycle_through_the_names_with_seeds_fixed_by_the_run_seed() -> Non
     assert len(set(seeds)) == 4
     assert seeds != [e.metadata["seed"] for e in make_browser_tasks(config, size=4, seed=8)]
     assert all(e.prompt for e in first)  # a prompt to render (the parity probe renders every example's)
+
+
+def test_browser_episodes_can_run_on_served_replicas_and_remote_needs_urls() -> None:
+    section = BrowserEnvironmentConfig.model_validate({"remote": {"urls": ["http://10.0.0.7:8200"]}})
+    assert section.remote is not None and section.remote.urls == ["http://10.0.0.7:8200"]
+    with pytest.raises(ValidationError, match="environment.remote.urls"):
+        BrowserEnvironmentConfig.model_validate({"remote": {}})
