@@ -24,7 +24,7 @@ from sharpen.trainer.algorithms import (
     compute_grpo_advantages,
     compute_reinforce_pp_token_advantages,
 )
-from sharpen.types import RewardResult, Rollout, RolloutGroup
+from sharpen.types import EpisodeRecord, RewardResult, Rollout, RolloutGroup
 
 if TYPE_CHECKING:
     from sharpen.orchestration.handles import TrainerHandle
@@ -211,4 +211,27 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         metrics["rollout/num_turns_mean"] = statistics.fmean(len(e.turns) for e in episodes)
         for reason, count in Counter(e.stop_reason for e in episodes).items():
             metrics[f"rollout/stop_{reason}"] = count / len(episodes)
+        metrics.update(environment_info_metrics(episodes))
+    return metrics
+
+
+def environment_info_metrics(episodes: list[EpisodeRecord]) -> dict[str, float]:
+    """The numbers environments put in their steps' ``info``: ``env/<key>_mean`` over the turns that report the
+    key (a browser's step_seconds, num_invalid_actions), and for counts (``num_*`` keys) also
+    ``env/<key>_per_episode``, the mean of their sums over the episodes that report the key (actions per episode).
+    Booleans, strings and lists are not numbers."""
+    per_turn: dict[str, list[float]] = {}
+    per_episode: dict[str, list[float]] = {}
+    for episode in episodes:
+        totals: dict[str, float] = {}
+        for turn in episode.turns:
+            for key, value in turn.info.items():
+                if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                    per_turn.setdefault(key, []).append(float(value))
+                    if key.startswith("num_"):
+                        totals[key] = totals.get(key, 0.0) + float(value)
+        for key, total in totals.items():
+            per_episode.setdefault(key, []).append(total)
+    metrics = {f"env/{key}_mean": statistics.fmean(values) for key, values in sorted(per_turn.items())}
+    metrics.update({f"env/{key}_per_episode": statistics.fmean(v) for key, v in sorted(per_episode.items())})
     return metrics

@@ -173,3 +173,32 @@ def test_passk_advantages_reach_the_rollouts_with_the_configured_k():
     advantages = [r.advantage for r in groups[0].rollouts]
     assert advantages[2] is None
     assert [a for a in advantages if a is not None] == pytest.approx([-1 / 3, 1.0, -1 / 3, -1 / 3], abs=1e-12)
+
+
+def test_numbers_in_step_infos_become_env_metrics_per_turn_and_counts_per_episode():
+    from sharpen.orchestration.phases import environment_info_metrics
+    from sharpen.types import EpisodeRecord, TurnRecord
+
+    def turn(**info):
+        return TurnRecord(action_text="", num_action_tokens=1, observation_ids=[], info=info)
+
+    episodes = [
+        EpisodeRecord(
+            environment="browser",
+            environment_version="1",
+            seed=0,
+            turns=[
+                turn(num_actions=1, num_invalid_actions=1, step_seconds=0.5, actions=["invalid"]),
+                turn(num_actions=2, num_invalid_actions=0, step_seconds=0.25, is_done=True, stop="done"),
+            ],
+        ),
+        EpisodeRecord(environment="browser", environment_version="1", seed=1, turns=[turn(num_actions=1)]),
+    ]
+    metrics = environment_info_metrics(episodes)
+    assert metrics == {
+        "env/num_actions_mean": pytest.approx(4 / 3),
+        "env/num_invalid_actions_mean": 0.5,
+        "env/step_seconds_mean": 0.375,
+        "env/num_actions_per_episode": 2.0,  # (1 + 2) and 1
+        "env/num_invalid_actions_per_episode": 1.0,  # only the first episode reports it
+    }

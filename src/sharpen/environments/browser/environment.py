@@ -101,7 +101,7 @@ class BrowserEnvironment:
         return [Message(role="system", content=system), *demonstration, Message(role="user", content=text)]
 
     async def step(self, action: str) -> StepResult:
-        started = time.perf_counter()
+        started, num_restores_before = time.perf_counter(), self._num_restores
         calls: list[ToolCall | ToolCallError] = self.parser.parse(action)
         if not calls:
             calls = [ToolCallError(message="no tool call found; act with one <tool_call>...</tool_call> block")]
@@ -123,9 +123,10 @@ class BrowserEnvironment:
         num_invalid = sum(output.startswith("error:") for output in outputs)
         info: dict[str, Any] = {
             "actions": [c.name if isinstance(c, ToolCall) else "invalid" for c in calls],
+            "num_actions": len(calls),
             "num_invalid_actions": num_invalid,
             "step_seconds": round(time.perf_counter() - started, 4),
-            "num_page_restores": self._num_restores,
+            "num_page_restores": self._num_restores - num_restores_before,
         }
         if is_over:
             reward = max(outcome.raw_reward, 0.0) if outcome.is_done else 0.0
