@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import difflib
 import glob
+import io
 import json
 import tempfile
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from sharpen.config.schema import HfDataConfig, JsonlDataConfig, ReasoningGymDataConfig
-from sharpen.types import Example, Message
+from sharpen.types import Example, ImagePart, Message, TextPart
 
 DEFAULT_SYSTEM_PROMPT = (
     "Think briefly, then give the final answer inside <answer></answer> tags, for example <answer>42</answer>."
@@ -170,22 +171,69 @@ def _load_jsonl(config: JsonlDataConfig) -> list[Example]:
             raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from exc
         if not isinstance(record, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-        examples.append(_example_from_record(record, config, task_key=f"{path.stem}/{line_index}", where=where))
+        task_key = f"{path.stem}/{line_index}"
+        examples.append(_example_from_record(record, config, task_key=task_key, where=where, folder=path.parent))
     if not examples:
         raise DataError(f"{path}: empty file (no examples)")
     return examples
 
 
-def _example_from_record(record: dict[str, Any], config: JsonlDataConfig, *, task_key: str, where: str) -> Example:
+IMAGES_FIELD = "images"
+"""The JSONL field that lists a row's image files (paths relative to the JSONL file's folder)."""
+
+
+def _example_from_record(
+    record: dict[str, Any], config: JsonlDataConfig, *, task_key: str, where: str, folder: Path
+) -> Example:
     for field, config_key in ((config.prompt_field, "prompt_field"), (config.answer_field, "answer_field")):
         if field not in record:
             raise DataError(
                 f"{where}: missing field {field!r} (data.{config_key}); the object has: {', '.join(record) or 'none'}"
             )
     messages = _parse_prompt(record[config.prompt_field], where=f"{where}: field {config.prompt_field!r}")
+    if IMAGES_FIELD in record:
+        images = _read_images(record[IMAGES_FIELD], folder, where=f"{where}: field {IMAGES_FIELD!r}")
+        messages = _with_images(messages, images, where=f"{where}: field {IMAGES_FIELD!r}")
     answer = _checked_answer(record[config.answer_field], where=f"{where}: field {config.answer_field!r}")
-    metadata = {key: value for key, value in record.items() if key not in (config.prompt_field, config.answer_field)}
+    used = (config.prompt_field, config.answer_field, IMAGES_FIELD)
+    metadata = {key: value for key, value in record.items() if key not in used}
     return _file_example(config, task_key=task_key, messages=messages, answer=answer, metadata=metadata)
+
+
+def _read_images(paths: Any, folder: Path, *, where: str) -> tuple[ImagePart, ...]:
+    """The image files a row lists, read into memory (recordings and task hashes then hold their digests, and a
+    missing file fails at load, not mid-run); each must be one PIL can decode."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not isinstance(paths, list) or not all(isinstance(p, str) and p.strip() for p in paths):
+        raise DataError(f"{where}: must be a list of image file paths, got {json.dumps(paths)[:60]}")
+    images = []
+    for index, relative in enumerate(paths):
+        path = folder / relative  # an absolute path stays as it is
+        try:
+            data = path.read_bytes()
+            with Image.open(io.BytesIO(data)) as image:
+                image.verify()  # decodes the headers and checks the file's structure, without keeping pixels
+        except FileNotFoundError:
+            raise DataError(f"{where}: image {index} not found: {path}") from None
+        except UnidentifiedImageError:  # its message names the in-memory buffer, not the file
+            raise DataError(f"{where}: image {index} ({path}) is not an image file PIL can decode") from None
+        except (OSError, SyntaxError) as exc:  # unreadable file, or a broken image (PIL's verify raises either)
+            raise DataError(f"{where}: image {index} ({path}) cannot be read as an image: {_one_line(exc)}") from exc
+        images.append(ImagePart(data=data))
+    return tuple(images)
+
+
+def _with_images(messages: list[Message], images: tuple[ImagePart, ...], *, where: str) -> list[Message]:
+    """``messages`` with ``images`` put before the text of the first user message (Qwen2-VL's usual order)."""
+    if not images:
+        return messages
+    first_user = next((index for index, message in enumerate(messages) if message.role == "user"), None)
+    if first_user is None:
+        raise DataError(f"{where}: the prompt has no user message to put the images in")
+    message = messages[first_user]
+    content = (*images, TextPart(text=message.text))
+    return [*messages[:first_user], Message(role="user", content=content), *messages[first_user + 1 :]]
 
 
 def _file_example(

@@ -14,10 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sharpen.config import SharpenConfig
+from sharpen.config import ConfigError, SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples, render_prompt
 from sharpen.data.humaneval import humaneval_examples
+from sharpen.data.vision import VisionProcessor, is_vision_model, text_only_error
 from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits, open_sandbox
 from sharpen.environments.sandbox import SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandboxPool
@@ -43,16 +44,57 @@ from sharpen.trainer.backends.base import ReferenceScorer, TrainerBackend
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.trainer.backends.teacher import TeacherPolicy, TeacherPrompt, check_same_vocabulary
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
-from sharpen.types import Example
+from sharpen.types import Example, prompt_images
 
 
 def load_run_examples(config: SharpenConfig) -> list[Example]:
-    """The run's tasks: from its data source, or made by its environment (``data.type = "environment"``)."""
+    """The run's tasks: from its data source, or made by its environment (``data.type = "environment"``); checked
+    against the model (`check_image_inputs`) before anything slow is built."""
     if config.data.type == "environment":
-        return environment_tasks(config.environment, size=config.data.size, seed=config.run.seed)
-    if config.data.type == "humaneval":
-        return humaneval_examples(config.data.limit)
-    return load_examples(config.data, seed=config.run.seed)
+        examples = environment_tasks(config.environment, size=config.data.size, seed=config.run.seed)
+    elif config.data.type == "humaneval":
+        examples = humaneval_examples(config.data.limit)
+    else:
+        examples = load_examples(config.data, seed=config.run.seed)
+    check_image_inputs(config, examples)
+    return examples
+
+
+IMAGE_ENGINE_TYPES = ("hf",)
+"""The engines that generate from image prompts (`ImageEngine`); vLLM's Qwen2-VL module needs torchvision here."""
+
+
+def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
+    """A vision-language model needs an engine that takes images and the local runtime (a `ConfigError`
+    otherwise, whatever the data: the other engines' weight sync and generation do not know its vision tower, and the
+    Ray proxies carry no images); prompts with images need a vision-language model (the `ImageInputError` of
+    `data.vision.text_only_error`). What the trainer cannot do with images yet (packing, a KL reference, a critic, a
+    teacher) it refuses at its first step."""
+    model_path = resolve_model_path(config.model.path)
+    engine_type = config.rollout.engine.type
+    if is_vision_model(model_path):
+        if engine_type not in IMAGE_ENGINE_TYPES:
+            raise ConfigError(
+                f'rollout.engine.type = "{engine_type}" cannot run the vision-language model {model_path}; '
+                'set rollout.engine.type = "hf" (the engine that generates from image prompts here)'
+            )
+        if config.runtime.type != "local":  # the Ray actors' proxies pass no images yet
+            raise ConfigError(
+                f'runtime.type = "{config.runtime.type}" cannot run the vision-language model {model_path} yet; '
+                'set runtime.type = "local"'
+            )
+        return
+    with_images = next((example for example in examples if prompt_images(example.prompt)), None)
+    if with_images is not None:
+        raise text_only_error(
+            f"task {with_images.task_key}", len(prompt_images(with_images.prompt)), f"model.path {model_path}"
+        )
+
+
+def load_vision(config: SharpenConfig) -> VisionProcessor | None:
+    """The run model's tokenizer and image processor when it is a vision-language model, else None."""
+    model_path = resolve_model_path(config.model.path)
+    return VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
 
 
 def load_tokenizer(model_path: Path) -> Any:
@@ -203,7 +245,8 @@ def build_teacher(
 def build_episode_runner(
     config: SharpenConfig, *, tokenizer: Any, sandbox: SandboxPool | RemoteSandboxPool | None
 ) -> EpisodeRunner:
-    """The run's episode runner: its environment, limits and sandbox; environments are seeded from the run seed."""
+    """The run's episode runner: its environment, limits and sandbox; environments are seeded from the run seed.
+    A vision-language model's prompts with images are rendered by its `VisionProcessor` (`load_vision`)."""
     return EpisodeRunner(
         tokenizer=tokenizer,
         make_environment=build_environment_factory(config.environment),
@@ -214,6 +257,7 @@ def build_episode_runner(
         max_concurrent=config.rollout.max_concurrent_episodes,
         request_timeout_s=config.rollout.request_timeout_s,
         episode_timeout_s=config.rollout.episode_timeout_s,
+        vision=load_vision(config),
     )
 
 
@@ -267,9 +311,20 @@ def build_components(
 
 def build_parity_probe(config: SharpenConfig, c: Components, examples: list[Example]) -> ParityProbe | None:
     """The run's parity probes: its first tasks' prompts, completed greedily by the engine once (at the start, or
-    at the resumed weights)."""
+    at the resumed weights). Prompts with images are rendered as the episode runner renders them (its
+    `VisionProcessor`) and carry their images to the engine and the trainer."""
     monitoring = config.monitoring
     if not monitoring.parity_probe_every:
         return None
-    prompts = [render_prompt(c.tokenizer, example.prompt) for example in examples[: monitoring.parity_probe_size]]
-    return build_probe_set(prompts, c.engine, max_new_tokens=monitoring.parity_probe_max_new_tokens)
+    probed = examples[: monitoring.parity_probe_size]
+    images = [prompt_images(example.prompt) for example in probed]
+    vision = c.runner.vision
+    prompts = [
+        vision.render_prompt(example.prompt)
+        if vision is not None and found
+        else render_prompt(c.tokenizer, example.prompt)
+        for example, found in zip(probed, images, strict=True)
+    ]
+    return build_probe_set(
+        prompts, c.engine, max_new_tokens=monitoring.parity_probe_max_new_tokens, images=images if any(images) else None
+    )

@@ -29,7 +29,14 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+_PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+)
+"""What `export` copies beside the weights: the tokenizer, and a vision-language model's image processor."""
 
 
 def score_tokens(
@@ -305,7 +312,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
             export_merged(self.lora, folder)
         else:
             self.model.save_pretrained(folder, safe_serialization=True)
-        for name in _TOKENIZER_FILES:
+        for name in _PROCESSOR_FILES:
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, folder / name)
         generation_config = self.model_path / "generation_config.json"
