@@ -72,5 +72,5 @@ def test_tasks_cycle_through_the_names_with_seeds_fixed_by_the_run_seed() -> Non
 def test_browser_episodes_can_run_on_served_replicas_and_remote_needs_urls() -> None:
     section = BrowserEnvironmentConfig.model_validate({"remote": {"urls": ["http://10.0.0.7:8200"]}})
     assert section.remote is not None and section.remote.urls == ["http://10.0.0.7:8200"]
-    with pytest.raises(ValidationError, match="environment.remote.urls"):
+    with pytest.raises(ValidationError, match=r"environment\.remote\.urls"):
         BrowserEnvironmentConfig.model_validate({"remote": {}})
