@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from sharpen.config.section import Section, internal
-from sharpen.config.service import RemoteConfig, ServiceConfig
+from sharpen.config.service import FleetConfig, RemoteConfig, ServiceConfig
 
 _SANDBOX_PATHS = ("/home/sandbox", "/tmp", "/proc", "/dev")
 
@@ -77,11 +77,18 @@ class SandboxConfig(Section):
     """The `sharpen serve-sandbox` replicas of ``backend = "remote"`` and how calls to them are retried."""
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     """How `sharpen serve-sandbox` admits work (its queue, request limits, idle sessions); read by the server."""
+    fleet: FleetConfig | None = None
+    """With ``backend = "remote"``: the run starts the replicas itself, as Ray actors that serve this section with
+    ``fleet.backend``, and fills ``remote.urls`` with their URLs."""
 
     @model_validator(mode="after")
     def _check_remote(self) -> SandboxConfig:
-        if self.backend == "remote" and not self.remote.urls:
-            raise ValueError('sandbox.backend = "remote" needs the replicas\' URLs in sandbox.remote.urls')
+        if self.backend == "remote" and not self.remote.urls and self.fleet is None:
+            raise ValueError(
+                'sandbox.backend = "remote" needs the replicas\' URLs in sandbox.remote.urls (or a sandbox.fleet)'
+            )
+        if self.fleet is not None and self.backend != "remote":
+            raise ValueError('sandbox.fleet serves the sandbox to its clients: set sandbox.backend = "remote"')
         return self
 
     @field_validator("extra_ro_binds")

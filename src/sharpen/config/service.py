@@ -1,11 +1,14 @@
 """Configuration of components served over HTTP (`sharpen serve-sandbox`, `sharpen serve-env`) and of their clients.
 
 Pydantic only. `ServiceConfig` is the server's side (queue, limits, expiry); `RemoteConfig` the client's (replica
-URLs, timeouts, retries). Both sides read one shared-secret token from an environment variable, never from a file
-of the recipe. The sections are mounted by the sandbox and environment sections; this module does not know them.
+URLs, timeouts, retries); `FleetConfig` replicas that the run starts itself as Ray actors. Both sides read one
+shared-secret token from an environment variable, never from a file of the recipe. The sections are mounted by
+the sandbox and environment sections; this module does not know them.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -70,3 +73,24 @@ class RemoteConfig(Section):
         if len(set(urls)) != len(urls):
             raise ValueError("replica URLs must be distinct")
         return [url.rstrip("/") for url in urls]
+
+
+class FleetConfig(Section):
+    """A fleet: the replicas of a served component started by the run itself, one Ray actor each, on the run's Ray
+    cluster (``runtime.address``, or a local instance sized by ``runtime.num_cpus``; in either runtime, like reward
+    models with ``backend = "ray"``). The run's client then calls the actors' URLs (the fleet fills
+    ``remote.urls``)."""
+
+    type: Literal["ray"] = "ray"
+    """"ray": each replica is a Ray actor serving the component on its node's IP."""
+    num_replicas: int = Field(default=2, ge=1)
+    """Replicas started with the run."""
+    backend: Literal["auto", "bwrap", "unshare", "process"] = "auto"
+    """The isolation the sandbox replicas use (their [sandbox] is this section with this backend)."""
+    num_cpus: float = Field(default=0.5, gt=0.0)
+    """CPUs each replica actor reserves (fractions allowed). Ray's autoscaler sees the fleet as this demand."""
+    memory_mb: int | None = Field(default=None, ge=1)
+    """Memory each replica actor reserves in Ray's scheduling, in MiB (None: no reservation)."""
+    max_restarts: int = Field(default=3, ge=-1)
+    """How often Ray restarts a dead replica (-1: always). Restarted on the same node, a replica comes back at its
+    URL (its port is derived from its actor id) and the run's client sends it work again."""

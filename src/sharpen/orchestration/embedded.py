@@ -34,6 +34,10 @@ def run_embedded(
     ``reward_fn`` replaces the configured rubric (any callable ``(example, completion) -> RewardResult``);
     ``engine`` and ``trainer`` reuse components the caller owns (they are not closed here)."""
     with contextlib.ExitStack() as owned:
+        if config.sandbox.fleet is not None:  # sandbox replicas as Ray actors: Ray only when asked for
+            from sharpen.orchestration.ray.fleets import start_sandbox_fleet
+
+            config = start_sandbox_fleet(config, stack=owned)
 
         def place(model_path: Path, tokenizer: Any) -> tuple[TrainerHandle, InferenceEngine]:
             live_trainer = trainer or build_trainer(config, model_path=model_path, tokenizer=tokenizer)

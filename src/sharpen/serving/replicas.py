@@ -120,7 +120,19 @@ class ReplicaClient:
         self._executor = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"{what}-client")
 
     def replica(self, url: str) -> Replica:
-        return self._by_url[url]
+        replica = self._by_url.get(url)
+        if replica is None:  # a pinned call to a replica that `set_urls` dropped
+            raise ReplicaLost(f"{self.what} replica {url} is no longer one of this client's replicas")
+        return replica
+
+    def set_urls(self, urls: list[str]) -> None:
+        """Call these replicas from now on (a fleet that grew, shrank or restarted one); a replica kept keeps its
+        count of calls in flight and its rest. Calls already in flight finish where they are."""
+        if not urls:
+            raise ValueError(f"{self.what}: set_urls needs at least one replica URL")
+        with self._lock:
+            self.replicas = [self._by_url.get(url) or Replica(url=url) for url in dict.fromkeys(urls)]
+            self._by_url = {r.url: r for r in self.replicas}
 
     def pick(self, *, avoid: set[str]) -> Replica | None:
         """The least busy replica not in ``avoid`` and not resting; None when there is none."""

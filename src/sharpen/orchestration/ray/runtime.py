@@ -10,6 +10,7 @@ placement group.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from sharpen.monitoring import Timeline
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
 from sharpen.orchestration.ray.cluster import start_ray
+from sharpen.orchestration.ray.fleets import start_sandbox_fleet
 from sharpen.orchestration.ray.proxies import (
     ActorCallError,
     BroadcastEngines,
@@ -153,7 +155,9 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
             proxy.attach_timeline(timeline)
 
     group = None
+    fleets = contextlib.ExitStack()
     try:
+        config = start_sandbox_fleet(config, stack=fleets)  # the run's sandbox client then calls the fleet's URLs
         plan = plan_placement(runtime, num_engines=config.rollout.num_engines)
         group = place(runtime, plan)
         trainer = start_trainer(config, group, plan)
@@ -185,6 +189,7 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
     finally:
         for proxy in proxies:
             proxy.kill()
+        fleets.close()
         if group is not None:
             remove_placement_group(group)
         if started:
