@@ -190,3 +190,60 @@ def test_run_executes_its_tool_calls_on_its_fleet(runtime: str, tiny_model_path:
     assert len(resolved.sandbox.remote.urls) == 2 and resolved.sandbox.fleet is not None
     total = ray.cluster_resources()["CPU"]
     assert _free_cpus(total) == pytest.approx(total)  # the fleet and the run's actors are gone
+
+
+def test_environment_fleet_serves_episodes_and_moves_one_off_a_killed_replica() -> None:
+    import asyncio
+
+    from sharpen.config.environments import GuessNumberEnvironmentConfig
+    from sharpen.environments.base import EpisodeContext
+    from sharpen.environments.guess_number import GuessNumberEnvironment
+    from sharpen.environments.registry import build_environment_factory
+    from sharpen.orchestration.ray.fleets import serve_environment, start_environment_fleet
+
+    fleet_settings = {"num_replicas": 2, "num_cpus": 0.25, "max_restarts": 0}
+    config = SharpenConfig.model_validate({"environment": {"type": "guess_number", "high": 8, "fleet": fleet_settings}})
+    with contextlib.ExitStack() as stack:  # the run's way: the config gets the fleet's URLs
+        served = start_environment_fleet(config, stack=stack)
+        assert isinstance(served.environment, GuessNumberEnvironmentConfig) and served.environment.remote is not None
+        assert len(served.environment.remote.urls) == 2
+        assert SharpenConfig.model_validate(served.model_dump()).environment == served.environment
+
+    [example] = GuessNumberEnvironment.make_tasks(1, seed=3, low=1, high=8)
+    section = GuessNumberEnvironmentConfig(high=8)
+
+    async def play(environment, kill=None) -> list[object]:
+        ctx = EpisodeContext(seed=5, sample_index=0, max_turns=6, max_tokens=1000)
+        transcript: list[object] = [await environment.reset(example, ctx)]
+        for turn, guess in enumerate(["1", "2", "3", "5", "4"]):  # the secret is 4: five turns
+            if kill is not None and turn == 2:
+                kill(environment.replica_url)
+            result = await environment.step(guess)
+            transcript.append((result.observation, result.reward, result.terminated))
+            if result.terminated or result.truncated:
+                break
+        return transcript
+
+    fleet = ServiceFleet(
+        functools.partial(serve_environment, section, SandboxConfig()),
+        FleetConfig(**fleet_settings),
+        token=TOKEN,
+        what="environment",
+        start_timeout_s=60,
+    )
+    try:
+        factory = build_environment_factory(
+            section.model_copy(update={"remote": RemoteConfig(urls=fleet.urls, backoff_s=0.05)})
+        )
+        environment = factory()
+
+        def kill(url: str) -> None:  # the replica that holds the episode dies for good
+            ray.kill(fleet.actors[fleet.urls.index(url)], no_restart=True)
+
+        moved = asyncio.run(play(environment, kill))
+        assert moved == asyncio.run(play(build_environment_factory(section)()))  # replayed, then the same game
+        assert environment.num_moves == 1
+        assert len(fleet.refresh()) == 1  # the dead replica left the fleet
+        factory.close()
+    finally:
+        fleet.close()

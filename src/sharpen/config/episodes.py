@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from sharpen.config.section import Section
-from sharpen.config.service import RemoteConfig, ServiceConfig
+from sharpen.config.service import FleetConfig, RemoteConfig, ServiceConfig
 
 
 class EpisodeLimitsSection(Section):
@@ -28,9 +28,15 @@ class EpisodeLimitsSection(Section):
     episode's seed and actions on another; an episode that does not replay identically abstains."""
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     """How `sharpen serve-env` admits work and when it forgets idle episodes; read by the server."""
+    fleet: FleetConfig | None = None
+    """The run starts the replicas itself, as Ray actors that each serve this section (and the run's [sandbox], for
+    environments that run code, with ``fleet.backend``), and runs its episodes on them: it fills ``remote.urls``
+    (``remote``'s other settings, or their defaults, apply to the calls)."""
 
     @model_validator(mode="after")
     def _check_remote(self) -> EpisodeLimitsSection:
-        if self.remote is not None and not self.remote.urls:
-            raise ValueError("environment.remote needs the replicas' URLs in environment.remote.urls")
+        if self.remote is not None and not self.remote.urls and self.fleet is None:
+            raise ValueError(
+                "environment.remote needs the replicas' URLs in environment.remote.urls (or an environment.fleet)"
+            )
         return self

@@ -86,7 +86,8 @@ class FleetConfig(Section):
     num_replicas: int = Field(default=2, ge=1)
     """Replicas started with the run."""
     backend: Literal["auto", "bwrap", "unshare", "process"] = "auto"
-    """The isolation the sandbox replicas use (their [sandbox] is this section with this backend)."""
+    """The isolation of the replicas' sandbox: a sandbox fleet's replicas serve the [sandbox] section with this
+    backend, an environment fleet's replicas run their environment's code (python tools) in it."""
     num_cpus: float = Field(default=0.5, gt=0.0)
     """CPUs each replica actor reserves (fractions allowed). Ray's autoscaler sees the fleet as this demand."""
     memory_mb: int | None = Field(default=None, ge=1)

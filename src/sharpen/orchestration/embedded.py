@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sharpen.config import SharpenConfig
+from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.orchestration.build import build_run_engine, build_trainer
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.session import run_session
@@ -34,10 +35,11 @@ def run_embedded(
     ``reward_fn`` replaces the configured rubric (any callable ``(example, completion) -> RewardResult``);
     ``engine`` and ``trainer`` reuse components the caller owns (they are not closed here)."""
     with contextlib.ExitStack() as owned:
-        if config.sandbox.fleet is not None:  # sandbox replicas as Ray actors: Ray only when asked for
-            from sharpen.orchestration.ray.fleets import start_sandbox_fleet
+        environment = config.environment
+        if config.sandbox.fleet is not None or (isinstance(environment, EpisodeLimitsSection) and environment.fleet):
+            from sharpen.orchestration.ray.fleets import start_fleets  # replicas as Ray actors: Ray only when asked
 
-            config = start_sandbox_fleet(config, stack=owned)
+            config = start_fleets(config, stack=owned)
 
         def place(model_path: Path, tokenizer: Any) -> tuple[TrainerHandle, InferenceEngine]:
             live_trainer = trainer or build_trainer(config, model_path=model_path, tokenizer=tokenizer)

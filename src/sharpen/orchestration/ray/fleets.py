@@ -1,10 +1,10 @@
 """Fleets: the replicas of a served component as Ray actors, for runs (and users) that already have a Ray cluster.
 
-A `ServiceFleet` is N `ServiceReplica` actors, each running the very same service as ``sharpen serve-sandbox`` (any
-`Serve` function: it builds and starts a service object that has a ``url``) on its node's IP, with the driver's
-shared-secret token (an actor argument, so it is held by Ray like any other). The driver only gets URLs: it hands
-them to the existing replica clients (`sharpen.serving.ReplicaClient`), so to the loop a Ray fleet is a set of
-replica URLs like any other.
+A `ServiceFleet` is N `ServiceReplica` actors, each running the very same service as ``sharpen serve-sandbox`` or
+``sharpen serve-env`` (any `Serve` function: it builds and starts a service object that has a ``url``) on its
+node's IP, with the driver's shared-secret token (an actor argument, so it is held by Ray like any other). The
+driver only gets URLs: it hands them to the existing replica clients (`sharpen.serving.ReplicaClient`), so to the
+loop a Ray fleet is a set of replica URLs like any other.
 
 Owns the actors' lifetime and the hints an autoscaler acts on: each actor reserves ``FleetConfig``'s resources,
 `scale` grows or shrinks the fleet, `queue_depths` reads every replica's /metrics, and `request_resources` asks
@@ -29,8 +29,10 @@ from ray.autoscaler.sdk import request_resources
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from sharpen.config import ConfigError, SharpenConfig
+from sharpen.config.environments import EnvironmentConfig
+from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.config.service import FleetConfig
+from sharpen.config.service import FleetConfig, RemoteConfig
 from sharpen.orchestration.ray.cluster import start_ray
 from sharpen.serving import read_token
 
@@ -215,31 +217,67 @@ def serve_sandbox(config: SandboxConfig, stack: contextlib.ExitStack, host: str,
     return stack.enter_context(SandboxService(config, pool=pool, token=token, host=host, port=port))
 
 
+def serve_environment(
+    config: EnvironmentConfig, sandbox: SandboxConfig, stack: contextlib.ExitStack, host: str, token: str, port: int
+) -> Served:
+    """A `Serve` of environment section ``config`` (its code, if any, run in ``sandbox``), as serve-env runs."""
+    from sharpen.environments.service import EnvironmentService
+
+    return stack.enter_context(EnvironmentService(config, sandbox=sandbox, token=token, host=host, port=port))
+
+
+def start_fleets(config: SharpenConfig, *, stack: contextlib.ExitStack) -> SharpenConfig:
+    """Start the run's fleets (``sandbox.fleet``, then ``environment.fleet``, whose replicas then use the sandbox
+    fleet) and return ``config`` with the replicas' URLs in ``remote.urls``; ``config`` itself when it asks for
+    none. The replicas end when ``stack`` closes."""
+    return start_environment_fleet(start_sandbox_fleet(config, stack=stack), stack=stack)
+
+
 def start_sandbox_fleet(config: SharpenConfig, *, stack: contextlib.ExitStack) -> SharpenConfig:
     """Start the run's sandbox fleet (``sandbox.fleet``) and return ``config`` with ``sandbox.remote.urls`` set to
     its replicas' URLs; ``config`` itself when it asks for none. The replicas end when ``stack`` closes."""
     sandbox = config.sandbox
     if sandbox.fleet is None:
         return config
-    try:
-        token = read_token(sandbox.service.token_env)
-    except ValueError as error:
-        raise ConfigError(f"sandbox.fleet: the replicas refuse to start without a token: {error}") from None
-    if start_ray(config.runtime):
-        stack.callback(ray.shutdown)
     served = sandbox.model_copy(update={"backend": sandbox.fleet.backend, "fleet": None})
     if config.data.type == "humaneval":  # its checker runs pytest in the sandbox, as serve-sandbox's does
         from sharpen.rewards.code_tests import pytest_ro_binds
 
         served = served.model_copy(update={"extra_ro_binds": [*served.extra_ro_binds, *pytest_ro_binds()]})
-    fleet = ServiceFleet(
-        functools.partial(serve_sandbox, served),
-        sandbox.fleet,
-        token=token,
-        what="sandbox",
-        start_timeout_s=config.runtime.start_timeout_s,
-    )
-    stack.callback(fleet.close)
-    logger.info("sandbox fleet: %d Ray actor replicas at %s", len(fleet.urls), ", ".join(fleet.urls))
-    remote = sandbox.remote.model_copy(update={"urls": fleet.urls})
+    serve = functools.partial(serve_sandbox, served)
+    urls = _start_fleet(config, serve, sandbox.fleet, token_env=sandbox.service.token_env, what="sandbox", stack=stack)
+    remote = sandbox.remote.model_copy(update={"urls": urls})
     return config.model_copy(update={"sandbox": sandbox.model_copy(update={"remote": remote})})
+
+
+def start_environment_fleet(config: SharpenConfig, *, stack: contextlib.ExitStack) -> SharpenConfig:
+    """Start the run's environment fleet (``environment.fleet``): replicas of the environment service, each
+    serving the section without its fleet; ``config`` with ``environment.remote.urls`` set to their URLs."""
+    environment = config.environment
+    if not isinstance(environment, EpisodeLimitsSection) or environment.fleet is None:
+        return config
+    fleet = environment.fleet
+    served = environment.model_copy(update={"remote": None, "fleet": None})
+    sandbox = config.sandbox  # a remote one (a sandbox fleet's URLs) is used as it is
+    if sandbox.backend != "remote":
+        sandbox = sandbox.model_copy(update={"backend": fleet.backend})
+    serve = functools.partial(serve_environment, served, sandbox)
+    urls = _start_fleet(config, serve, fleet, token_env=environment.service.token_env, what="environment", stack=stack)
+    remote = (environment.remote or RemoteConfig()).model_copy(update={"urls": urls})
+    return config.model_copy(update={"environment": environment.model_copy(update={"remote": remote})})
+
+
+def _start_fleet(
+    config: SharpenConfig, serve: Serve, fleet: FleetConfig, *, token_env: str, what: str, stack: contextlib.ExitStack
+) -> list[str]:
+    """Start one fleet on the run's Ray (starting Ray if the run must), closed with ``stack``; its URLs."""
+    try:
+        token = read_token(token_env)
+    except ValueError as error:
+        raise ConfigError(f"{what}.fleet: the replicas refuse to start without a token: {error}") from None
+    if start_ray(config.runtime):
+        stack.callback(ray.shutdown)
+    started = ServiceFleet(serve, fleet, token=token, what=what, start_timeout_s=config.runtime.start_timeout_s)
+    stack.callback(started.close)
+    logger.info("%s fleet: %d Ray actor replicas at %s", what, len(started.urls), ", ".join(started.urls))
+    return started.urls

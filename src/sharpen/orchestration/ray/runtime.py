@@ -28,7 +28,7 @@ from sharpen.monitoring import Timeline
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
 from sharpen.orchestration.ray.cluster import start_ray
-from sharpen.orchestration.ray.fleets import start_sandbox_fleet
+from sharpen.orchestration.ray.fleets import start_fleets
 from sharpen.orchestration.ray.proxies import (
     ActorCallError,
     BroadcastEngines,
@@ -157,7 +157,7 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
     group = None
     fleets = contextlib.ExitStack()
     try:
-        config = start_sandbox_fleet(config, stack=fleets)  # the run's sandbox client then calls the fleet's URLs
+        config = start_fleets(config, stack=fleets)  # the run's clients then call the fleets' URLs
         plan = plan_placement(runtime, num_engines=config.rollout.num_engines)
         group = place(runtime, plan)
         trainer = start_trainer(config, group, plan)

@@ -40,3 +40,14 @@ def test_client_follows_new_urls_and_keeps_the_replicas_it_had(monkeypatch: pyte
             client.set_urls([])
     finally:
         client.close()
+
+
+def test_an_environment_fleet_stands_for_the_remote_urls_and_remote_alone_still_needs_them() -> None:
+    from sharpen.config.environments import GuessNumberEnvironmentConfig
+
+    section = GuessNumberEnvironmentConfig.model_validate({"fleet": {"num_replicas": 3}})
+    assert section.fleet is not None and section.fleet.num_replicas == 3 and section.remote is None
+    with_settings = GuessNumberEnvironmentConfig.model_validate({"fleet": {}, "remote": {"timeout_s": 5}})
+    assert with_settings.remote is not None and with_settings.remote.urls == []
+    with pytest.raises(ValidationError, match=r"environment\.remote\.urls \(or an environment\.fleet\)"):
+        GuessNumberEnvironmentConfig.model_validate({"remote": {"timeout_s": 5}})
