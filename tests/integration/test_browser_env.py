@@ -4,6 +4,7 @@ mid-episode (the episode abstains, the pool replaces the browser), and replays t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -156,11 +157,13 @@ def test_the_same_seed_shows_the_same_pages_on_a_reused_a_fresh_and_a_shared_bro
             mine, theirs = BrowserEnvironment(pool=pool), BrowserEnvironment(pool=pool)
             seen = [(await mine.reset(example, context()))[-1].content]
             await theirs.reset(other, context())
+            restores = []
             for action in actions:
                 result = await mine.step(action)
                 seen.extend(m.content for m in result.observation)
+                restores.append(result.info["num_page_restores"])
                 await theirs.step(action)
-            assert result.info["num_page_restores"] == len(actions)  # every turn found the other page and rebuilt
+            assert restores == [1] * len(actions)  # every turn found the other page and rebuilt its own
             return seen
 
         assert asyncio.run(interleaved()) == first
@@ -180,9 +183,12 @@ def test_training_on_browser_tasks_records_episodes_that_replay(tiny_model_path:
     config.rollout.engine = ScriptedEngineConfig(completions=["let me look", click(2), click(1)])
     config.rollout.max_new_tokens = 40
     config.monitoring.num_recorded_rollouts = 8
+    drivers_before = _chromedrivers()
     run_dir = run_embedded(config)
+    assert _chromedrivers() == drivers_before  # the run closed its browser pool: no browser outlives it
     [row] = read_jsonl(run_dir / "metrics.jsonl")
     assert row["reward/num_abstained"] == 0
+    assert row["env/num_actions_per_episode"] >= 1.0 and 0.0 < row["env/num_invalid_actions_mean"] < 1.0
     recorded = read_jsonl(run_dir / "rollouts.jsonl")
     assert {r["reward"]["verifier"] for r in recorded} == {"environment:browser"}
     assert {r["reward"]["score"] for r in recorded} == {0.0, 1.0}  # the scripted turns solve some, fail others
@@ -191,6 +197,17 @@ def test_training_on_browser_tasks_records_episodes_that_replay(tiny_model_path:
     out = capsys.readouterr().out
     assert "reproduced" in out, out
     assert recorded[index]["episode"]["turns"][0]["info"]["num_invalid_actions"] == 1  # "let me look": no call
+    assert _chromedrivers() == drivers_before  # and so did the replay
+
+
+def _chromedrivers() -> set[int]:
+    """The chromedriver processes this test process started (each pool's browsers hang below one of them)."""
+    found = set()
+    for pid in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
+        with contextlib.suppress(FileNotFoundError):  # a child that ended meanwhile
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "chromedriver":
+                found.add(int(pid))
+    return found
 
 
 def test_the_documented_example_runs(tmp_path: Path) -> None:

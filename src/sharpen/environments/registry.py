@@ -24,7 +24,7 @@ from sharpen.config.environments import (
 from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.sandbox import SandboxConfig
 from sharpen.environments.base import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
-from sharpen.environments.browser import build_browser_factory, make_browser_tasks
+from sharpen.environments.browser import BrowserEnvironmentFactory, build_browser_factory, make_browser_tasks
 from sharpen.environments.calculator import CalculatorEnvironment
 from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
@@ -89,6 +89,13 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
             return partial(VerifiersEnvironment, **_verifiers_arguments(config))
         case BrowserEnvironmentConfig():
             return build_browser_factory(config)
+
+
+def close_environment_factory(factory: EnvironmentFactory) -> None:
+    """Release what a factory of `build_environment_factory` holds: a browser pool, a replica client. The others
+    (an environment class, a partial of one) hold nothing."""
+    if isinstance(factory, BrowserEnvironmentFactory | RemoteEnvironmentFactory):
+        factory.close()
 
 
 def _verifiers_arguments(config: VerifiersEnvironmentConfig) -> dict[str, Any]:

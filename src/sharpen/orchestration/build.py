@@ -19,7 +19,8 @@ from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples, render_prompt
 from sharpen.data.humaneval import humaneval_examples
 from sharpen.data.vision import VisionProcessor, is_vision_model, text_only_error
-from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits, open_sandbox
+from sharpen.environments.base import EnvironmentFactory
+from sharpen.environments.registry import environment_tasks, episode_limits, open_sandbox
 from sharpen.environments.sandbox import SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandboxPool
 from sharpen.monitoring import (
@@ -243,13 +244,18 @@ def build_teacher(
 
 
 def build_episode_runner(
-    config: SharpenConfig, *, tokenizer: Any, sandbox: SandboxPool | RemoteSandboxPool | None
+    config: SharpenConfig,
+    *,
+    tokenizer: Any,
+    sandbox: SandboxPool | RemoteSandboxPool | None,
+    make_environment: EnvironmentFactory,
 ) -> EpisodeRunner:
-    """The run's episode runner: its environment, limits and sandbox; environments are seeded from the run seed.
-    A vision-language model's prompts with images are rendered by its `VisionProcessor` (`load_vision`)."""
+    """The run's episode runner: its environment factory (the caller's: it closes it), limits and sandbox;
+    environments are seeded from the run seed. A vision-language model's prompts with images are rendered by its
+    `VisionProcessor` (`load_vision`)."""
     return EpisodeRunner(
         tokenizer=tokenizer,
-        make_environment=build_environment_factory(config.environment),
+        make_environment=make_environment,
         limits=episode_limits(config.environment),
         episode_seed=config.run.seed,
         sandbox=sandbox,

@@ -14,7 +14,7 @@ from sharpen.config import SharpenConfig
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
-from sharpen.environments.registry import build_environment_factory, build_sandbox
+from sharpen.environments.registry import build_environment_factory, build_sandbox, close_environment_factory
 from sharpen.evaluation import EvalReport, eval_sampling, evaluate
 from sharpen.orchestration.build import (
     build_episode_runner,
@@ -42,15 +42,18 @@ def run_eval(
     """
     _check_model_path(config.model.path)
     model_path = resolve_model_path(config.model.path)  # user errors first: before anything slow is loaded
-    build_environment_factory(config.environment)  # user errors first
-    examples = load_run_examples(config)
-    if eval_config.num_tasks is not None:
-        if eval_config.num_tasks > len(examples):
-            raise ConfigError(f"num_tasks = {eval_config.num_tasks}, but the recipe's data has {len(examples)} tasks")
-        examples = examples[: eval_config.num_tasks]
-    tokenizer = load_tokenizer(model_path)
-    device = str(resolve_device(config.trainer.device))
+    make_environment = build_environment_factory(config.environment)  # user errors first
     with contextlib.ExitStack() as stack:
+        stack.callback(close_environment_factory, make_environment)  # its browsers, its replica client
+        examples = load_run_examples(config)
+        if eval_config.num_tasks is not None:
+            if eval_config.num_tasks > len(examples):
+                raise ConfigError(
+                    f"num_tasks = {eval_config.num_tasks}, but the recipe's data has {len(examples)} tasks"
+                )
+            examples = examples[: eval_config.num_tasks]
+        tokenizer = load_tokenizer(model_path)
+        device = str(resolve_device(config.trainer.device))
         sandbox = build_sandbox(config.environment, config.sandbox)
         if sandbox is not None:
             stack.callback(sandbox.close)
@@ -67,7 +70,9 @@ def run_eval(
         return evaluate(
             live_engine,
             examples,
-            runner=build_episode_runner(config, tokenizer=tokenizer, sandbox=sandbox),
+            runner=build_episode_runner(
+                config, tokenizer=tokenizer, sandbox=sandbox, make_environment=make_environment
+            ),
             rubric=reward_fn,
             sampling=eval_sampling(config, eval_config),
             num_samples=eval_config.num_samples,

@@ -14,7 +14,12 @@ from sharpen.config import load_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.environments.base import AgentEnvironment
-from sharpen.environments.registry import build_environment_factory, build_sandbox, episode_limits
+from sharpen.environments.registry import (
+    build_environment_factory,
+    build_sandbox,
+    close_environment_factory,
+    episode_limits,
+)
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME
 from sharpen.orchestration.build import load_run_examples
 from sharpen.rollout.replay import ReplayReport, replay_episode
@@ -41,14 +46,16 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
-    environment = build_environment_factory(config.environment)()
-    if isinstance(environment, AgentEnvironment):
-        raise ConfigError(
-            f"replay: {environment.name} is an agent environment; its agent calls the model itself, so its episodes "
-            "cannot be re-run from the recorded turns (the rollout record holds its exact tokens)"
-        )
-    sandbox = build_sandbox(config.environment, config.sandbox)
+    make_environment = build_environment_factory(config.environment)
+    sandbox = None
     try:
+        environment = make_environment()
+        if isinstance(environment, AgentEnvironment):
+            raise ConfigError(
+                f"replay: {environment.name} is an agent environment; its agent calls the model itself, so its "
+                "episodes cannot be re-run from the recorded turns (the rollout record holds its exact tokens)"
+            )
+        sandbox = build_sandbox(config.environment, config.sandbox)
         report = replay_episode(
             record,
             examples[record["task_key"]],
@@ -60,4 +67,5 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
     finally:
         if sandbox is not None:
             sandbox.close()
+        close_environment_factory(make_environment)  # its browsers, its replica client
     return record, report

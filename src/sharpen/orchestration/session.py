@@ -18,7 +18,7 @@ from typing import Any
 from sharpen.config import SharpenConfig, dump_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
-from sharpen.environments.registry import build_environment_factory, build_sandbox
+from sharpen.environments.registry import build_environment_factory, build_sandbox, close_environment_factory
 from sharpen.monitoring import Timeline
 from sharpen.orchestration.batches import ProducedBatch
 from sharpen.orchestration.build import (
@@ -75,9 +75,10 @@ def run_session(
     attach = attach_timeline or (lambda timeline: None)
     # user errors first: before any folder or slow component exists
     model_path = resolve_model_path(config.model.path)
-    build_environment_factory(config.environment)
-    examples = load_run_examples(config)
+    make_environment = build_environment_factory(config.environment)
     with contextlib.ExitStack() as stack:
+        stack.callback(close_environment_factory, make_environment)  # its browsers, its replica client
+        examples = load_run_examples(config)
         sandbox = build_sandbox(config.environment, config.sandbox)  # probes the host's isolation now
         if sandbox is not None:
             stack.callback(sandbox.close)
@@ -102,7 +103,9 @@ def run_session(
             trainer=trainer,
             engine=engine,
             reward_fn=reward_fn,
-            runner=build_episode_runner(config, tokenizer=tokenizer, sandbox=sandbox),
+            runner=build_episode_runner(
+                config, tokenizer=tokenizer, sandbox=sandbox, make_environment=make_environment
+            ),
         )
         attach(c.timeline)
         try:

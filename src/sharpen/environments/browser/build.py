@@ -8,33 +8,45 @@ episode needs one and kills its browsers when the process exits. It does not run
 from __future__ import annotations
 
 import shutil
-from functools import partial
 
 from sharpen.config.browser import BrowserEnvironmentConfig
-from sharpen.environments.base import EnvironmentFactory
 from sharpen.environments.browser import page
 from sharpen.environments.browser.environment import BrowserEnvironment
 from sharpen.environments.browser.pool import BrowserPool
 from sharpen.types import Example
 
 
-def build_browser_factory(config: BrowserEnvironmentConfig) -> EnvironmentFactory:
+class BrowserEnvironmentFactory:
+    """A `BrowserEnvironment` per episode, all sharing one `BrowserPool`; ``close`` ends the pool's browsers (the
+    run closes it when it ends; a process that exits without closing it still kills them)."""
+
+    def __init__(self, config: BrowserEnvironmentConfig) -> None:
+        self.pool = BrowserPool(
+            size=config.pool_size,
+            call_timeout_s=config.call_timeout_s,
+            chromium=config.chromium,
+            chromedriver=config.chromedriver,
+            js_heap_mb=config.js_heap_mb,
+        )
+        self.config = config
+
+    def __call__(self) -> BrowserEnvironment:
+        config = self.config
+        return BrowserEnvironment(
+            pool=self.pool,
+            parser=config.tool_parser,
+            max_page_chars=config.max_page_chars,
+            instructions=config.instructions,
+            demonstration=config.demonstration,
+        )
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def build_browser_factory(config: BrowserEnvironmentConfig) -> BrowserEnvironmentFactory:
     check_browser_install(config)
-    pool = BrowserPool(
-        size=config.pool_size,
-        call_timeout_s=config.call_timeout_s,
-        chromium=config.chromium,
-        chromedriver=config.chromedriver,
-        js_heap_mb=config.js_heap_mb,
-    )
-    return partial(
-        BrowserEnvironment,
-        pool=pool,
-        parser=config.tool_parser,
-        max_page_chars=config.max_page_chars,
-        instructions=config.instructions,
-        demonstration=config.demonstration,
-    )
+    return BrowserEnvironmentFactory(config)
 
 
 def make_browser_tasks(config: BrowserEnvironmentConfig, *, size: int, seed: int) -> list[Example]:
