@@ -166,19 +166,8 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         ``images`` (one tuple per row) run whole, their pixel inputs made from the images."""
         image_inputs = self._image_inputs(input_ids, position_ids, images)
         with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
-            if image_inputs is not None:
-                return score_tokens(
-                    self.model,
-                    input_ids,
-                    attention_mask,
-                    target_mask,
-                    temperature=temperature,
-                    with_entropy=with_entropy,
-                    entropy_requires_grad=entropy_requires_grad,
-                    logits_chunk_tokens=self.config.logits_chunk_tokens,
-                    image_inputs=image_inputs,
-                )
-            if prompt_lengths is not None and position_ids is None and attention_mask is not None:
+            is_shared = prompt_lengths is not None and position_ids is None and attention_mask is not None
+            if is_shared and image_inputs is None:
                 from sharpen.trainer.prefix import score_shared_prompts  # transformers' cache classes: import late
 
                 return score_shared_prompts(
@@ -202,6 +191,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
                 entropy_requires_grad=entropy_requires_grad,
                 position_ids=position_ids,
                 logits_chunk_tokens=self.config.logits_chunk_tokens,
+                image_inputs=image_inputs,
             )
 
     def _image_inputs(
