@@ -166,8 +166,12 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         ``images`` (one tuple per row) run whole, their pixel inputs made from the images."""
         image_inputs = self._image_inputs(input_ids, position_ids, images)
         with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
-            is_shared = prompt_lengths is not None and position_ids is None and attention_mask is not None
-            if is_shared and image_inputs is None:
+            if (
+                image_inputs is None
+                and prompt_lengths is not None
+                and position_ids is None
+                and attention_mask is not None
+            ):
                 from sharpen.trainer.prefix import score_shared_prompts  # transformers' cache classes: import late
 
                 return score_shared_prompts(
