@@ -239,6 +239,14 @@ def test_environment_fleet_serves_episodes_and_moves_one_off_a_killed_replica() 
 
         def kill(url: str) -> None:  # the replica that holds the episode dies for good
             ray.kill(fleet.actors[fleet.urls.index(url)], no_restart=True)
+            deadline = time.monotonic() + 30  # ray.kill returns at once: wait until the replica is gone
+            while time.monotonic() < deadline:
+                try:
+                    httpx.get(f"{url}/healthz", timeout=1)
+                except httpx.HTTPError:
+                    return
+                time.sleep(0.05)
+            raise AssertionError(f"the killed replica at {url} still answers after 30 s")
 
         moved = asyncio.run(play(environment, kill))
         assert moved == asyncio.run(play(build_environment_factory(section)()))  # replayed, then the same game
