@@ -31,7 +31,7 @@ from sharpen.config.service import ServiceConfig
 from sharpen.environments.base import AgentEnvironment, Environment, EpisodeContext
 from sharpen.environments.registry import build_environment_factory, build_sandbox
 from sharpen.environments.wire import decode_example, encode_messages, encode_step
-from sharpen.serving.shell import Request, Route, ServiceError, ServiceShell
+from sharpen.serving.shell import Request, Route, ServedComponent, ServiceError, ServiceShell
 
 _MAX_RUNNING = 64
 """Resets and steps in progress at once (they are coroutines on one event loop; most wait on I/O)."""
@@ -47,7 +47,7 @@ class _Episode:
     is_busy: bool = False
 
 
-class EnvironmentService:
+class EnvironmentService(ServedComponent):
     """Serves the environment of ``config`` (and, for environments that run code, a pool of ``sandbox``)."""
 
     def __init__(
@@ -90,32 +90,12 @@ class EnvironmentService:
         )
         self.url = self.shell.url
 
-    def start(self) -> EnvironmentService:
-        for thread in self._threads:
-            thread.start()
-        self.shell.start()
-        return self
-
-    def serve_forever(self) -> None:
-        for thread in self._threads:
-            thread.start()
-        try:
-            self.shell.serve_forever()
-        finally:
-            self.close()
-
     def close(self) -> None:
         self._stopping.set()
         self.shell.close()
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self.sandbox is not None:
             self.sandbox.close()
-
-    def __enter__(self) -> EnvironmentService:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def num_open(self) -> int:

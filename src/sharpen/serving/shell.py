@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Self
 
 from sharpen.config.service import ServiceConfig
 from sharpen.serving.idempotency import Answer, IdempotencyTable, KeyConflict
@@ -298,3 +298,37 @@ def _make_handler(shell: ServiceShell) -> type[BaseHTTPRequestHandler]:
             logger.debug("%s " + format, self.address_string(), *args)
 
     return Handler
+
+
+class ServedComponent:
+    """The life cycle every service shares: its background threads (``_threads``) start with its ``shell``, and
+    ``close`` (the service's own) runs when serving ends. Subclasses set ``shell`` and ``_threads`` and define
+    ``close``."""
+
+    shell: ServiceShell
+    _threads: list[threading.Thread]
+
+    def start(self) -> Self:
+        """Serve in background threads (tests, fleets' actors)."""
+        for thread in self._threads:
+            thread.start()
+        self.shell.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve until interrupted (the CLI), then close."""
+        for thread in self._threads:
+            thread.start()
+        try:
+            self.shell.serve_forever()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -41,7 +41,7 @@ from sharpen.environments.sandbox.wire import (
     encode_report,
     encode_result,
 )
-from sharpen.serving.shell import Request, Route, ServiceError, ServiceShell
+from sharpen.serving.shell import Request, Route, ServedComponent, ServiceError, ServiceShell
 
 MAX_POLL_S = 20.0
 """The longest a receive waits on the server; the client asks again for longer waits."""
@@ -56,7 +56,7 @@ class _OpenSession:
     num_busy: int = 0
 
 
-class SandboxService:
+class SandboxService(ServedComponent):
     """Serves ``pool`` (built from ``config`` by the caller, which closes it) behind a `ServiceShell`."""
 
     def __init__(self, config: SandboxConfig, *, pool: SandboxPool, token: str, host: str = "127.0.0.1", port: int = 0):
@@ -96,20 +96,6 @@ class SandboxService:
         )
         self.url = self.shell.url
 
-    def start(self) -> SandboxService:
-        for thread in self._threads:
-            thread.start()
-        self.shell.start()
-        return self
-
-    def serve_forever(self) -> None:
-        for thread in self._threads:
-            thread.start()
-        try:
-            self.shell.serve_forever()
-        finally:
-            self.close()
-
     def close(self) -> None:
         """Stop serving and kill the open sessions; the pool is the caller's to close."""
         self._stopping.set()
@@ -119,12 +105,6 @@ class SandboxService:
         for open_session in sessions:
             open_session.session.close(grace_seconds=0.0)
         self._loop.call_soon_threadsafe(self._loop.stop)
-
-    def __enter__(self) -> SandboxService:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _program(self, body: Mapping[str, Any]) -> tuple[list[str] | None, str | None, dict[str, str | bytes]]:
         try:
