@@ -1,5 +1,5 @@
-"""Shared fixtures: the real small model (pulled by `make test`), and tiny random models (a Llama, a Qwen2-VL) with
-its tokenizer."""
+"""Shared fixtures: the real small model (pulled by `make test`), and tiny random models (a Llama, a Qwen2-VL, an
+Idefics3) with its tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sharpen.config.models import ModelNotFoundError, resolve_model_path
-from sharpen.testing import save_tiny_llama, save_tiny_qwen2_vl
+from sharpen.testing import save_tiny_idefics3, save_tiny_llama, save_tiny_qwen2_vl
 
 
 @pytest.fixture(scope="session")
@@ -35,3 +35,10 @@ def tiny_reward_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_pat
 def tiny_vlm_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
     """A tiny random Qwen2-VL (a vision-language model) with SmolLM2's tokenizer plus Qwen2-VL's vision tokens."""
     return save_tiny_qwen2_vl(tmp_path_factory.mktemp("tiny-qwen2-vl"), tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_idefics3_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A tiny random Idefics3 (SmolVLM's architecture; the vision-language model vLLM's CPU build serves) with
+    SmolLM2's tokenizer plus Idefics3's image tokens."""
+    return save_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), tokenizer_from=smollm2_path)

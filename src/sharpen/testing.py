@@ -1,8 +1,8 @@
 """Tiny random models for tests and benchmarks: a 2-layer Llama (causal LM, or a one-label reward model) with
-SmolLM2's tokenizer and chat template, and a tiny Qwen2-VL (a vision-language model) with the same tokenizer plus
-the vision tokens, each built in a second from a fixed seed. The 49k vocabulary dominates its size.
-torch and transformers are imported only when a model is built. And `ByteChatTokenizer`, a chat tokenizer without
-a model, for tests and benchmarks of the episode path."""
+SmolLM2's tokenizer and chat template, and two tiny vision-language models (Qwen2-VL; Idefics3, which vLLM's CPU
+build serves) with the same tokenizer plus their image tokens, each built in a second from a fixed seed. The 49k
+vocabulary dominates its size. torch and transformers are imported only when a model is built. And
+`ByteChatTokenizer`, a chat tokenizer without a model, for tests and benchmarks of the episode path."""
 
 from __future__ import annotations
 
@@ -49,23 +49,26 @@ def save_tiny_llama(folder: Path, *, tokenizer_from: Path, reward_model: bool = 
     return Path(folder)
 
 
-# A ChatML template (SmolLM2's layout) that also renders OpenAI-style content parts: text as is, each image part as
-# Qwen2-VL's vision block with one placeholder, which `data.vision.VisionProcessor` expands per image.
-_VISION_CHAT_TEMPLATE = (
-    "{%- for message in messages -%}"
-    "{%- if loop.first and message['role'] != 'system' -%}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- else -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
-)
+def _vision_chat_template(image_text: str) -> str:
+    """A ChatML template (SmolLM2's layout) that also renders OpenAI-style content parts: text as is, each image part
+    as ``image_text`` holding the family's one placeholder, which `data.vision.VisionProcessor` expands per image."""
+    return (
+        "{%- for message in messages -%}"
+        "{%- if loop.first and message['role'] != 'system' -%}"
+        "{{ '<|im_start|>system\\nYou are a helpful AI assistant.<|im_end|>\\n' }}"
+        "{%- endif -%}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- else -%}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'image' -%}{{ '" + image_text + "' }}"
+        "{%- else -%}{{ part['text'] }}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+
+
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
@@ -80,7 +83,7 @@ def save_tiny_qwen2_vl(folder: Path, *, tokenizer_from: Path, hidden_size: int =
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
     tokenizer.add_special_tokens({"additional_special_tokens": list(_VISION_TOKENS)})
-    tokenizer.chat_template = _VISION_CHAT_TEMPLATE
+    tokenizer.chat_template = _vision_chat_template("<|vision_start|><|image_pad|><|vision_end|>")
     start, end, image, video = tokenizer.convert_tokens_to_ids(list(_VISION_TOKENS))
     head_dim = hidden_size // 4
     text = {
@@ -120,6 +123,64 @@ def _mrope_section(head_dim: int) -> list[int]:
     temporal = half // 4
     height = (half - temporal) // 2
     return [temporal, height, half - temporal - height]
+
+
+_IDEFICS3_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+
+
+def save_tiny_idefics3(folder: Path, *, tokenizer_from: Path, hidden_size: int = 128, image_size: int = 64) -> Path:
+    """A tiny random Idefics3 (SmolVLM's architecture: a Llama text model, a SigLIP-style vision tower, a pixel-shuffle
+    connector) with SmolLM2's tokenizer plus Idefics3's image tokens, a chat template that renders image parts, and a
+    PIL image processor that resizes every image to one ``image_size`` square tile (16x16-pixel patches, shuffled by
+    2: 4 ``<image>`` tokens at 64 pixels); returns ``folder``. Seeded, like `save_tiny_llama`. Its attention heads
+    are 64 wide, the narrowest vLLM's CPU attention takes, so vLLM's CPU build serves it (its Qwen2-VL module needs
+    torchvision)."""
+    import torch
+    from transformers import AutoTokenizer, Idefics3Config, Idefics3ForConditionalGeneration
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+    from transformers.models.idefics3.processing_idefics3 import Idefics3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(_IDEFICS3_TOKENS)})
+    tokenizer.chat_template = _vision_chat_template("<image>")
+    patch_size, scale_factor = 16, 2
+    text = {
+        "model_type": "llama",
+        "vocab_size": len(tokenizer),
+        "hidden_size": hidden_size,
+        "intermediate_size": 2 * hidden_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": hidden_size // 64,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": True,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": patch_size,
+    }
+    config = Idefics3Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=scale_factor,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).save_pretrained(folder)
+    square = {"longest_edge": image_size}
+    image_processor = Idefics3ImageProcessorPil(do_image_splitting=False, size=square, max_image_size=square)
+    image_seq_len = (image_size // patch_size) ** 2 // scale_factor**2
+    Idefics3Processor(image_processor, tokenizer, image_seq_len=image_seq_len).save_pretrained(folder)
+    return Path(folder)
 
 
 class ByteChatTokenizer:

@@ -46,8 +46,8 @@ class ProbeTrainer(Protocol):
 
 
 class ImageProbeEngine(Protocol):
-    """An engine's ``score`` for probes with images (the `hf` engine's): only image probes call it, so engines
-    without image prompts keep the plain `ProbeEngine.score`."""
+    """An engine's ``score`` for probes with images (the `hf` and `vllm` engines'): only image probes call it, so
+    engines without image prompts keep the plain `ProbeEngine.score`."""
 
     def score(self, token_ids: list[int], images: tuple[ImagePart, ...]) -> list[float]: ...
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sharpen.config import ConfigError, SharpenConfig
+from sharpen.config.engines import VllmEngineConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples, render_prompt
 from sharpen.data.humaneval import humaneval_examples
@@ -61,8 +62,9 @@ def load_run_examples(config: SharpenConfig) -> list[Example]:
     return examples
 
 
-IMAGE_ENGINE_TYPES = ("hf",)
-"""The engines that generate from image prompts (`ImageEngine`); vLLM's Qwen2-VL module needs torchvision here."""
+IMAGE_ENGINE_TYPES = ("hf", "vllm")
+"""The engines that generate from image prompts (`ImageEngine`): vLLM's in-process engine for the architectures its
+build here can load (`check_vllm_loads`)."""
 
 
 def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
@@ -72,13 +74,20 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
     `data.vision.text_only_error`). What the trainer cannot do with images yet (packing, a KL reference, a critic, a
     teacher) it refuses at its first step."""
     model_path = resolve_model_path(config.model.path)
-    engine_type = config.rollout.engine.type
+    engine = config.rollout.engine
     if is_vision_model(model_path):
-        if engine_type not in IMAGE_ENGINE_TYPES:
+        if engine.type not in IMAGE_ENGINE_TYPES:
             raise ConfigError(
-                f'rollout.engine.type = "{engine_type}" cannot run the vision-language model {model_path}; '
-                'set rollout.engine.type = "hf" (the engine that generates from image prompts here)'
+                f'rollout.engine.type = "{engine.type}" cannot run the vision-language model {model_path}; '
+                'set rollout.engine.type = "hf" or "vllm" (the engines that generate from image prompts)'
             )
+        if isinstance(engine, VllmEngineConfig):
+            if engine.async_engine:
+                raise ConfigError(
+                    f"rollout.engine.async_engine = true cannot run the vision-language model {model_path} yet "
+                    "(vLLM's async engine is given no images); set it to false"
+                )
+            check_vllm_loads(model_path)
         if config.runtime.type != "local":  # the Ray actors' proxies pass no images yet
             raise ConfigError(
                 f'runtime.type = "{config.runtime.type}" cannot run the vision-language model {model_path} yet; '
@@ -89,6 +98,19 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
     if with_images is not None:
         raise text_only_error(
             f"task {with_images.task_key}", len(prompt_images(with_images.prompt)), f"model.path {model_path}"
+        )
+
+
+def check_vllm_loads(model_path: Path) -> None:
+    """A `ConfigError` unless the installed vLLM can import its module for the model's architecture (vLLM's CPU build
+    here lacks torchvision, which its Qwen2-VL module imports; its Idefics3 module loads)."""
+    from sharpen.rollout.engines.vllm import why_vllm_cannot_load
+
+    reason = why_vllm_cannot_load(model_path)
+    if reason is not None:
+        raise ConfigError(
+            f'rollout.engine.type = "vllm" cannot run {reason}; set rollout.engine.type = "hf", or use an '
+            "architecture this vLLM loads (e.g. Idefics3)"
         )
 
 

@@ -88,7 +88,7 @@ class _DirectRequests:
         self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = (), images: tuple[ImagePart, ...] = ()
     ) -> tuple[Completion, PolicyVersion]:
         if images:
-            raise EngineError(f"{type(self.engine).__name__} takes no image prompts yet (the hf engine does)")
+            raise EngineError(f"{type(self.engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
         completion = await self._requests.generate_async(prompt, params)
         if completion.versions is None or len(completion.versions) != len(completion.token_ids):
             raise EngineError(f"{type(self.engine).__name__} returned a completion without per-token versions")

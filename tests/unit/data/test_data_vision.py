@@ -15,7 +15,7 @@ import torch
 
 from sharpen.data import render_prompt
 from sharpen.data.chat import ImageInputError
-from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
+from sharpen.data.vision import Idefics3Vision, VisionProcessor, is_vision_model, model_class
 from sharpen.types import Example, ImagePart, Message, TextPart
 from support.images import image_prompt, png_image
 
@@ -124,3 +124,52 @@ def test_a_text_prompts_task_hash_is_unchanged():
     example = Example(task_key="t", prompt=(Message(role="user", content="hi"),), answer="a")
     payload = json.dumps({"prompt": [["user", "hi"]], "answer": "a"}, sort_keys=True)
     assert example.task_hash == hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def test_idefics3_images_expand_to_their_blocks_and_compact_back(tiny_idefics3_path):
+    idefics3 = VisionProcessor.from_pretrained(tiny_idefics3_path)
+    assert isinstance(idefics3, Idefics3Vision)
+    red, blue = png_image((200, 30, 30)), png_image((30, 30, 200), size=(112, 84))
+    messages = (Message(role="user", content=(TextPart(text="First "), red, TextPart(text=" then "), blue)),)
+    ids = idefics3.render_prompt(messages)
+    tokenizer = idefics3.tokenizer
+    fake, global_image = tokenizer.convert_tokens_to_ids(["<fake_token_around_image>", "<global-img>"])
+    block = [fake, global_image, *[idefics3.image_token_id] * 4, fake]  # 64x64 tile: 4x4 patches, shuffled by 2
+    assert idefics3.image_blocks([red, blue]) == [block, block]
+    assert idefics3.num_image_tokens([red, blue]) == [4, 4]
+    compact = idefics3.compact(ids, [red, blue])
+    assert compact.count(idefics3.image_token_id) == 2 and fake not in compact
+    assert len(compact) == len(ids) - 2 * (len(block) - 1)
+    # the compacted prompt is what the chat template wrote before expansion
+    assert tokenizer.decode(compact, skip_special_tokens=False).count("<image>") == 2
+    inputs = idefics3.model_inputs(torch.tensor([ids]), [red, blue])
+    assert inputs["pixel_values"].shape == (1, 2, 3, 64, 64)
+    assert inputs["pixel_attention_mask"].shape == (1, 2, 64, 64)
+    with pytest.raises(ValueError, match="image 1's placeholder block is not in the token ids"):
+        idefics3.compact(ids[: ids.index(fake, ids.index(idefics3.image_token_id) + 4) + 3], [red, blue])
+
+
+def test_idefics3_image_splitting_blocks_hold_a_block_per_tile(tiny_idefics3_path):
+    """With splitting on, a large image is tiles plus the global view; the block text is transformers' own and
+    `compact` still folds it to one placeholder."""
+    import copy
+
+    idefics3 = VisionProcessor.from_pretrained(tiny_idefics3_path)
+    splitting = copy.copy(idefics3)
+    splitting.image_processor = copy.copy(idefics3.image_processor)
+    splitting.image_processor.do_image_splitting = True
+    splitting.image_processor.size = {"longest_edge": 128}
+    wide = png_image((30, 30, 200), size=(128, 64))
+    [block] = splitting.image_blocks([wide])
+    assert block.count(splitting.image_token_id) == 3 * 4  # two 64x64 tiles and the global view, 4 tokens each
+    ids = splitting.render_prompt(image_prompt(wide))
+    assert splitting.compact(ids, [wide]) == idefics3.compact(idefics3.render_prompt(image_prompt(wide)), [wide])
+    assert splitting.pixel_inputs([wide])["pixel_values"].shape[1] == 3
+
+
+def test_a_vision_family_sharpen_does_not_render_is_one_clear_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}, "image_token_id": 5}))
+    with pytest.raises(
+        ImageInputError, match=r"is a llava vision-language model; sharpen renders .*idefics3, qwen2_vl"
+    ):
+        VisionProcessor.from_pretrained(tmp_path)

@@ -5,66 +5,19 @@ image prompts for a text-only model."""
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import pytest
 
 from sharpen.cli.errors import user_error_message
-from sharpen.config import ConfigError, SharpenConfig, load_config
+from sharpen.config import ConfigError
 from sharpen.data.chat import ImageInputError
 from sharpen.data.vision import VisionProcessor
 from sharpen.monitoring import read_jsonl
 from sharpen.orchestration.build import load_run_examples
 from sharpen.orchestration.embedded import run_embedded
-from sharpen.types import Example, ImagePart, RewardResult, RewardStatus
-
-COLOURS = {"red": (220, 30, 30), "blue": (30, 30, 220)}
-
-
-def write_image_tasks(folder: Path) -> Path:
-    """Two PNGs in ``folder/images`` and a JSONL file of four rows that show them (paths relative to the file)."""
-    from PIL import Image
-
-    (folder / "images").mkdir()
-    rows = []
-    for name, rgb in COLOURS.items():
-        Image.new("RGB", (84, 56), rgb).save(folder / "images" / f"{name}.png")
-        for question in ("What colour is this?", "Name the colour."):
-            rows.append({"prompt": question, "images": [f"images/{name}.png"], "answer": name})
-    path = folder / "colours.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
-
-
-def vowel_reward(example: Example, completion: str) -> RewardResult:
-    """Random tokens give varied scores, so advantages are non-zero and the weights move."""
-    score = sum(ch in "aeiou" for ch in completion) / max(len(completion), 1)
-    return RewardResult(score=score, status=RewardStatus.OK, components={"vowels": score}, verifier="vowels")
-
-
-def image_run_config(model: Path, data: Path, out: Path, *, engine: str = "hf") -> SharpenConfig:
-    overrides = {
-        "run.name": json.dumps("vision"),
-        "run.output_dir": json.dumps(str(out)),
-        "run.num_steps": "2",
-        "model.path": json.dumps(str(model)),
-        "data.type": '"jsonl"',
-        "data.path": json.dumps(str(data)),
-        "data.system_prompt": '""',
-        "rollout.engine.type": json.dumps(engine),
-        "rollout.prompts_per_step": "2",
-        "rollout.num_samples_per_prompt": "2",
-        "rollout.max_new_tokens": "6",
-        "trainer.micro_batch_size": "4",
-        "trainer.learning_rate": "1e-3",
-        "trainer.precision": '"float32"',
-        "monitoring.parity_probe_every": "1",
-        "monitoring.parity_probe_size": "2",
-        "monitoring.parity_probe_max_new_tokens": "4",
-        "monitoring.progress": "false",
-    }
-    return load_config(None, [f"{key}={value}" for key, value in overrides.items()])
+from sharpen.types import ImagePart
+from support.vision_runs import COLOURS, image_run_config, vowel_reward, write_image_tasks
 
 
 def test_a_run_on_jsonl_image_prompts_trains_and_probes_with_images(tiny_vlm_path: Path, tmp_path: Path) -> None:
@@ -106,7 +59,7 @@ def test_a_run_on_jsonl_image_prompts_trains_and_probes_with_images(tiny_vlm_pat
     assert exported.render_prompt(examples[first["task_key"]].prompt) == first["prompt_ids"]
 
 
-@pytest.mark.parametrize("engine", ["vllm", "vllm_server", "sglang"])
+@pytest.mark.parametrize("engine", ["vllm_server", "sglang"])
 def test_a_vision_model_with_an_engine_without_images_is_a_config_error_before_the_run(
     tiny_vlm_path: Path, tmp_path: Path, engine: str
 ) -> None:
@@ -114,7 +67,7 @@ def test_a_vision_model_with_an_engine_without_images_is_a_config_error_before_t
     with pytest.raises(
         ConfigError,
         match=f'^rollout.engine.type = "{engine}" cannot run the vision-language model .*'
-        'set rollout.engine.type = "hf"',
+        'set rollout.engine.type = "hf" or "vllm"',
     ):
         run_embedded(config, reward_fn=vowel_reward)
     assert not (tmp_path / "runs").exists()  # refused before the run directory or any engine exists

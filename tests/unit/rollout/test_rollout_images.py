@@ -10,19 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from sharpen.config.schema import TrainerConfig
 from sharpen.data.chat import ImageInputError
 from sharpen.data.vision import VisionProcessor
-from sharpen.environments import EpisodeContext, EpisodeLimits, StepResult
+from sharpen.environments import EpisodeLimits
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.hf import HfEngine
 from sharpen.rollout.engines.scripted import ScriptedEngine
 from sharpen.rollout.episodes import EpisodeRunner
-from sharpen.trainer import SingleDeviceBackend
-from sharpen.types import Example, Message, Rollout, SamplingParams, TextPart
-from support.images import image_prompt, png_image
+from sharpen.types import Example, Message, SamplingParams
+from support.images import ShowsAnImage, assert_trainer_agrees, image_prompt, png_image
 
 EXAMPLES = [
     Example(task_key="colour/0", prompt=image_prompt(png_image((200, 30, 30)))),
@@ -53,47 +50,12 @@ def test_image_episodes_carry_their_images_and_the_trainer_recomputes_their_logp
         assert rollout.images == tuple(image for m in rollout.example.prompt for image in m.images)
         assert rollout.prompt_ids == vision.render_prompt(rollout.example.prompt)
         assert rollout.completion_ids
-    _assert_trainer_agrees(tiny_vlm_path, rollouts)
-
-
-def _assert_trainer_agrees(model_path: Path, rollouts: list[Rollout]) -> None:
-    """The trainer's logprobs of each rollout's generated tokens, from its tokens and images, are the engine's."""
-    config = TrainerConfig(device="cpu", precision="float32", num_threads=1)
-    backend = SingleDeviceBackend(config, model_path=model_path, dtype="float32")
-    for rollout in rollouts:
-        ids = torch.tensor([rollout.prompt_ids + rollout.completion_ids])
-        is_generated = torch.tensor(rollout.loss_mask or [True] * len(rollout.completion_ids))
-        targets = torch.zeros((1, ids.shape[1] - 1), dtype=torch.bool)
-        targets[0, len(rollout.prompt_ids) - 1 :] = is_generated
-        with torch.no_grad():
-            scores = backend.score_tokens(ids, torch.ones_like(ids), targets, temperature=1.0, images=[rollout.images])
-        engine_logprobs = torch.tensor(rollout.completion_logprobs)[is_generated]
-        assert scores.logprobs[targets].tolist() == pytest.approx(engine_logprobs.tolist(), abs=1e-4)
-
-
-class _ShowsAnImage:
-    """Answers the first turn with a picture and a question, then ends the episode."""
-
-    name, version = "shows_an_image", "1"
-    picture = png_image((30, 200, 30), size=(56, 56))
-
-    def __init__(self) -> None:
-        self.answered = False
-
-    async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:
-        return list(example.prompt)
-
-    async def step(self, action: str) -> StepResult:
-        if self.answered:
-            return StepResult(terminated=True)
-        self.answered = True
-        observation = Message(role="user", content=(TextPart(text="And this one?"), self.picture))
-        return StepResult(observation=[observation])
+    assert_trainer_agrees(tiny_vlm_path, rollouts)
 
 
 def test_an_image_in_an_observation_joins_the_episode_with_exact_token_continuity(tiny_vlm_path, vision, engine):
     runner = EpisodeRunner(
-        tokenizer=vision.tokenizer, vision=vision, make_environment=_ShowsAnImage, limits=EpisodeLimits(max_turns=2)
+        tokenizer=vision.tokenizer, vision=vision, make_environment=ShowsAnImage, limits=EpisodeLimits(max_turns=2)
     )
     # a random model would not end its turn: every token stops it (the runner then closes the turn itself)
     sampling = SamplingParams(max_new_tokens=4, temperature=1.0, stop_token_ids=tuple(range(len(vision.tokenizer))))
@@ -107,8 +69,8 @@ def test_an_image_in_an_observation_joins_the_episode_with_exact_token_continuit
             len(rollout.completion_ids) - first - len(observation_ids)
         )
         assert observation_ids.count(vision.image_token_id) == 4  # 56x56: 4x4 patches, merged 2x2
-        assert rollout.images == (*EXAMPLES[0].prompt[0].images, _ShowsAnImage.picture)
-    _assert_trainer_agrees(tiny_vlm_path, group.rollouts)
+        assert rollout.images == (*EXAMPLES[0].prompt[0].images, ShowsAnImage.picture)
+    assert_trainer_agrees(tiny_vlm_path, group.rollouts)
 
 
 def test_an_engine_without_images_refuses_image_prompts(vision):

@@ -60,7 +60,8 @@ def request_level(engine: InferenceEngine) -> AsyncEngine | None:
 
 @runtime_checkable
 class ImageEngine(Protocol):
-    """An engine that also generates from image prompts (a vision-language model's; the `hf` engine for now)."""
+    """An engine that also generates from image prompts (a vision-language model's): the `hf` engine, and the
+    in-process `vllm` engine."""
 
     def generate_with_images(
         self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
@@ -81,7 +82,7 @@ def generate_prompts(
     if not any(images):
         return engine.generate(prompts, params)
     if not isinstance(engine, ImageEngine):
-        raise EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf engine does)")
+        raise EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
     return engine.generate_with_images(prompts, images, params)
 
 

@@ -10,6 +10,10 @@ With ``sleep_mode`` (``runtime.colocate``) the engine uses vLLM's sleep mode: `s
 the KV cache (level 2: the weight sync after the step replaces the weights anyway), `wake_up` takes back only the
 weights' memory, so the weights load before the KV cache is reallocated, which happens on the next generate or
 score. vLLM offers sleep mode on CUDA, ROCm and XPU only, not on its CPU build.
+
+A vision-language model's prompts with images (`generate_with_images`) go to vLLM as its multimodal requests: the
+ids with each image's placeholder block folded back to the one placeholder vLLM expands itself (`VllmImages`), and
+the images. vLLM's expansion must give back exactly the ids sharpen rendered, or the request is an `EngineError`.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sharpen.config.engines import VllmEngineConfig
 from sharpen.config.schema import LoraConfig
+from sharpen.data.vision import VisionProcessor, is_vision_model, load_image, text_only_error
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -179,6 +184,62 @@ def probe_logprobs(output: RequestOutput, token_ids: list[int]) -> list[float]:
     return [step[token].logprob for step, token in zip(steps, token_ids[1:], strict=True)]
 
 
+def why_vllm_cannot_load(model_path: Path) -> str | None:
+    """None when the installed vLLM imports its module for the model folder's architecture, else what stops it (the
+    architecture, the folder and the reason: vLLM's CPU build here lacks torchvision, which e.g. its Qwen2-VL module
+    imports)."""
+    import json
+
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    architectures = json.loads((Path(model_path) / "config.json").read_text()).get("architectures") or ["(none)"]
+    registered = ModelRegistry.models.get(architectures[0])
+    if registered is None:
+        return f"{architectures[0]} ({model_path}): vLLM does not know this architecture"
+    try:
+        registered.load_model_cls()
+    except Exception as error:  # an import error deep in vLLM's model module, e.g. a missing torchvision
+        return (
+            f"{architectures[0]} ({model_path}): vLLM's module for it fails to import: {type(error).__name__}: {error}"
+        )
+    return None
+
+
+class VllmImages:
+    """vLLM requests of a model's prompts: token ids alone, or, for a vision-language model's prompts with images,
+    the ids compacted (`VisionProcessor.compact`) plus the images as vLLM's ``multi_modal_data``."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.model_path = Path(model_path)
+        self.vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
+
+    def request(self, ids: list[int], images: Sequence[ImagePart] = ()) -> dict[str, Any]:
+        """The request of one prompt; placeholders without their images, or images for a text-only model, are a
+        `ValueError` (as in the `hf` engine)."""
+        if self.vision is None:
+            if images:
+                raise text_only_error("vLLM engine", len(images), str(self.model_path))
+            return {"prompt_token_ids": ids}
+        if not images:
+            if self.vision.image_token_id in ids:
+                raise ValueError(
+                    f"the token ids hold {ids.count(self.vision.image_token_id)} image placeholders but no images: "
+                    "pass the images each prompt was rendered with"
+                )
+            return {"prompt_token_ids": ids}
+        loaded = [load_image(image, index) for index, image in enumerate(images)]
+        return {"prompt_token_ids": self.vision.compact(ids, images), "multi_modal_data": {"image": loaded}}
+
+    @staticmethod
+    def check_expanded(output: RequestOutput, ids: list[int]) -> None:
+        """vLLM's prompt after its own placeholder expansion must be the ids sharpen rendered (the trainer's)."""
+        if output.prompt_token_ids is not None and list(output.prompt_token_ids) != ids:
+            raise EngineError(
+                f"vLLM expanded the image placeholders to {len(output.prompt_token_ids)} prompt tokens where sharpen's "
+                f"processor rendered {len(ids)}: the model folder's processor and chat template disagree"
+            )
+
+
 def check_joined(replies: list[dict[str, Any]]) -> None:
     for worker, reply in enumerate(replies):
         if not reply.get("ok"):
@@ -227,6 +288,7 @@ class VllmEngine:
             config, model_path=model_path, dtype=dtype, seed=seed, sleep_mode=sleep_mode, lora=lora
         )
         self.llm = LLM(**arguments)
+        self.requests = VllmImages(model_path)
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
         self.is_asleep = False
@@ -264,17 +326,30 @@ class VllmEngine:
             self._is_cache_asleep = False
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        return self.generate_with_images(prompts, [()] * len(prompts), params)
+
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        """`generate` for prompts that hold image placeholders (`VisionProcessor.render_prompt`): ``images[i]`` are
+        prompt i's images, in order (empty for a text prompt)."""
         self._check_awake("generate")
-        requests: Any = [{"prompt_token_ids": ids} for ids in prompts]
+        requests: Any = [self.requests.request(ids, row) for ids, row in zip(prompts, images, strict=True)]
         outputs = self.llm.generate(
             requests, [vllm_sampling_params(p) for p in params], use_tqdm=False, lora_request=self.lora_request
         )
+        for output, ids, row in zip(outputs, prompts, images, strict=True):
+            if row:
+                self.requests.check_expanded(output, ids)
         return [vllm_completion(output.outputs[0]) for output in outputs]
 
-    def score(self, token_ids: list[int]) -> list[float]:
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        """`InferenceEngine.score`; ``images``: those the ids hold placeholders for (an image prompt's probe)."""
         self._check_awake("score")
-        request: Any = {"prompt_token_ids": token_ids}
+        request: Any = self.requests.request(token_ids, images)
         (output,) = self.llm.generate([request], probe_params(), use_tqdm=False, lora_request=self.lora_request)
+        if images:
+            self.requests.check_expanded(output, token_ids)
         return probe_logprobs(output, token_ids)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
@@ -291,8 +366,7 @@ class VllmEngine:
             report = self.sender.send(weights, version=version, target=RpcBucketTarget(self.llm.collective_rpc))
         except BucketError as error:
             raise EngineError(f"vLLM rejected weights version {version}: {error}") from error
-        if not self._is_cache_asleep:  # sleep already dropped the cache
-            self.llm.reset_prefix_cache()  # cached KV entries were computed with the old weights
+        self._drop_cached_results()
         self.policy_version = version
         return report.metrics()
 
@@ -320,9 +394,17 @@ class VllmEngine:
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
         self.lora_request = request
-        self.llm.reset_prefix_cache()  # cached KV entries were computed with the old adapter
+        self._drop_cached_results()
         self.policy_version = version
         return {**metrics, "sync/seconds": time.perf_counter() - started, "sync/num_buckets": 1.0}
+
+    def _drop_cached_results(self) -> None:
+        """After new weights: cached KV entries, and a vision-language model's cached image features, were computed
+        with the old ones (sleep already dropped the KV cache)."""
+        if not self._is_cache_asleep:
+            self.llm.reset_prefix_cache()
+        if self.requests.vision is not None:
+            self.llm.llm_engine.reset_encoder_cache()
 
     @property
     def num_weight_group_members(self) -> int:
@@ -345,8 +427,7 @@ class VllmEngine:
         started = time.perf_counter()
         replies = self.llm.collective_rpc("sharpen_receive_broadcast", args=(version,))
         check_broadcast(replies, version=version)
-        if not self._is_cache_asleep:
-            self.llm.reset_prefix_cache()
+        self._drop_cached_results()
         self.policy_version = version
         return broadcast_metrics(replies, started=started)
 

@@ -35,8 +35,10 @@ _PROCESSOR_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "preprocessor_config.json",
+    "processor_config.json",
 )
-"""What `export` copies beside the weights: the tokenizer, and a vision-language model's image processor."""
+"""What `export` copies beside the weights: the tokenizer, and a vision-language model's image processor (and its
+processor's settings, e.g. Idefics3's tokens per image)."""
 
 
 def score_tokens(
