@@ -201,15 +201,14 @@ class Trainer:
         return metrics
 
     def _check_images(self, rollouts: list[Rollout]) -> None:
-        """Rollouts with images train with the policy alone for now: the parts that score them elsewhere (the
-        reference policy, the critic, a teacher, packed rows) take no pixel inputs yet, so refuse rather than score
-        image placeholders as if they were text."""
+        """Rollouts with images train with the policy and the reference policy: the parts that score them elsewhere
+        (the critic, a teacher, packed rows) take no pixel inputs yet, so refuse rather than score image
+        placeholders as if they were text."""
         if not any(r.images for r in rollouts):
             return
         unsupported = [
             name
             for name, is_on in (
-                ("trainer.algorithm.kl_coef > 0 (the reference policy)", self.reference is not None),
                 ('trainer.algorithm.advantage = "gae" (the critic)', self.critic is not None),
                 ("trainer.distillation (the teacher)", self.teacher is not None),
                 ("trainer.packing", self.config.packing),
@@ -346,7 +345,7 @@ class Trainer:
                 loss = loss - algorithm.entropy_coef * aggregate(entropy)
         if self.reference is not None and not algorithm.kl_in_reward:
             ref = self.reference.token_logprobs(
-                micro.input_ids, micro.attention_mask, mask, temperature=self.temperature
+                micro.input_ids, micro.attention_mask, mask, temperature=self.temperature, images=micro.images
             )
             kl = kl_per_token(logprobs, ref, algorithm.kl_estimator)
             sums["kl"] += float(kl.detach()[mask].sum())
@@ -553,7 +552,11 @@ class Trainer:
             lambda micro: kl_per_token(
                 micro.engine_logprobs,
                 reference.token_logprobs(
-                    micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
+                    micro.input_ids,
+                    micro.attention_mask,
+                    micro.loss_mask,
+                    temperature=self.temperature,
+                    images=micro.images,
                 ),
                 estimator,
             ),

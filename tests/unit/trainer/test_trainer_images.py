@@ -1,6 +1,7 @@
 """GRPO on image prompts of the tiny Qwen2-VL: a step on rollouts the engine generated from images changes the
 weights (the vision tower's too: the loss reaches the pixels), the loss mask never covers an image placeholder, and
-what cannot take images yet (packed rows, the reference policy) refuses them with a clear error."""
+the KL term's reference policy (a frozen copy, or the LoRA policy without its adapters) scores the same image rows,
+and what cannot take images yet (packed rows) refuses them with a clear error."""
 
 from __future__ import annotations
 
@@ -83,6 +84,48 @@ def test_the_loss_mask_never_covers_an_image_placeholder(tiny_vlm_path, rollouts
         [Rollout(**{**_fields(rollouts[0]), "images": ()})], pad_token_id=0, device=torch.device("cpu")
     )
     assert text.images == ()
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["frozen_copy", "lora_without_adapters"])
+def test_the_kl_reference_scores_image_rows_with_their_pixels(tiny_vlm_path, rollouts, lora):
+    from sharpen.trainer.backends.lora import LoraReferencePolicy
+    from sharpen.trainer.backends.single_device import ReferencePolicy
+
+    trainer_config = TrainerConfig.model_validate(
+        {
+            "device": "cpu",
+            "precision": "float32",
+            "num_threads": 1,
+            "algorithm": {"kl_coef": 0.1},
+            "lora": {"enabled": lora, "rank": 4},
+        }
+    )
+    backend = SingleDeviceBackend(trainer_config, model_path=tiny_vlm_path, dtype="float32")
+    if lora:
+        assert backend.lora is not None
+        reference = LoraReferencePolicy(
+            backend.lora, device=backend.device, precision="float32", vision=backend.vision, model_path=tiny_vlm_path
+        )
+    else:
+        reference = ReferencePolicy(
+            model_path=tiny_vlm_path, dtype="float32", device=backend.device, precision="float32"
+        )
+    micro = pack_micro_batch(rollouts[:4], pad_token_id=0, device=torch.device("cpu"))
+    # before any update the reference is the policy: the same logprobs from the same pixels
+    policy = backend.score_tokens(
+        micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0, images=micro.images
+    ).logprobs
+    ref = reference.token_logprobs(
+        micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0, images=micro.images
+    )
+    assert torch.allclose(ref[micro.loss_mask], policy[micro.loss_mask].detach(), atol=1e-5)
+    with pytest.raises(ValueError, match="image placeholders but no images"):
+        reference.token_logprobs(micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0)
+    trainer = Trainer(trainer_config, backend=backend, pad_token_id=0, reference=reference)
+    first = trainer.step(TrainBatch(rollouts=rollouts, step=0))
+    second = trainer.step(TrainBatch(rollouts=rollouts, step=1))
+    assert abs(first["train/kl"]) < 1e-5  # the first mini-batch's update comes after its KL
+    assert second["train/kl"] > first["train/kl"]  # the policy moved away from the reference
 
 
 def test_what_takes_no_images_yet_refuses_them(tiny_vlm_path, rollouts):

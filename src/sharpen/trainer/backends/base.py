@@ -82,8 +82,17 @@ class ReferenceScorer(Protocol):
     or `lora.LoraReferencePolicy` (the LoRA policy with its adapters disabled)."""
 
     def token_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
-    ) -> torch.Tensor: ...
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        images: Sequence[tuple[ImagePart, ...]] = (),
+    ) -> torch.Tensor:
+        """[batch, seq - 1] logprobs of the target tokens, without gradient; ``images``: each row's (a
+        vision-language model's image rows)."""
+        ...
 
 
 class ScoresTokenLogprobs:

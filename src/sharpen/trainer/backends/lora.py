@@ -12,20 +12,23 @@ LoRA adapter (docs/weight-sync.md, LoRA).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from sharpen.config.schema import LoraConfig
-from sharpen.trainer.backends.single_device import autocast_bf16, score_tokens
+from sharpen.trainer.backends.single_device import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.precision import Precision
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     from transformers import PreTrainedModel
+
+    from sharpen.data.vision import VisionProcessor
+    from sharpen.types import ImagePart
 
 _ADAPTER = "default"  # peft's name of the one adapter
 Gather = Callable[[torch.Tensor], torch.Tensor]  # a tensor as a whole: identity, or a DTensor's full_tensor()
@@ -161,15 +164,35 @@ class LoraReferencePolicy:
     """The reference policy of a LoRA run: the trainer's own model with its adapters disabled, which is exactly the
     initial policy (the base weights never train), at the cost of one extra forward and no second model copy."""
 
-    def __init__(self, peft_model: PeftModel, *, device: torch.device, precision: Precision) -> None:
+    def __init__(
+        self,
+        peft_model: PeftModel,
+        *,
+        device: torch.device,
+        precision: Precision,
+        vision: VisionProcessor | None = None,
+        model_path: Path | None = None,
+    ) -> None:
+        """``vision``: the policy backend's processor, for a vision-language model's image rows."""
         self.peft_model = peft_model
         self.device = device
         self.is_bf16 = precision == "bf16"
+        self.vision = vision
+        self.model_path = model_path
 
     @torch.no_grad()
     def token_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> torch.Tensor:
+        image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
         model = cast("PreTrainedModel", self.peft_model.get_base_model())
         with self.peft_model.disable_adapter(), autocast_bf16(self.device, enabled=self.is_bf16):
-            return score_tokens(model, input_ids, attention_mask, target_mask, temperature=temperature).logprobs
+            return score_tokens(
+                model, input_ids, attention_mask, target_mask, temperature=temperature, image_inputs=image_inputs
+            ).logprobs

@@ -204,14 +204,9 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, images: Sequence[tuple[ImagePart, ...]]
     ) -> dict[str, torch.Tensor] | None:
         """The model's pixel inputs of the rows' images, or None when the rows hold none."""
-        flat = [image for row in images for image in row]
-        if self.vision is None:
-            if flat:
-                raise text_only_error("trainer", len(flat), str(self.model_path))
-            return None
-        if flat and position_ids is not None:
+        if position_ids is not None and any(images):
             raise ValueError("rows with images cannot be packed (trainer.packing = false for image prompts)")
-        return self.vision.model_inputs(input_ids, flat) or None  # checks that text rows hold no placeholders
+        return rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
 
     def score_top_k(
         self,
@@ -316,6 +311,19 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
             shutil.copy2(generation_config, folder / "generation_config.json")
 
 
+def rows_image_inputs(
+    vision: VisionProcessor | None, input_ids: torch.Tensor, images: Sequence[tuple[ImagePart, ...]], *, model: str
+) -> dict[str, torch.Tensor] | None:
+    """The pixel inputs of the rows' images (``images``: one tuple per row) for a forward pass over ``input_ids``, or
+    None when the rows hold none; images for a text-only model (``vision`` None) are the one text-only error."""
+    flat = [image for row in images for image in row]
+    if vision is None:
+        if flat:
+            raise text_only_error("trainer", len(flat), model)
+        return None
+    return vision.model_inputs(input_ids, flat) or None  # checks that text rows hold no placeholders
+
+
 class ReferencePolicy:
     """A frozen copy of the initial policy for the KL term; built only when the KL coefficient is positive."""
 
@@ -325,10 +333,22 @@ class ReferencePolicy:
         self.model.eval().requires_grad_(False)
         self.is_bf16 = precision == "bf16"
         self.device = device
+        self.model_path = Path(model_path)
+        self.vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
 
     @torch.no_grad()
     def token_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> torch.Tensor:
+        """``images``: each row's, for a vision-language model's rows that hold image placeholders."""
+        image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
         with autocast_bf16(self.device, enabled=self.is_bf16):
-            return score_tokens(self.model, input_ids, attention_mask, target_mask, temperature=temperature).logprobs
+            return score_tokens(
+                self.model, input_ids, attention_mask, target_mask, temperature=temperature, image_inputs=image_inputs
+            ).logprobs
