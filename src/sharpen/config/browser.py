@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from sharpen.config.episodes import EpisodeLimitsSection
 
@@ -18,9 +18,10 @@ _TASK_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
 class BrowserEnvironmentConfig(EpisodeLimitsSection):
     """Web tasks of MiniWoB++ (the ``miniwob`` package's local pages; needs ``pip install 'sharpen[browser]'`` and
-    the Debian packages chromium and chromium-driver). The policy sees the task and the page as text with element
-    ids and acts with tool calls: ``click(id)``, ``type(id, text)``, ``press(key)``, ``scroll(dx, dy)``, ``done()``.
-    The reward is the task's own: 1 solved, 0 failed."""
+    the Debian packages chromium and chromium-driver). The policy sees the task and the page (as text with element
+    ids, as a screenshot, or both) and acts with tool calls: ``click(id)``, ``type(id, text)`` (``click_at(x, y)``,
+    ``type_at(x, y, text)`` on a screenshot alone), ``press(key)``, ``scroll(dx, dy)``, ``done()``. The reward is the
+    task's own: 1 solved, 0 failed."""
 
     type: Literal["browser"] = "browser"
     max_turns: int = Field(default=4, ge=1)
@@ -29,8 +30,10 @@ class BrowserEnvironmentConfig(EpisodeLimitsSection):
     """MiniWoB task names (the ``miniwob`` package's ``html/miniwob/<name>.html``), for ``data.type =
     "environment"``: task instances cycle through them, each with its own seed."""
     observation: Literal["text", "screenshot", "both"] = "text"
-    """What the policy sees: ``text`` is the page as lines ``[id] tag "text"``. Screenshots arrive with multimodal
-    messages; until then ``screenshot`` and ``both`` are refused."""
+    """What the policy sees of the page: ``text``, lines ``[id] tag "text"``; ``screenshot``, the task's instruction
+    and a PNG of MiniWoB's 160x210-pixel task area, acted on by pixel coordinates (``click_at``, ``type_at``);
+    ``both``, the text and the screenshot, acted on by element ids. Screenshots need a vision-language model
+    (model.path, e.g. a Qwen2-VL folder on the ``hf`` engine or an Idefics3 folder on ``hf`` or ``vllm``)."""
     tool_parser: Literal["hermes", "json"] = "hermes"
     """How actions are read from a turn: ``<tool_call>{json}</tool_call>`` blocks (Hermes, Qwen) or a turn that is
     one JSON object with ``name`` and ``parameters`` (Llama 3)."""
@@ -48,22 +51,21 @@ class BrowserEnvironmentConfig(EpisodeLimitsSection):
     """The system prompt; empty: the default, which explains element ids and lists the tools as JSON schema (a
     small model does better with a short prompt of its own and ``demonstration``)."""
     demonstration: bool = False
-    """Start every episode with one worked example (a page and the right tool call, as a user turn and an
-    assistant turn), which shows a small model the action format."""
+    """Start every episode with one worked example (a page as text and the right tool call, as a user turn and an
+    assistant turn), which shows a small model the action format; not with ``observation = "screenshot"``."""
     chromium: str = "chromium"
     """The Chromium executable (a name on PATH or a path)."""
     chromedriver: str = "chromedriver"
     """The chromedriver executable matching ``chromium``."""
 
-    @field_validator("observation")
-    @classmethod
-    def _check_observation(cls, value: str) -> str:
-        if value != "text":
+    @model_validator(mode="after")
+    def _check_demonstration(self) -> BrowserEnvironmentConfig:
+        if self.demonstration and self.observation == "screenshot":
             raise ValueError(
-                f'observation = "{value}" needs images in messages, which arrive with multimodal messages; '
-                'use observation = "text" for now'
+                'demonstration = true shows a page as text with element ids, which observation = "screenshot" does '
+                'not show nor act on; use observation = "both" or demonstration = false'
             )
-        return value
+        return self
 
     @field_validator("tasks")
     @classmethod

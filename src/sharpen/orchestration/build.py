@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sharpen.config import ConfigError, SharpenConfig
+from sharpen.config.browser import BrowserEnvironmentConfig
 from sharpen.config.engines import VllmEngineConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.data import ExampleSampler, load_examples, render_prompt
@@ -70,9 +71,9 @@ build here can load (`check_vllm_loads`)."""
 def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
     """A vision-language model needs an engine that takes images and the local runtime (a `ConfigError`
     otherwise, whatever the data: the other engines' weight sync and generation do not know its vision tower, and the
-    Ray proxies carry no images); prompts with images need a vision-language model (the `ImageInputError` of
-    `data.vision.text_only_error`). What the trainer cannot do with images yet (packing, a KL reference, a critic, a
-    teacher) it refuses at its first step."""
+    Ray proxies carry no images); prompts with images, and a browser that shows screenshots, need a vision-language
+    model (the `ImageInputError` of `data.vision.text_only_error`). What the trainer cannot do with images yet
+    (packing, a critic, a teacher) it refuses at its first step."""
     model_path = resolve_model_path(config.model.path)
     engine = config.rollout.engine
     if is_vision_model(model_path):
@@ -99,6 +100,10 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
         raise text_only_error(
             f"task {with_images.task_key}", len(prompt_images(with_images.prompt)), f"model.path {model_path}"
         )
+    environment = config.environment
+    if isinstance(environment, BrowserEnvironmentConfig) and environment.observation != "text":
+        where = f'environment.observation = "{environment.observation}" (browser screenshots)'
+        raise text_only_error(where, 1, f"model.path {model_path}")
 
 
 def check_vllm_loads(model_path: Path) -> None:
@@ -210,10 +215,12 @@ def build_trainer(
     precision = run_precision(config).precision
     reference: ReferenceScorer | None = None
     lora = backend.lora if isinstance(backend, SingleDeviceBackend) else None  # set when trainer.lora.enabled
-    if config.trainer.algorithm.kl_coef > 0 and lora is not None:
+    if config.trainer.algorithm.kl_coef > 0 and isinstance(backend, SingleDeviceBackend) and lora is not None:
         from sharpen.trainer.backends.lora import LoraReferencePolicy  # peft: imported only by LoRA runs
 
-        reference = LoraReferencePolicy(lora, device=backend.device, precision=precision)  # no second model copy
+        reference = LoraReferencePolicy(  # no second model copy
+            lora, device=backend.device, precision=precision, vision=backend.vision, model_path=model_path
+        )
     elif config.trainer.algorithm.kl_coef > 0:
         reference = ReferencePolicy(
             model_path=model_path, dtype=config.model.master_dtype, device=backend.device, precision=precision

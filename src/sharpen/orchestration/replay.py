@@ -21,7 +21,7 @@ from sharpen.environments.registry import (
     episode_limits,
 )
 from sharpen.monitoring.recorder import ROLLOUTS_FILE_NAME
-from sharpen.orchestration.build import load_run_examples
+from sharpen.orchestration.build import load_run_examples, load_vision
 from sharpen.rollout.replay import ReplayReport, replay_episode
 
 
@@ -43,9 +43,13 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
     examples = {e.task_key: e for e in load_run_examples(config)}
     if record["task_key"] not in examples:
         raise ConfigError(f"replay: task {record['task_key']} is not in the run's data any more")
-    from transformers import AutoTokenizer
+    vision = load_vision(config)  # a vision-language model renders observations with images (screenshots)
+    if vision is not None:
+        tokenizer = vision.tokenizer
+    else:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
     make_environment = build_environment_factory(config.environment)
     sandbox = None
     try:
@@ -63,6 +67,7 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
             tokenizer=tokenizer,
             limits=episode_limits(config.environment),
             sandbox=sandbox,
+            vision=vision,
         )
     finally:
         if sandbox is not None:

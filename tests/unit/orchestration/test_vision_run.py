@@ -5,12 +5,13 @@ image prompts for a text-only model."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 
 from sharpen.cli.errors import user_error_message
-from sharpen.config import ConfigError
+from sharpen.config import ConfigError, load_config
 from sharpen.data.chat import ImageInputError
 from sharpen.data.vision import VisionProcessor
 from sharpen.monitoring import read_jsonl
@@ -90,3 +91,15 @@ def test_image_prompts_for_a_text_only_model_are_one_user_error(tiny_model_path:
     assert message.startswith("task colours/0: the prompt holds 1 image(s) but model.path ")
     assert "is a text-only model; use a vision-language model" in message
     assert user_error_message(caught.value) == message  # `sharpen train` prints it as one line and exits with 2
+
+
+def test_browser_screenshots_for_a_text_only_model_are_refused_before_the_run(tiny_model_path: Path) -> None:
+    overrides = [
+        'environment.type = "browser"',
+        'environment.observation = "screenshot"',
+        'data.type = "environment"',
+        "data.size = 2",
+        f"model.path = {json.dumps(str(tiny_model_path))}",
+    ]
+    with pytest.raises(ImageInputError, match=r'^environment.observation = "screenshot" \(browser screenshots\)'):
+        load_run_examples(load_config(None, overrides))

@@ -38,6 +38,7 @@ class BrowserEnvironmentFactory:
             max_page_chars=config.max_page_chars,
             instructions=config.instructions,
             demonstration=config.demonstration,
+            observation=config.observation,
         )
 
     def close(self) -> None:

@@ -1,31 +1,48 @@
 """`BrowserEnvironment`: MiniWoB++ web tasks in a pooled headless Chromium, acted on with tool calls.
 
-Owns the episode: the prompt (the tools, the task's instruction and the page as text with element ids), reading each
-turn's tool calls with the framework's parser (`sharpen.environments.tools`), running them on a browser lent by the
-`BrowserPool`, and the reward (the task's own: 1 solved, 0 failed; MiniWoB's -1 for a wrong answer becomes 0 and its
-time discount is not applied). A turn without a valid action gets an error message back, not an end. The task
-instance is drawn from the example's seed, so every sample of a group sees the same page and `sharpen replay` sees
-it again. It does not start or kill browsers (the pool does) and does not touch pages directly
+Owns the episode: the prompt (the tools, the task's instruction and the page: as text with element ids, as a
+screenshot of the task area, or both), reading each turn's tool calls with the framework's parser
+(`sharpen.environments.tools`), running them on a browser lent by the `BrowserPool`, and the reward (the task's own:
+1 solved, 0 failed; MiniWoB's -1 for a wrong answer becomes 0 and its time discount is not applied). A turn without a
+valid action gets an error message back, not an end. The task instance is drawn from the example's seed, so every
+sample of a group sees the same page and `sharpen replay` sees it again (its screenshots too: the page is kept still,
+see `page.start_task`). It does not start or kill browsers (the pool does) and does not touch pages directly
 (`sharpen.environments.browser.page`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
-from typing import Any
+from typing import Any, Literal
 
 from sharpen.environments.base import EpisodeContext, StepResult
 from sharpen.environments.browser import page
 from sharpen.environments.browser.pool import BrowserPool, Lease
 from sharpen.environments.tools import TOOL_CALL_PARSERS, ToolCall, ToolCallError, call_tool, tool_spec
-from sharpen.types import Example, Message
+from sharpen.types import ContentPart, Example, ImagePart, Message, TextPart
 
 INSTRUCTIONS = """You control a web page. Each element has an id in brackets, like [3]. Act with one tool call:
 <tool_call>{{"name": "click", "arguments": {{"id": 3}}}}</tool_call>
 Tools:
 {specs}"""
+
+SCREENSHOT_INSTRUCTIONS = """You control a web page, shown as a screenshot. Point at things by their pixel coordinates
+in the screenshot: x to the right and y down from its top-left corner. Act with one tool call:
+<tool_call>{{"name": "click_at", "arguments": {{"x": 80, "y": 120}}}}</tool_call>
+Tools:
+{specs}"""
+
+BOTH_INSTRUCTIONS = """You control a web page, shown as a screenshot and as text where each element has an id in
+brackets, like [3]. Act with one tool call:
+<tool_call>{{"name": "click", "arguments": {{"id": 3}}}}</tool_call>
+Tools:
+{specs}"""
+
+Observation = Literal["text", "screenshot", "both"]
+Content = str | tuple[ContentPart, ...]
 
 
 DEMONSTRATION = (
@@ -51,15 +68,23 @@ class BrowserEnvironment:
         max_page_chars: int = 2000,
         instructions: str = "",
         demonstration: bool = False,
+        observation: Observation = "text",
     ) -> None:
         if parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"unknown tool-call parser {parser!r} (known: {', '.join(TOOL_CALL_PARSERS)})")
+        if observation not in ("text", "screenshot", "both"):
+            raise ValueError(f"unknown browser observation {observation!r} (known: text, screenshot, both)")
+        if demonstration and observation == "screenshot":
+            raise ValueError("the browser's demonstration shows a page as text; it needs observation text or both")
         self.pool = pool
         self.parser = TOOL_CALL_PARSERS[parser]()
         self.max_page_chars = max_page_chars
         self.instructions = instructions
         self.demonstration = demonstration
-        self.tools = {t.__name__: t for t in (self.click, self.type, self.press, self.scroll, self.done)}
+        self.observation = observation
+        # without element ids (a screenshot alone) the policy points at pixels
+        pointing = (self.click_at, self.type_at) if observation == "screenshot" else (self.click, self.type)
+        self.tools = {t.__name__: t for t in (*pointing, self.press, self.scroll, self.done)}
         self._url = ""
         self._seed = 0
         self._turns: list[list[ToolCall]] = []
@@ -95,10 +120,12 @@ class BrowserEnvironment:
         self._is_done_called = False
         self._num_restores = 0
         async with self.pool.lease(self) as lease:
-            text = await self._restore(lease)
-        system = self.instructions or INSTRUCTIONS.format(specs=self._specs())
+            seen = await self._restore(lease)
+            shown, _ = await self._show(lease, seen)
+        instructions = {"text": INSTRUCTIONS, "screenshot": SCREENSHOT_INSTRUCTIONS, "both": BOTH_INSTRUCTIONS}
+        system = self.instructions or instructions[self.observation].format(specs=self._specs())
         demonstration = list(DEMONSTRATION) if self.demonstration else []
-        return [Message(role="system", content=system), *demonstration, Message(role="user", content=text)]
+        return [Message(role="system", content=system), *demonstration, Message(role="user", content=shown)]
 
     async def step(self, action: str) -> StepResult:
         started, num_restores_before = time.perf_counter(), self._num_restores
@@ -117,9 +144,12 @@ class BrowserEnvironment:
             self._turns.append(executed)
             outcome = await lease.run(page.read_outcome)
             is_over = outcome.is_done or self._is_done_called
+            shown, screenshot_seconds = None, 0.0
             if is_over:
                 lease.browser.owner = None  # the first browser to give to a new episode
-            text = "" if is_over else (await lease.run(page.read_page)).render(max_chars=self.max_page_chars)
+            else:
+                seen = await lease.run(page.read_page)
+                shown, screenshot_seconds = await self._show(lease, seen, feedback="\n".join(outputs))
         num_invalid = sum(output.startswith("error:") for output in outputs)
         info: dict[str, Any] = {
             "actions": [c.name if isinstance(c, ToolCall) else "invalid" for c in calls],
@@ -132,8 +162,24 @@ class BrowserEnvironment:
             reward = max(outcome.raw_reward, 0.0) if outcome.is_done else 0.0
             info["task_reward"] = outcome.raw_reward if outcome.is_done else None
             return StepResult(reward=reward, terminated=True, info=info)
-        feedback = "\n".join(outputs)
-        return StepResult(observation=[Message(role="user", content=f"{feedback}\n\n{text}")], reward=0.0, info=info)
+        assert shown is not None, "a page is shown unless the episode is over"
+        observation = Message(role="user", content=shown)
+        if self.observation != "text":  # `sharpen replay` compares the digests; the metrics show the cost
+            info["image_sha256"] = [hashlib.sha256(image.data).hexdigest() for image in observation.images]
+            info["screenshot_seconds"] = screenshot_seconds
+        return StepResult(observation=[observation], reward=0.0, info=info)
+
+    async def _show(self, lease: Lease, seen: page.PageText, *, feedback: str | None = None) -> tuple[Content, float]:
+        """What the policy is shown of the page ``seen``, after the turn's ``feedback``: the page's text, or the task
+        and a screenshot, or both; and the seconds the screenshot took."""
+        head = "" if feedback is None else f"{feedback}\n\n"
+        if self.observation == "text":
+            return head + seen.render(max_chars=self.max_page_chars), 0.0
+        started = time.perf_counter()
+        screenshot = ImagePart(data=await lease.run(page.screenshot))
+        seconds = round(time.perf_counter() - started, 4)
+        text = seen.render(max_chars=self.max_page_chars) if self.observation == "both" else f"Task: {seen.task}"
+        return (TextPart(text=f"{head}{text}\n"), screenshot), seconds
 
     async def _run_calls(self, calls: list[ToolCall | ToolCallError]) -> tuple[list[str], list[ToolCall]]:
         outputs: list[str] = []
@@ -148,21 +194,22 @@ class BrowserEnvironment:
                 break  # the task is over: later calls of the turn would act on the next instance
         return outputs, executed
 
-    async def _restore(self, lease: Lease) -> str:
+    async def _restore(self, lease: Lease) -> page.PageText:
         """Show this episode's page on ``lease``'s browser: its seeded instance, then its turns so far, reading the
         page after each (reading gives new elements their ids, so ids come out as they did the first time)."""
-        await lease.run(lambda driver: page.start_task(driver, self._url, self._seed))
+        is_still = self.observation != "text"
+        await lease.run(lambda driver: page.start_task(driver, self._url, self._seed, is_still=is_still))
         lease.browser.owner = self
-        text = (await lease.run(page.read_page)).render(max_chars=self.max_page_chars)
+        seen = await lease.run(page.read_page)
         self._lease = lease
         try:
             for turn in self._turns:
                 for call in turn:
                     await call_tool(self.tools, call, max_chars=self.max_page_chars)
-                text = (await lease.run(page.read_page)).render(max_chars=self.max_page_chars)
+                seen = await lease.run(page.read_page)
         finally:
             self._lease = None
-        return text
+        return seen
 
     def _current(self) -> Lease:
         assert self._lease is not None, "tools run only inside a step"
@@ -187,6 +234,23 @@ class BrowserEnvironment:
             id: The element's id, from the brackets.
             text: What to type."""
         return await self._current().run(lambda driver: page.type_text(driver, id, text))
+
+    async def click_at(self, x: int, y: int) -> str:
+        """Click a point of the screenshot.
+
+        Args:
+            x: Pixels from the screenshot's left edge.
+            y: Pixels from the screenshot's top edge."""
+        return await self._current().run(lambda driver: page.click_at(driver, x, y))
+
+    async def type_at(self, x: int, y: int, text: str) -> str:
+        """Click a point of the screenshot (an input field) and type text.
+
+        Args:
+            x: Pixels from the screenshot's left edge.
+            y: Pixels from the screenshot's top edge.
+            text: What to type."""
+        return await self._current().run(lambda driver: page.type_at(driver, x, y, text))
 
     async def press(self, key: str) -> str:
         """Press a key (Enter, Tab, Backspace, Escape, an arrow key such as ArrowDown, or one character).

@@ -2,14 +2,16 @@
 
 Owns everything that touches a page through its driver: the MiniWoB protocol (``Math.seedrandom`` seeds the task's
 generator, ``core.startEpisodeReal`` draws the instance; ``WOB_DONE_GLOBAL`` and ``WOB_RAW_REWARD_GLOBAL`` say how
-it ended), the element ids the policy sees, and the five actions. Every function here is blocking and takes a
-selenium driver; `BrowserPool` runs them on its threads. A mistake of the policy (an id that is not on the page, an
-element that cannot be typed into) comes back as an error string; anything else raises and is the browser's fault.
+it ended), the element ids the policy sees, the screenshot of the task area, and the actions. Every function here is
+blocking and takes a selenium driver; `BrowserPool` runs them on its threads. A mistake of the policy (an id that is
+not on the page, an element that cannot be typed into, a point outside the screenshot) comes back as an error string;
+anything else raises and is the browser's fault.
 It knows nothing of episodes, pools or tool-call text.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +72,36 @@ document.activeElement && document.activeElement.blur && document.activeElement.
 return WOB_TASK_READY;
 """
 
+# A page that shows the same pixels for the same state: a caret that does not blink (a Chromium without CSS
+# caret-animation hides it instead), no CSS animation or transition, jQuery's animations instant (jQuery UI's date
+# pickers and accordions slide otherwise), and a viewport that does not scroll (a wheel over a task's own scrolling
+# element still scrolls it), so the task area stays where screenshots and pointer clicks expect it. A blinking caret
+# alone made two screenshots of a focused text field differ (measured).
+_STILL_CSS = (
+    "html { overflow: hidden !important; }"
+    " *, *::before, *::after { animation: none !important; transition: none !important;"
+    " caret-animation: manual !important; }"
+    " @supports not (caret-animation: manual) { * { caret-color: transparent !important; } }"
+)
+_STILL_JS = f"""
+if (!document.getElementById('sharpen-still')) {{
+  const style = document.createElement('style');
+  style.id = 'sharpen-still';
+  style.textContent = {json.dumps(_STILL_CSS)};
+  document.head.appendChild(style);
+}}
+if (window.jQuery) window.jQuery.fx.off = true;
+window.scrollTo(0, 0);
+"""
+
+_TASK_AREA_JS = """
+const area = (document.getElementById('wrap') || document.body).getBoundingClientRect();
+return {x: area.x, y: area.y, width: area.width, height: area.height, scroll_x: window.scrollX,
+        scroll_y: window.scrollY, view_width: window.innerWidth, view_height: window.innerHeight};
+"""
+"""MiniWoB's task area, ``#wrap``: 160x210 pixels at the page's top-left corner in every task of the package
+(measured on all 130), the crop of MiniWoB's own screenshots; what a task draws outside it is not shown."""
+
 _OUTCOME_JS = "return {done: WOB_DONE_GLOBAL, raw_reward: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON};"
 
 KEYS = ("Enter", "Tab", "Backspace", "Delete", "Escape", "Space", "ArrowUp", "ArrowDown", "ArrowLeft", "ArrowRight")
@@ -116,12 +148,33 @@ def task_url(task: str) -> str:
     return path.as_uri()
 
 
-def start_task(driver: Any, url: str, seed: int) -> None:
-    """Draw the task instance of ``seed``, loading the task's page first unless the browser shows it already."""
+def start_task(driver: Any, url: str, seed: int, *, is_still: bool = False) -> None:
+    """Draw the task instance of ``seed``, loading the task's page first unless the browser shows it already.
+    ``is_still``: for screenshots, also make the page still (`_STILL_JS`) and park the pointer outside the task area
+    (another episode's last click would otherwise leave a hover effect on this one's first screenshot)."""
     if driver.current_url.split("#")[0] != url:
         driver.get(url)
+    if is_still:
+        driver.execute_script(_STILL_JS)
     if not driver.execute_script(_START_JS, seed, EPISODE_MAX_MS):
         raise RuntimeError(f"MiniWoB task at {url} did not become ready")
+    if is_still:
+        from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+        area = driver.execute_script(_TASK_AREA_JS)
+        parking = ActionBuilder(driver, duration=0)  # selenium glides the pointer for 250 ms by default
+        parking.pointer_action.move_to_location(int(area["view_width"]) - 1, int(area["view_height"]) - 1)
+        parking.perform()
+
+
+def screenshot(driver: Any) -> bytes:
+    """The task area as PNG bytes (Chromium's own encoder, no re-encoding here: about 5 ms with the pool's flags)."""
+    area = driver.execute_script(_TASK_AREA_JS)
+    # the clip is in page coordinates: the viewport's offset is added back
+    clip = {"x": area["x"] + area["scroll_x"], "y": area["y"] + area["scroll_y"], "scale": 1}
+    clip |= {"width": area["width"], "height": area["height"]}
+    shot = driver.execute_cdp_cmd("Page.captureScreenshot", {"format": "png", "clip": clip})
+    return base64.b64decode(shot["data"])
 
 
 def read_page(driver: Any) -> PageText:
@@ -172,6 +225,31 @@ def press(driver: Any, key: str) -> str:
         return f"error: unknown key {key!r} (a single character or one of {', '.join(KEYS)})"
     ActionChains(driver).send_keys(names.get(key, key)).perform()
     return f"pressed {key}"
+
+
+def click_at(driver: Any, x: int, y: int) -> str:
+    """A pointer click at ``(x, y)`` of the screenshot (pixels from its top-left corner)."""
+    from selenium.webdriver.common.actions.action_builder import ActionBuilder
+
+    area = driver.execute_script(_TASK_AREA_JS)
+    width, height = int(area["width"]), int(area["height"])
+    if not (0 <= x < width and 0 <= y < height):
+        return f"error: ({x}, {y}) is outside the screenshot ({width}x{height} pixels, x < {width}, y < {height})"
+    clicking = ActionBuilder(driver, duration=0)
+    clicking.pointer_action.move_to_location(int(area["x"]) + x, int(area["y"]) + y).click()
+    clicking.perform()
+    return f"clicked ({x}, {y})"
+
+
+def type_at(driver: Any, x: int, y: int, text: str) -> str:
+    """A click at ``(x, y)`` of the screenshot, then ``text`` typed on the keyboard (into what the click focused)."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    clicked = click_at(driver, x, y)
+    if clicked.startswith("error:"):
+        return clicked
+    ActionChains(driver).send_keys(text).perform()
+    return f"typed {json.dumps(text)} at ({x}, {y})"
 
 
 def scroll(driver: Any, dx: int, dy: int) -> str:

@@ -61,6 +61,9 @@ def chromium_arguments(user_data_dir: str, *, js_heap_mb: int) -> list[str]:
         "--disable-gpu",
         "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
         "--renderer-process-limit=1",
+        # draw a frame when asked, not at the next 60 Hz tick: a screenshot waits for a frame (33-50 ms a shot
+        # without this flag, about 6 ms with it, measured) and so does a pointer action; an idle page draws nothing
+        "--disable-frame-rate-limit",
         f"--js-flags=--max-old-space-size={js_heap_mb}",
         "--window-size=400,400",
     ]

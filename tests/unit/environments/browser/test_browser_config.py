@@ -1,4 +1,5 @@
-"""The browser section: what it accepts, what it refuses (with one clear message), and the tasks it makes."""
+"""The browser section: what it accepts, what it refuses (with one clear message), what reaches the environment, and
+the tasks it makes."""
 
 from __future__ import annotations
 
@@ -7,8 +8,13 @@ from pydantic import ValidationError
 
 from sharpen.config import load_config
 from sharpen.config.browser import BrowserEnvironmentConfig
-from sharpen.environments.browser import make_browser_tasks
-from sharpen.environments.registry import build_environment_factory, environment_tasks, episode_limits
+from sharpen.environments.browser import BrowserEnvironment, BrowserPool, make_browser_tasks
+from sharpen.environments.registry import (
+    build_environment_factory,
+    close_environment_factory,
+    environment_tasks,
+    episode_limits,
+)
 
 
 def test_a_recipe_selects_the_browser_environment_by_type() -> None:
@@ -28,10 +34,39 @@ def test_a_recipe_selects_the_browser_environment_by_type() -> None:
     assert [e.metadata["task"] for e in examples] == ["click-test-2"] * 5
 
 
-@pytest.mark.parametrize("observation", ["screenshot", "both"])
-def test_screenshot_observations_are_refused_until_messages_carry_images(observation: str) -> None:
-    with pytest.raises(ValidationError, match="multimodal messages"):
-        BrowserEnvironmentConfig(observation=observation)  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("observation", "tools"),
+    [
+        ("text", ["click", "type", "press", "scroll", "done"]),
+        ("screenshot", ["click_at", "type_at", "press", "scroll", "done"]),  # no element ids: pixels
+        ("both", ["click", "type", "press", "scroll", "done"]),
+    ],
+)
+def test_the_observation_reaches_the_environment_with_its_tools(observation: str, tools: list[str]) -> None:
+    config = load_config(None, ['environment.type="browser"', f'environment.observation="{observation}"'])
+    assert isinstance(config.environment, BrowserEnvironmentConfig)
+    factory = build_environment_factory(config.environment)
+    try:
+        environment = factory()
+        assert isinstance(environment, BrowserEnvironment)  # the pool has started no browser for it
+        assert environment.observation == observation and list(environment.tools) == tools
+    finally:
+        close_environment_factory(factory)
+
+
+def test_an_unknown_observation_is_refused_by_the_section_and_the_environment() -> None:
+    with pytest.raises(ValidationError, match="'text', 'screenshot' or 'both'"):
+        BrowserEnvironmentConfig(observation="video")  # type: ignore[arg-type]
+    pool = BrowserPool()  # starts no browser
+    with pytest.raises(ValueError, match="unknown browser observation 'video'"):
+        BrowserEnvironment(pool=pool, observation="video")  # type: ignore[arg-type]
+    pool.close()
+
+
+def test_the_text_demonstration_is_refused_with_screenshots_alone() -> None:
+    with pytest.raises(ValidationError, match=r'demonstration = true shows a page as text.*observation = "both"'):
+        BrowserEnvironmentConfig(observation="screenshot", demonstration=True)
+    assert BrowserEnvironmentConfig(observation="both", demonstration=True).demonstration
 
 
 def test_a_malformed_task_name_is_refused_by_the_section() -> None:
