@@ -165,6 +165,30 @@ def test_engine_replicas_behind_a_router_locally_and_as_ray_actors(tiny_model_pa
     assert wait_for_free_cpus(2.0) == 2.0
 
 
+def test_a_vision_model_trains_on_ray_actors_like_it_does_locally(tiny_vlm_path: Path, tmp_path: Path) -> None:
+    """Image prompts through the Ray runtime: the images travel to two engine replicas (router) and the trainer
+    actor with the rollouts, the parity probe scores image prompts on both sides, and the run is the embedded one's
+    (two engines in this process)."""
+    # imported here: Ray workers import this module (for SleepyEngine) without the tests folder on their path
+    from support.vision_runs import image_run_config, write_image_tasks
+    from support.vision_runs import vowel_reward as image_reward
+
+    data = write_image_tasks(tmp_path)
+    config = image_run_config(tiny_vlm_path, data, tmp_path / "local")
+    options = {"trainer": config.trainer.model_copy(update={"num_threads": 1})}
+    options["rollout"] = config.rollout.model_copy(update={"num_engines": 2})
+    local = run(config.model_copy(update=options), reward_fn=image_reward)
+    remote_config = image_run_config(tiny_vlm_path, data, tmp_path / "ray").model_copy(update=options)
+    remote = run(remote_config, runtime=RAY_RUNTIME, reward_fn=image_reward)
+    local_rows, ray_rows = read_jsonl(local / "metrics.jsonl"), read_jsonl(remote / "metrics.jsonl")
+    assert [row["step"] for row in ray_rows] == [0, 1]
+    assert stable(ray_rows) == stable(local_rows)
+    for row in ray_rows:
+        assert row["sync/probe_mismatch_max"] < 1e-4
+        assert row["parity/num_tokens"] > 0 and row["parity/max_abs_diff"] < 1e-4
+    assert wait_for_free_cpus(2.0) == 2.0
+
+
 def assert_actor_spans_on_the_timeline(path: Path) -> None:
     """Each actor's work is on the driver's timeline under the actor's own pid and process name, on the same clock
     as the driver's phases."""

@@ -69,11 +69,10 @@ build here can load (`check_vllm_loads`)."""
 
 
 def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
-    """A vision-language model needs an engine that takes images and the local runtime (a `ConfigError`
-    otherwise, whatever the data: the other engines' weight sync and generation do not know its vision tower, and the
-    Ray proxies carry no images); prompts with images, and a browser that shows screenshots, need a vision-language
-    model (the `ImageInputError` of `data.vision.text_only_error`). What the trainer cannot do with images yet
-    (packing, a critic, a teacher) it refuses at its first step."""
+    """A vision-language model needs an engine that takes images (a `ConfigError` otherwise, whatever the data: the
+    other engines' weight sync and generation do not know its vision tower); prompts with images, and a browser that
+    shows screenshots, need a vision-language model (the `ImageInputError` of `data.vision.text_only_error`). What the
+    trainer cannot do with images yet (packing, a critic, a teacher, FSDP2 shards) it refuses at its first step."""
     model_path = resolve_model_path(config.model.path)
     engine = config.rollout.engine
     if is_vision_model(model_path):
@@ -89,11 +88,6 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
                     "(vLLM's async engine is given no images); set it to false"
                 )
             check_vllm_loads(model_path)
-        if config.runtime.type != "local":  # the Ray actors' proxies pass no images yet
-            raise ConfigError(
-                f'runtime.type = "{config.runtime.type}" cannot run the vision-language model {model_path} yet; '
-                'set runtime.type = "local"'
-            )
         return
     with_images = next((example for example in examples if prompt_images(example.prompt)), None)
     if with_images is not None:

@@ -74,15 +74,6 @@ def test_a_vision_model_with_an_engine_without_images_is_a_config_error_before_t
     assert not (tmp_path / "runs").exists()  # refused before the run directory or any engine exists
 
 
-def test_a_vision_model_on_the_ray_runtime_is_a_config_error_before_the_run(
-    tiny_vlm_path: Path, tmp_path: Path
-) -> None:
-    config = image_run_config(tiny_vlm_path, write_image_tasks(tmp_path), tmp_path / "runs")
-    config = config.model_copy(update={"runtime": config.runtime.model_copy(update={"type": "ray"})})
-    with pytest.raises(ConfigError, match=r'^runtime.type = "ray" cannot run the vision-language model .* "local"$'):
-        load_run_examples(config)
-
-
 def test_image_prompts_for_a_text_only_model_are_one_user_error(tiny_model_path: Path, tmp_path: Path) -> None:
     config = image_run_config(tiny_model_path, write_image_tasks(tmp_path), tmp_path / "runs")
     with pytest.raises(ImageInputError) as caught:

@@ -24,9 +24,10 @@ from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
 from sharpen.orchestration.build import build_run_engine, build_trainer, load_tokenizer
 from sharpen.rollout.engines import WeightGroupEngine, sleepable
+from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
-from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
+from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
     from sharpen.rollout.engines import InferenceEngine
@@ -126,8 +127,8 @@ class TrainerActor(SpanRecordingActor):
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self._trainer.step(batch)
 
-    def compute_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self._trainer.compute_logprobs(token_ids)
+    def compute_logprobs(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        return self._trainer.compute_logprobs(token_ids, images)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         return self._trainer.kl_penalties(rollouts)
@@ -202,8 +203,13 @@ class EngineActor(SpanRecordingActor):
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         return self.engine.generate(prompts, params)
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        return self.engine.score(token_ids)
+    def generate_with_images(
+        self, prompts: list[list[int]], images: list[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        return generate_prompts(self.engine, prompts, images, params)
+
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        return score_prompt(self.engine, token_ids, images)
 
     def load_weights(self, weights: dict[str, torch.Tensor], *, version: PolicyVersion) -> dict[str, float]:
         return self.engine.load_weights(weights.items(), version=version)

@@ -14,7 +14,7 @@ the run's `Timeline` once one is attached (`attach_timeline`), and keeps those o
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +23,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from sharpen.monitoring import Span, Timeline
 from sharpen.rollout.engines import InferenceEngine, pop_engine_metrics, replicas_of, sleepable
-from sharpen.types import Completion, PolicyVersion, Rollout, SamplingParams, TrainBatch
+from sharpen.rollout.engines.base import generate_prompts, score_prompt
+from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
 
 if TYPE_CHECKING:
     import torch
@@ -141,8 +142,8 @@ class TrainerProxy(ActorProxy):
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.call("step", batch)
 
-    def compute_logprobs(self, token_ids: list[int]) -> list[float]:
-        return self.call("compute_logprobs", token_ids)
+    def compute_logprobs(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        return self.call("compute_logprobs", token_ids, images)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         return self.call("kl_penalties", rollouts)
@@ -215,8 +216,14 @@ class EngineProxy(ActorProxy):
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         return self.call("generate", prompts, params)
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        return self.call("score", token_ids)
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        """Image prompts go to the actor with their images (bytes; its engine makes the pixels)."""
+        return self.call("generate_with_images", prompts, list(images), params)
+
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        return self.call("score", token_ids, images)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         started = time.perf_counter()
@@ -267,8 +274,13 @@ class BroadcastEngines:
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
         return self.inner.generate(prompts, params)
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        return self.inner.score(token_ids)
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        return generate_prompts(self.inner, prompts, images, params)
+
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        return score_prompt(self.inner, token_ids, images)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         if not isinstance(weights, RemoteWeights):

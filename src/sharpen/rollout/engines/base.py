@@ -8,7 +8,7 @@ weights match. Each engine carries the `PolicyVersion` of the weights it holds; 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
 from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
@@ -60,14 +60,18 @@ def request_level(engine: InferenceEngine) -> AsyncEngine | None:
 
 @runtime_checkable
 class ImageEngine(Protocol):
-    """An engine that also generates from image prompts (a vision-language model's): the `hf` engine, and the
-    in-process `vllm` engine."""
+    """An engine that also generates from image prompts (a vision-language model's): the `hf` engine, the
+    in-process `vllm` engine, and what routes to them (the router, the Ray engine actors' proxies)."""
 
     def generate_with_images(
         self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
     ) -> list[Completion]:
         """`InferenceEngine.generate` for prompts whose ids hold image placeholders (`VisionProcessor.render_prompt`):
         ``images[i]`` are prompt i's images, in order. A text-only model given images raises `ValueError`."""
+        ...
+
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        """`InferenceEngine.score` of ids that hold placeholders for ``images`` (an image prompt's probe)."""
         ...
 
 
@@ -84,6 +88,16 @@ def generate_prompts(
     if not isinstance(engine, ImageEngine):
         raise EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
     return engine.generate_with_images(prompts, images, params)
+
+
+def score_prompt(engine: InferenceEngine, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+    """``engine.score``, passing ``images`` (those the ids hold placeholders for) to an engine that takes images;
+    an engine that takes none is an `EngineError` saying so."""
+    if not images:
+        return engine.score(token_ids)
+    if not isinstance(engine, ImageEngine):
+        raise EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
+    return cast(ImageEngine, engine).score(token_ids, images)  # both protocols name score: take the image one
 
 
 @runtime_checkable

@@ -39,11 +39,12 @@ from sharpen.rollout.engines.base import (
     FreezableWeights,
     InferenceEngine,
     request_level,
+    score_prompt,
     sleepable,
 )
 from sharpen.rollout.engines.failover import Lease, ReplicaSet, wake_threadsafe
 from sharpen.rollout.engines.shares import in_thread, run_shares
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +100,13 @@ class EngineRouter:
     # generation
 
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        return self.generate_with_images(prompts, [()] * len(prompts), params)
+
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        """`generate` of prompts with images (``images[i]``: prompt i's); each replica's share goes to it with its
+        images (`generate_prompts`: a replica that takes no images is an `EngineError`)."""
         out: list[Completion | None] = [None] * len(prompts)
         pending, causes, num_rounds = list(range(len(prompts))), [], 0
         while pending:
@@ -108,7 +116,7 @@ class EngineRouter:
                 shares.setdefault(lease.replica, (lease, []))[1].append(index)
             timeout = self.failover.replica_timeout_s
             pending, failures = run_shares(
-                self.health, shares, prompts, params, out, timeout=timeout, is_retry=num_rounds > 0
+                self.health, shares, prompts, params, out, timeout=timeout, is_retry=num_rounds > 0, images=images
             )
             if pending:  # the failed shares' requests go out again, to the replicas still serving
                 causes += failures
@@ -175,13 +183,15 @@ class EngineRouter:
                 f"{self.failover.max_retries}): " + "; ".join(causes)
             )
 
-    def score(self, token_ids: list[int]) -> list[float]:
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        """`InferenceEngine.score` on one serving replica; ``images``: those the ids hold placeholders for (an image
+        probe's: the replica's ``score`` takes them)."""
         causes: list[str] = []
         while True:
             (lease,) = self.health.acquire(1)
             name = self.names[lease.replica]
             try:
-                return self.engines[lease.replica].score(token_ids)
+                return score_prompt(self.engines[lease.replica], token_ids, images)
             except EngineUnavailable as error:
                 causes.append(f"{name}: {error}")
                 self.health.fail(lease, causes[-1])

@@ -13,14 +13,14 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from sharpen.rollout.engines.base import EngineError, EngineUnavailable
+from sharpen.rollout.engines.base import EngineError, EngineUnavailable, generate_prompts
 from sharpen.rollout.engines.failover import Lease, ReplicaSet
-from sharpen.types import Completion, SamplingParams
+from sharpen.types import Completion, ImagePart, SamplingParams
 
 T = TypeVar("T")
 
@@ -51,10 +51,15 @@ def run_shares(
     *,
     timeout: float | None,
     is_retry: bool,
+    images: Sequence[tuple[ImagePart, ...]] | None = None,
 ) -> tuple[list[int], list[str]]:
     """Each replica's share (``assignment``: its lease and request indices) in a thread; the completions go into
-    ``out``. Returns the requests of the shares whose replica failed, and how each failed."""
-    shares = [_start_share(health, lease, i, prompts, params, timeout=timeout) for lease, i in assignment.values()]
+    ``out``. ``images``: each prompt's (`generate_prompts`; None: text prompts). Returns the requests of the shares
+    whose replica failed, and how each failed."""
+    rows = images if images is not None else [()] * len(prompts)
+    shares = [
+        _start_share(health, lease, i, prompts, rows, params, timeout=timeout) for lease, i in assignment.values()
+    ]
     failed: list[int] = []
     causes: list[str] = []
     try:
@@ -81,18 +86,18 @@ def _start_share(
     lease: Lease,
     indices: list[int],
     prompts: list[list[int]],
+    images: Sequence[tuple[ImagePart, ...]],
     params: list[SamplingParams],
     *,
     timeout: float | None,
 ) -> _Share:
     engine = health.engines[lease.replica]
     went_down: Future[None] = Future()
+    share = ([prompts[i] for i in indices], [images[i] for i in indices], [params[i] for i in indices])
     return _Share(
         lease=lease,
         indices=indices,
-        result=in_thread(
-            functools.partial(engine.generate, [prompts[i] for i in indices], [params[i] for i in indices])
-        ),
+        result=in_thread(functools.partial(generate_prompts, engine, *share)),
         went_down=went_down,
         unwatch=health.watch(lease, functools.partial(_set_done, went_down)),
         deadline=time.monotonic() + timeout if timeout is not None else float("inf"),
