@@ -12,7 +12,7 @@ weights' memory, so the weights load before the KV cache is reallocated, which h
 score. vLLM offers sleep mode on CUDA, ROCm and XPU only, not on its CPU build.
 
 A vision-language model's prompts with images (`generate_with_images`) go to vLLM as its multimodal requests: the
-ids with each image's placeholder block folded back to the one placeholder vLLM expands itself (`VllmImages`), and
+ids with each image's placeholder block folded back to the one placeholder vLLM expands itself (`VllmRequests`), and
 the images. vLLM's expansion must give back exactly the ids sharpen rendered, or the request is an `EngineError`.
 """
 
@@ -205,7 +205,7 @@ def why_vllm_cannot_load(model_path: Path) -> str | None:
     return None
 
 
-class VllmImages:
+class VllmRequests:
     """vLLM requests of a model's prompts: token ids alone, or, for a vision-language model's prompts with images,
     the ids compacted (`VisionProcessor.compact`) plus the images as vLLM's ``multi_modal_data``."""
 
@@ -288,7 +288,7 @@ class VllmEngine:
             config, model_path=model_path, dtype=dtype, seed=seed, sleep_mode=sleep_mode, lora=lora
         )
         self.llm = LLM(**arguments)
-        self.requests = VllmImages(model_path)
+        self.requests = VllmRequests(model_path)
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
         self.is_asleep = False
