@@ -164,3 +164,34 @@ def test_a_vision_model_vllm_cannot_load_is_a_config_error(tiny_vlm_path: Path, 
     config = image_run_config(tiny_vlm_path, write_image_tasks(tmp_path), tmp_path / "runs", engine="vllm")
     with pytest.raises(ConfigError, match=r'^rollout.engine.type = "vllm" cannot run Qwen2VLForConditionalGeneration'):
         load_run_examples(config)
+
+
+def test_vllms_async_engine_takes_image_requests_and_image_episodes(tiny_idefics3_path: Path, vision) -> None:
+    """``async_engine = true``: image prompts one by one (the episodes' direct requests) and in a batch, with the
+    trainer's logprobs before and after a weight update that reaches the vision tower."""
+    from sharpen.rollout.engines import build_engine
+    from sharpen.rollout.engines.base import AsyncImageEngine, request_level
+
+    config = VllmEngineConfig(max_model_len=512, async_engine=True)
+    engine = build_engine(config, model_path=tiny_idefics3_path, dtype="float32", seed=0)
+    try:
+        assert isinstance(engine, AsyncImageEngine) and request_level(engine) is engine
+        trainer_config = TrainerConfig(device="cpu", precision="float32", num_threads=1)
+        backend = SingleDeviceBackend(trainer_config, model_path=tiny_idefics3_path, dtype="float32")
+        runner = EpisodeRunner(tokenizer=vision.tokenizer, vision=vision)  # async scheduling: direct requests
+        examples = [Example(task_key=f"colour/{i}", prompt=image_prompt(image)) for i, image in enumerate(IMAGES)]
+        sampling = SamplingParams(max_new_tokens=6, temperature=1.0)
+        for version in (0, 1):
+            groups = runner.generate_groups(engine, examples, sampling=sampling, num_samples=2, seed=version)
+            rollouts = [r for g in groups for r in g.rollouts]
+            assert all(r.images and r.completion_ids for r in rollouts)
+            assert_trainer_agrees(backend, rollouts)
+            assert _max_difference(engine, backend, vision) < TOLERANCE  # the batch path
+            generator = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for name, param in backend.model.named_parameters():
+                    if "vision_model" in name:
+                        param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+            engine.load_weights(backend.named_weights(), version=version + 1)
+    finally:
+        engine.close()

@@ -82,11 +82,6 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
                 'set rollout.engine.type = "hf" or "vllm" (the engines that generate from image prompts)'
             )
         if isinstance(engine, VllmEngineConfig):
-            if engine.async_engine:
-                raise ConfigError(
-                    f"rollout.engine.async_engine = true cannot run the vision-language model {model_path} yet "
-                    "(vLLM's async engine is given no images); set it to false"
-                )
             check_vllm_loads(model_path)
         return
     with_images = next((example for example in examples if prompt_images(example.prompt)), None)

@@ -43,7 +43,14 @@ from sharpen.environments import (
 from sharpen.environments.base import AgentEnvironment, Environment
 from sharpen.rollout.agent_endpoint import AgentEndpoint
 from sharpen.rollout.agent_episodes import run_agent_episode
-from sharpen.rollout.engines.base import AsyncEngine, EngineError, InferenceEngine, generate_prompts, request_level
+from sharpen.rollout.engines.base import (
+    AsyncEngine,
+    AsyncImageEngine,
+    EngineError,
+    InferenceEngine,
+    generate_prompts,
+    request_level,
+)
 from sharpen.rollout.engines.batcher import DaemonWorker, RequestBatcher
 from sharpen.rollout.episode_state import EpisodeState, Groups, PromptCache
 from sharpen.types import (
@@ -87,9 +94,12 @@ class _DirectRequests:
     async def generate_one(
         self, prompt: list[int], params: SamplingParams, *, key: Sequence[Any] = (), images: tuple[ImagePart, ...] = ()
     ) -> tuple[Completion, PolicyVersion]:
-        if images:
+        if not images:
+            completion = await self._requests.generate_async(prompt, params)
+        elif isinstance(self._requests, AsyncImageEngine):
+            completion = await self._requests.generate_async_with_images(prompt, images, params)
+        else:
             raise EngineError(f"{type(self.engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
-        completion = await self._requests.generate_async(prompt, params)
         if completion.versions is None or len(completion.versions) != len(completion.token_ids):
             raise EngineError(f"{type(self.engine).__name__} returned a completion without per-token versions")
         version = completion.versions[-1] if completion.versions else self.engine.policy_version

@@ -49,6 +49,18 @@ class AsyncEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class AsyncImageEngine(Protocol):
+    """An `AsyncEngine` that also takes image prompts one at a time (vLLM's async engine with a vision-language
+    model)."""
+
+    async def generate_async_with_images(
+        self, prompt: list[int], images: tuple[ImagePart, ...], params: SamplingParams
+    ) -> Completion:
+        """`AsyncEngine.generate_async` of a prompt whose ids hold placeholders for ``images``."""
+        ...
+
+
 def request_level(engine: InferenceEngine) -> AsyncEngine | None:
     """``engine`` as an `AsyncEngine` when it and every replica behind it take requests one at a time, else None
     (batch engines get their requests grouped by `RequestBatcher`)."""

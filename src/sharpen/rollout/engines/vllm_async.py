@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.rollout.engines.vllm import (
     RpcBucketTarget,
+    VllmRequests,
     broadcast_metrics,
     check_broadcast,
     check_joined,
@@ -46,7 +47,7 @@ from sharpen.rollout.engines.vllm import (
 )
 from sharpen.rollout.weight_sync.buckets import BucketError, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +87,7 @@ class VllmAsyncEngine(RequestLevelEngine):
             self._loop.close()
             raise
         self.llm = made.pop()
+        self.requests = VllmRequests(model_path)
         self.startup_seconds = time.perf_counter() - started
         self.policy_version: PolicyVersion = 0
         self.is_asleep = False
@@ -123,14 +125,20 @@ class VllmAsyncEngine(RequestLevelEngine):
                     await self.llm.wake_up(tags=["kv_cache"])
                     self._is_cache_asleep = False
 
-    async def _request(self, prompt: list[int], params: VllmSamplingParams) -> RequestOutput:
-        """One request's final output; any failure inside vLLM, and an aborted request, is an `EngineError`."""
+    async def _request(
+        self, prompt: list[int], params: VllmSamplingParams, images: Sequence[ImagePart] = ()
+    ) -> RequestOutput:
+        """One request's final output; any failure inside vLLM, and an aborted request, is an `EngineError`.
+        ``images``: those the prompt holds placeholders for (a vision-language model's multimodal request)."""
         from vllm.inputs import tokens_input
 
+        request: Any = self.requests.request(prompt, images)  # refuses placeholders without their images
+        if "multi_modal_data" not in request:
+            request = tokens_input(prompt)  # plain token prompts skip vLLM's input processing
         request_id = f"sharpen-{next(self._request_ids)}"
         final: RequestOutput | None = None
         try:
-            async for output in self.llm.generate(tokens_input(prompt), params, request_id):
+            async for output in self.llm.generate(request, params, request_id):
                 final = output
         except Exception as error:
             raise EngineError(f"{_NAME}: request {request_id} failed: {_cause(error)}") from error
@@ -140,13 +148,35 @@ class VllmAsyncEngine(RequestLevelEngine):
         if reason in ("abort", "error"):
             why = f" ({self._refusal})" if self._refusal is not None else ""
             raise EngineError(f"{_NAME}: request {request_id} ended with finish reason {reason!r}{why}")
+        if images:
+            self.requests.check_expanded(final, prompt)
         return final
 
-    async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
+    async def generate_async_with_images(
+        self, prompt: list[int], images: tuple[ImagePart, ...], params: SamplingParams
+    ) -> Completion:
+        """`generate_async` of a prompt that holds placeholders for ``images``."""
+        return await self._loop.wrap(self._generate_one(prompt, params, images))
+
+    def generate_with_images(
+        self, prompts: list[list[int]], images: Sequence[tuple[ImagePart, ...]], params: list[SamplingParams]
+    ) -> list[Completion]:
+        """The batch `generate` of prompts with images (``images[i]``: prompt i's), run concurrently."""
+
+        async def all_of() -> list[Completion]:
+            requests = zip(prompts, params, images, strict=True)
+            return list(await asyncio.gather(*(self._generate_one(p, q, i) for p, q, i in requests)))
+
+        return self._loop.run(all_of())
+
+    async def _generate_one(
+        self, prompt: list[int], params: SamplingParams, images: tuple[ImagePart, ...] = ()
+    ) -> Completion:
         from vllm.sampling_params import RequestOutputKind
 
         await self._ready("generate")
-        output = await self._request(prompt, vllm_sampling_params(params, output_kind=RequestOutputKind.FINAL_ONLY))
+        options = vllm_sampling_params(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        output = await self._request(prompt, options, images)
         sample = output.outputs[0]
         return vllm_completion(sample, versions=self._versions(sample, request_id=output.request_id))
 
@@ -172,14 +202,15 @@ class VllmAsyncEngine(RequestLevelEngine):
             )
         return versions
 
-    def score(self, token_ids: list[int]) -> list[float]:
-        return self._loop.run(self._score(token_ids))
+    def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
+        """`InferenceEngine.score`; ``images``: those the ids hold placeholders for (an image prompt's probe)."""
+        return self._loop.run(self._score(token_ids, images))
 
-    async def _score(self, token_ids: list[int]) -> list[float]:
+    async def _score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         from vllm.sampling_params import RequestOutputKind
 
         await self._ready("score")
-        output = await self._request(token_ids, probe_params(output_kind=RequestOutputKind.FINAL_ONLY))
+        output = await self._request(token_ids, probe_params(output_kind=RequestOutputKind.FINAL_ONLY), images)
         return probe_logprobs(output, token_ids)
 
     # weights
@@ -222,6 +253,8 @@ class VllmAsyncEngine(RequestLevelEngine):
         await self.llm.update_weight_version(str(version))  # labels the tokens sampled from now on
         if not self._is_cache_asleep:  # sleep already dropped the cache
             await self.llm.reset_prefix_cache()  # cached KV entries were computed with the old weights
+        if self.requests.vision is not None:  # and so were cached image features (requests in flight recompute them)
+            await self.llm.reset_encoder_cache()
         self.policy_version = version
         self._refusal = None
         await self.llm.resume_generation()
