@@ -72,7 +72,7 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
     """A vision-language model needs an engine that takes images (a `ConfigError` otherwise, whatever the data: the
     other engines' weight sync and generation do not know its vision tower); prompts with images, and a browser that
     shows screenshots, need a vision-language model (the `ImageInputError` of `data.vision.text_only_error`). What the
-    trainer cannot do with images yet (packing, a critic, a teacher, FSDP2 shards) it refuses at its first step."""
+    trainer cannot do with images yet (packing, a critic, a teacher) it refuses at its first step."""
     model_path = resolve_model_path(config.model.path)
     engine = config.rollout.engine
     if is_vision_model(model_path):

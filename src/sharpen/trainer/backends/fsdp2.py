@@ -34,9 +34,10 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
+from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
 from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
 from sharpen.trainer.backends.cpu_memory import FreedMemory
-from sharpen.trainer.backends.single_device import autocast_bf16, score_tokens
+from sharpen.trainer.backends.single_device import PROCESSOR_FILES, autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -92,9 +92,12 @@ class _ScoringRoot(nn.Module):
     root's forward, FSDP unshards the embedding, final norm and LM head before it and registers the gradient
     reduction after it. Outputs are a tuple (FSDP hooks the backward through tensors in pytrees, not dataclasses)."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, *, is_vision_model: bool = False) -> None:
         super().__init__()
         self.model = model
+        decoder = model.get_decoder()
+        # a vision-language model's image side (vision tower, connector): the base model's other children
+        self.image_side = [c for c in model.base_model.children() if c is not decoder] if is_vision_model else []
 
     def forward(
         self,
@@ -106,6 +109,7 @@ class _ScoringRoot(nn.Module):
         entropy_requires_grad: bool,
         position_ids: torch.Tensor | None,
         logits_chunk_tokens: int,
+        image_inputs: dict[str, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scores = score_tokens(
             self.model,
@@ -117,8 +121,16 @@ class _ScoringRoot(nn.Module):
             entropy_requires_grad=entropy_requires_grad,
             position_ids=position_ids,
             logits_chunk_tokens=logits_chunk_tokens,
+            image_inputs=image_inputs,
         )
-        return scores.logprobs, scores.entropy
+        logprobs = scores.logprobs
+        if image_inputs is None and self.image_side:
+            # Rows without images leave the image side unused, and the root's gradient reduction takes the
+            # parameters that have a gradient: ranks whose rows differ would reduce different sets (a hang). A zero
+            # term gives every image-side parameter a (zero) gradient on every rank.
+            anchor = sum(p.sum() for module in self.image_side for p in module.parameters() if p.requires_grad)
+            logprobs = logprobs + 0.0 * anchor
+        return logprobs, scores.entropy
 
 
 def _agreed_precision(choice: PrecisionChoice, device: torch.device) -> PrecisionChoice:
@@ -152,7 +164,6 @@ class FSDP2Backend(ScoresTokenLogprobs):
     def __init__(
         self, config: TrainerConfig, *, model_path: Path, dtype: str, mesh: DeviceMesh | None = None, seed: int = 0
     ) -> None:
-        from transformers import AutoModelForCausalLM
 
         if not dist.is_initialized():
             raise ValueError("FSDP2Backend needs a process group: call init_distributed() on every rank first")
@@ -172,7 +183,11 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self._group = self.mesh.get_group()  # the data-parallel ranks (a 1-D mesh)
         self.rank, self.num_ranks = self.mesh.get_local_rank(), self.mesh.size()
         torch.manual_seed(seed)
-        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, dtype))
+        self.model: PreTrainedModel = model_class(self.model_path).from_pretrained(
+            self.model_path, dtype=getattr(torch, dtype)
+        )
+        self.vision = VisionProcessor.from_pretrained(self.model_path) if is_vision_model(self.model_path) else None
+        """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
@@ -187,7 +202,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         )
         for layer in cast(nn.ModuleList, self.model.get_decoder().layers):
             fully_shard(layer, mesh=self.mesh, mp_policy=policy)
-        self._root = _ScoringRoot(self.model)
+        self._root = _ScoringRoot(self.model, is_vision_model=self.vision is not None)
         self._fsdp_root = fully_shard(self._root, mesh=self.mesh, mp_policy=policy)  # the same object
         for module in self._root.modules():
             if isinstance(module, FSDPModule):
@@ -218,9 +233,11 @@ class FSDP2Backend(ScoresTokenLogprobs):
     ) -> TokenScores:
         """This rank's rows only; collective (every rank must call it, also with a zero-weighted filler batch).
         ``prompt_lengths`` is ignored: shared prompts are computed once on the single-device backend only (the
-        sharded root's forward takes whole rows). Rows with ``images`` are not sharded yet: an error."""
-        if any(images):
-            raise ValueError("the FSDP2 backend takes no image prompts yet; train vision models with trainer_ranks = 1")
+        sharded root's forward takes whole rows). Rows with ``images`` (one tuple per row) run with their pixel
+        inputs, as on one device."""
+        if position_ids is not None and any(images):
+            raise ValueError("rows with images cannot be packed (trainer.packing = false for image prompts)")
+        image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
         with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
             logprobs, entropy = self._root(
                 input_ids,
@@ -231,6 +248,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 entropy_requires_grad,
                 position_ids,
                 self.config.logits_chunk_tokens,
+                image_inputs,
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)
 
@@ -354,7 +372,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         if len(set(files.values())) > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": files}
             (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for name in (*_TOKENIZER_FILES, "generation_config.json"):
+        for name in (*PROCESSOR_FILES, "generation_config.json"):
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, folder / name)
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-_PROCESSOR_FILES = (
+PROCESSOR_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -303,7 +303,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
             export_merged(self.lora, folder)
         else:
             self.model.save_pretrained(folder, safe_serialization=True)
-        for name in _PROCESSOR_FILES:
+        for name in PROCESSOR_FILES:
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, folder / name)
         generation_config = self.model_path / "generation_config.json"

@@ -414,3 +414,93 @@ def test_the_trainer_on_2_fsdp2_ranks_matches_one_device(model_dir, tmp_path):
             elif not name.startswith(per_micro_batch):
                 assert got[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
     assert _max_relative_difference(got_weights, weights) < 5e-5  # measured ~5e-6 (fp32, 2 ranks)
+
+
+# A vision-language model on 2 ranks: rank 0's rows hold images, rank 1's are text and fewer (a filler pass), so the
+# vision tower runs on one rank only and the ranks must still reduce the same gradients.
+VLM_STEPS = 2
+
+
+def _vlm_shares(model_dir: Path) -> list[list[Rollout]]:
+    """Rank 0: two image rollouts; rank 1: one text rollout (the tiny Qwen2-VL's tokens)."""
+    from sharpen.data.vision import VisionProcessor
+    from support.images import image_prompt, png_image
+
+    vision = VisionProcessor.from_pretrained(model_dir)
+    rng = random.Random(1)
+
+    def rollout(prompt: tuple[Message, ...], images: tuple) -> Rollout:
+        completion = [rng.randrange(100, 40000) for _ in range(4)]
+        return Rollout(
+            example=Example(task_key="v/0", prompt=prompt),
+            prompt_ids=vision.render_prompt(prompt),
+            completion_ids=completion,
+            completion_logprobs=[-4.0] * len(completion),
+            versions=[0] * len(completion),
+            images=images,
+            advantage=rng.uniform(-1.5, 1.5),
+        )
+
+    images = [png_image((200, 30, 30)), png_image((30, 30, 200), stripe=True)]
+    with_images = [rollout(image_prompt(image), (image,)) for image in images]
+    return [with_images, [rollout((Message(role="user", content="No image."),), ())]]
+
+
+def _train_vlm(backend, shares: list[list[Rollout]], *, ranks: list[int], num_ranks: int) -> list[float]:
+    """Token-mean policy-gradient steps over the micro-batches of ``ranks``' shares (one device: all of them)."""
+    everything = [r for share in shares for r in share]
+    lengths = torch.tensor([r.num_loss_tokens for r in everything])
+    normalizer = aggregation_normalizer("token_mean", torch.arange(int(lengths.max()))[None, :] < lengths[:, None])
+    chunks = [chunk for rank in ranks for chunk in split_micro_batches(shares[rank], 1)]
+    num_passes = backend.all_reduce_max(len(chunks)) if num_ranks > 1 else len(chunks)
+    grad_norms = []
+    for _ in range(VLM_STEPS):
+        for index in range(num_passes):
+            is_filler = index >= len(chunks)
+            micro = pack_micro_batch(
+                shares[ranks[0]][:1] if is_filler else chunks[index], pad_token_id=PAD, device=backend.device
+            )
+            scores = backend.score_tokens(
+                micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0, images=micro.images
+            )
+            loss = aggregate_loss(
+                -scores.logprobs * micro.advantages, micro.loss_mask, "token_mean", normalizer=normalizer
+            )
+            (loss * 0.0 if is_filler else loss).backward()
+        grad_norms.append(backend.clip_and_step())
+    return grad_norms
+
+
+def _vlm_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir: Path, device_type: str) -> None:
+    import torch.distributed as dist
+
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+
+    _join(rank, num_ranks, port, device_type)
+    backend = FSDP2Backend(_config(device=device_type), model_path=model_dir, dtype="float32")
+    grad_norms = _train_vlm(backend, _vlm_shares(model_dir), ranks=[rank], num_ranks=num_ranks)
+    weights = {key: value.cpu() for key, value in backend.named_weights()}
+    backend.export(out_dir / "export")
+    if rank == 0:
+        torch.save({"grad_norms": grad_norms, "weights": weights}, out_dir / "vlm.pt")
+    dist.destroy_process_group()
+
+
+@slow
+def test_a_vision_model_trains_on_2_ranks_like_on_one_device(tiny_vlm_path: Path, tmp_path: Path) -> None:
+    """Measured: grad norms agree to float32 rounding and the final weights to ~1e-6 relative; without the zero
+    gradient the image-free rank gives its vision tower, the ranks' reductions would not match."""
+    from sharpen.data.vision import VisionProcessor
+
+    _launch(tiny_vlm_path, tmp_path, "cpu", NUM_RANKS, worker=_vlm_worker)
+    got = torch.load(tmp_path / "vlm.pt")
+    single = SingleDeviceBackend(_config(), model_path=tiny_vlm_path, dtype="float32")
+    shares = _vlm_shares(tiny_vlm_path)
+    expected_norms = _train_vlm(single, shares, ranks=[0, 1], num_ranks=1)
+    _assert_close(got["grad_norms"], expected_norms, rtol=1e-5)
+    expected = dict(single.named_weights())
+    assert _max_relative_difference(got["weights"], expected) < 5e-5
+    before = SingleDeviceBackend(_config(), model_path=tiny_vlm_path, dtype="float32")
+    moved = {k for k, v in before.named_weights() if not torch.equal(v, got["weights"][k])}
+    assert any(k.startswith("model.visual.") for k in moved)  # the image rows' loss reached the vision tower
+    assert VisionProcessor.from_pretrained(tmp_path / "export").image_token_id > 0  # a VLM folder again
