@@ -75,7 +75,9 @@ class CriticStep:
         for chunk in split_micro_batches(rollouts, micro_batch_size):
             micro = pack_micro_batch(chunk, pad_token_id=pad_token_id, device=self.critic.device)
             mask = micro.loss_mask  # [batch, seq - 1]
-            values, final_values = self.critic.values_and_final_values(micro.input_ids, micro.attention_mask, mask)
+            values, final_values = self.critic.values_and_final_values(
+                micro.input_ids, micro.attention_mask, mask, micro.images
+            )
             rewards = torch.zeros_like(values)  # [batch, seq - 1]: the score lands on the last completion token
             last = mask.shape[1] - 1 - mask.flip(1).int().argmax(dim=1)  # [batch]
             scores = torch.tensor([sequence_score(r) for r in chunk], dtype=torch.float32, device=values.device)
@@ -124,7 +126,8 @@ class CriticStep:
     ) -> torch.Tensor:
         """This micro-batch's share of the mini-batch's value loss (call ``backward`` on it)."""
         assert micro.old_values is not None and micro.returns is not None, "pack with pack_inputs()"
-        values = self.critic.values(micro.input_ids, micro.attention_mask, micro.loss_mask)  # [batch, seq - 1]
+        # [batch, seq - 1]
+        values = self.critic.values(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.images)
         # value_clip = 0 is "off" in the config (TOML has no null to spell None)
         per_token, loss_metrics = compute_value_loss(
             values, micro.old_values, micro.returns, micro.loss_mask, value_clip=self.config.value_clip or None

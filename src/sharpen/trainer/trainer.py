@@ -201,15 +201,14 @@ class Trainer:
         return metrics
 
     def _check_images(self, rollouts: list[Rollout]) -> None:
-        """Rollouts with images train with the policy and the reference policy: the parts that score them elsewhere
-        (the critic, a teacher, packed rows) take no pixel inputs yet, so refuse rather than score image
+        """Rollouts with images train with the policy, the reference policy and the critic: the parts that score
+        them elsewhere (a teacher, packed rows) take no pixel inputs yet, so refuse rather than score image
         placeholders as if they were text."""
         if not any(r.images for r in rollouts):
             return
         unsupported = [
             name
             for name, is_on in (
-                ('trainer.algorithm.advantage = "gae" (the critic)', self.critic is not None),
                 ("trainer.distillation (the teacher)", self.teacher is not None),
                 ("trainer.packing", self.config.packing),
             )

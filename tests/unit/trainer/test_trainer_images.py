@@ -1,7 +1,7 @@
 """GRPO on image prompts of the tiny Qwen2-VL: a step on rollouts the engine generated from images changes the
-weights (the vision tower's too: the loss reaches the pixels), the loss mask never covers an image placeholder, and
-the KL term's reference policy (a frozen copy, or the LoRA policy without its adapters) scores the same image rows,
-and what cannot take images yet (packed rows) refuses them with a clear error."""
+weights (the vision tower's too: the loss reaches the pixels), the loss mask never covers an image placeholder, the
+KL term's reference policy (a frozen copy, or the LoRA policy without its adapters) and PPO's critic score the same
+image rows, and what cannot take images yet (packed rows) refuses them with a clear error."""
 
 from __future__ import annotations
 
@@ -126,6 +126,33 @@ def test_the_kl_reference_scores_image_rows_with_their_pixels(tiny_vlm_path, rol
     second = trainer.step(TrainBatch(rollouts=rollouts, step=1))
     assert abs(first["train/kl"]) < 1e-5  # the first mini-batch's update comes after its KL
     assert second["train/kl"] > first["train/kl"]  # the policy moved away from the reference
+
+
+def test_ppo_with_a_critic_values_image_rows_from_their_pixels(tiny_vlm_path, rollouts):
+    from sharpen.types import RewardResult, RewardStatus
+    from support.tiny_trainer import tiny_critic
+
+    config = TrainerConfig.model_validate(
+        {"device": "cpu", "precision": "float32", "num_threads": 1, "algorithm": {"advantage": "gae"}}
+    )
+    critic = tiny_critic(tiny_vlm_path, config)
+    backend = SingleDeviceBackend(config, model_path=tiny_vlm_path, dtype="float32")
+    trainer = Trainer(config, backend=backend, pad_token_id=0, critic=critic)
+    reward = [RewardResult(score=float(index % 2), status=RewardStatus.OK) for index in range(len(rollouts))]
+    scored = [Rollout(**{**_fields(r), "images": r.images, "reward": w}) for r, w in zip(rollouts, reward, strict=True)]
+    before = {name: p.detach().clone() for name, p in critic.network.named_parameters()}
+    for step in range(2):  # the value head starts at zero: the second step's value loss reaches the body
+        metrics = trainer.step(TrainBatch(rollouts=scored, step=step))
+        assert all(torch.isfinite(torch.tensor(value)) for value in metrics.values()), metrics
+    changed = {name for name, p in critic.network.named_parameters() if not torch.equal(p, before[name])}
+    assert any(".visual." in name for name in changed), "the value loss did not reach the critic's vision tower"
+    # the critic's values of the same tokens depend on the image shown
+    micro = pack_micro_batch(scored[:1], pad_token_id=0, device=torch.device("cpu"))
+    other = scored[GROUP_SIZE].images  # the other prompt's image, of the same size (the same placeholders)
+    with torch.no_grad():
+        shown = critic.values(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.images)
+        swapped = critic.values(micro.input_ids, micro.attention_mask, micro.loss_mask, [other])
+    assert not torch.equal(shown[micro.loss_mask], swapped[micro.loss_mask])
 
 
 def test_what_takes_no_images_yet_refuses_them(tiny_vlm_path, rollouts):

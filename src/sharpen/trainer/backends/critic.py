@@ -1,4 +1,5 @@
-"""The value model of PPO with a critic, on one device: the policy's decoder (a separate copy) with a scalar head.
+"""The value model of PPO with a critic, on one device: the policy's decoder (a separate copy) with a scalar head; for
+a vision-language model its base model (vision tower and decoder), which takes the rows' images.
 
 Owns the critic's parameters, its optimizer and their persistence. Knows nothing of rollouts, GAE or losses: it
 turns token ids into per-position values and applies accumulated gradients, like `SingleDeviceBackend` does for
@@ -7,6 +8,7 @@ the policy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,16 +16,19 @@ import torch
 from torch import nn
 
 from sharpen.config.algorithm import CriticConfig
-from sharpen.trainer.backends.single_device import autocast_bf16
+from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
+from sharpen.trainer.backends.single_device import autocast_bf16, rows_image_inputs
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision
+from sharpen.types import ImagePart
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 
 class ValueNetwork(nn.Module):
-    """A causal LM's decoder (no LM head) and a linear head from its last hidden state to one value."""
+    """A causal LM's decoder (no LM head; a vision-language model's base model) and a linear head from its last
+    hidden state to one value."""
 
     def __init__(self, decoder: nn.Module, *, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -48,43 +53,60 @@ class ValueModel:
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         self.device = device
         self.is_bf16 = precision == "bf16"
+        self.model_path = Path(model_path)
+        self.vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
         torch_dtype = getattr(torch, dtype)
-        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        model: PreTrainedModel = model_class(model_path).from_pretrained(model_path, dtype=torch_dtype)
         model.config.use_cache = False
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # The LM head is dropped (with tied embeddings it is the input embedding, which the decoder keeps).
-        network = ValueNetwork(model.get_decoder(), hidden_size=model.config.hidden_size, dtype=torch_dtype)
+        # The LM head is dropped (with tied embeddings it is the input embedding, which the decoder keeps); a
+        # vision-language model keeps its vision tower, which embeds the images at their placeholders.
+        body = model.get_decoder() if self.vision is None else model.base_model
+        hidden_size = model.config.get_text_config().hidden_size
+        network = ValueNetwork(body, hidden_size=hidden_size, dtype=torch_dtype)
         self.network: ValueNetwork = network.to(device)
         self.network.train()
         self.optimizer = build_adamw(
             self.network.parameters(), learning_rate=config.learning_rate, betas=betas, weight_decay=weight_decay
         )
 
-    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    def values(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        images: Sequence[tuple[ImagePart, ...]] = (),
+    ) -> torch.Tensor:
         """Value of each state from which a target token is predicted; [batch, seq - 1] float32, 0 elsewhere.
 
         ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
         ``input_ids[:, t + 1]`` is a completion token. Position t holds V(s_t), read from the hidden state at
         token t: the same positions as the policy's logprobs, so advantages, logprobs and values line up.
+        ``images``: each row's (a vision-language model's image rows).
         """
-        return self.values_and_final_values(input_ids, attention_mask, target_mask)[0]
+        return self.values_and_final_values(input_ids, attention_mask, target_mask, images)[0]
 
     def values_and_final_values(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`values` ([batch, seq - 1]) and, in the same forward pass, each row's value of the state after its last
         token ([batch] float32): V read from the hidden state at the row's last attended (right-padded) position,
         the state from which the next token would be generated; GAE bootstraps a truncated completion with it."""
         last = attention_mask.sum(dim=1) - 1  # [batch]: right padding, so the last real token's position
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+        image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path)) or {}
         with autocast_bf16(self.device, enabled=self.is_bf16):
-            hidden = self.network.decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            hidden = self.network.decoder(
+                input_ids=input_ids, attention_mask=attention_mask, **image_inputs
+            ).last_hidden_state
             selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
             scores = self.network.head(selected).squeeze(-1).float()  # [num_targets]
             final = self.network.head(hidden[rows, last]).squeeze(-1).float()  # [batch]
