@@ -1,6 +1,7 @@
 """Every algorithm recipe runs end to end with the tiny model and the transformers engine; switching to SmolLM2 is
 a change of `model.path` only (the recipes name it; here it is overridden). A recipe whose prompts show images runs
-on the tiny Qwen2-VL instead (a text model refuses them)."""
+on the tiny Qwen2-VL instead (a text model refuses them), or, if the recipe generates with vLLM, on vLLM with the tiny
+Idefics3 (the vision-language model vLLM's CPU build serves)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def test_every_algorithm_has_a_recipe() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_runs_with_the_tiny_model(
-    recipe: Path, tiny_model_path: Path, tiny_vlm_path: Path, tmp_path: Path
+    recipe: Path, tiny_model_path: Path, tiny_vlm_path: Path, tiny_idefics3_path: Path, tmp_path: Path
 ) -> None:
     overrides = [
         f"model.path={json.dumps(str(tiny_model_path))}",
@@ -76,7 +77,11 @@ def test_recipe_runs_with_the_tiny_model(
         overrides.append("rollout.prompts_per_step=8")
     config = load_config(recipe, overrides)
     if shows_images(config):
-        config = load_config(recipe, [*overrides, f"model.path={json.dumps(str(tiny_vlm_path))}"])
+        if load_config(recipe).rollout.engine.type == "vllm":
+            vlm = [f"model.path={json.dumps(str(tiny_idefics3_path))}", 'rollout.engine.type="vllm"']
+        else:
+            vlm = [f"model.path={json.dumps(str(tiny_vlm_path))}"]
+        config = load_config(recipe, [*overrides, *vlm])
     run_dir = run_embedded(config, reward_fn=even_length_reward if is_passk else vowel_reward)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     # trainer.precision = "auto" picks bf16 on a CPU that runs it fast: the engine and the trainer then round

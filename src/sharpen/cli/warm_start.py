@@ -1,11 +1,18 @@
 """Small demo models that `sharpen models pull` builds on this machine instead of converting shipped weights.
 
-``tiny-qwen2-vl-colours``: the tiny random Qwen2-VL of `sharpen.testing.save_tiny_qwen2_vl` (about 3.3M parameters,
-most of them the 49k-token embedding; a 1-block vision tower) after a short supervised warm start on the colour task
-of `sharpen.data.visual_tasks`. The warm start teaches the answer FORMAT, not the task: each training image is
-paired with a colour word drawn independently of it, so the best the model can do is answer one of the colour words
-(then end its turn) with about equal probability whatever the image shows. Its reward on the task starts near chance
-(1/3), and what RL can add is the image -> word mapping. It is a plumbing-scale model, not a vision model of any use.
+The colour models: a tiny random vision-language model from `sharpen.testing` after a short supervised warm start on
+the colour task of `sharpen.data.visual_tasks`, one per architecture (`TINY_VLMS`):
+
+- ``tiny-qwen2-vl-colours``: the tiny Qwen2-VL of `save_tiny_qwen2_vl` (about 3.3M parameters, most of them the
+  49k-token embedding; a 1-block vision tower), for the ``hf`` engine (recipes/vision.toml).
+- ``tiny-idefics3-colours``: the tiny Idefics3 (SmolVLM's architecture) of `save_tiny_idefics3` (about 6.6M
+  parameters, again mostly the embedding; a 1-block SigLIP-style tower, images resized to one 64-pixel tile), which
+  vLLM's CPU build serves (recipes/vision_vllm.toml).
+
+The warm start teaches the answer FORMAT, not the task: each training image is paired with a colour word drawn
+independently of it, so the best the model can do is answer one of the colour words (then end its turn) with about
+equal probability whatever the image shows. Its reward on the task starts near chance (1/3), and what RL can add is
+the image -> word mapping. These are plumbing-scale models, not vision models of any use.
 
 Lives under cli because only the pull reaches it and it composes layers (data, testing) that a library layer would
 not; seeded and single-threaded, so the same call gives the same weights.
@@ -13,12 +20,14 @@ not; seeded and single-threaded, so the same call gives the same weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from sharpen.data.visual_tasks import COLOURS, colour_image, colour_prompt
+from sharpen.testing import save_tiny_idefics3, save_tiny_qwen2_vl
 from sharpen.types import prompt_images
 
 if TYPE_CHECKING:
@@ -26,29 +35,44 @@ if TYPE_CHECKING:
 
     from sharpen.data.vision import VisionProcessor
 
+Architecture = Literal["qwen2_vl", "idefics3"]
+
+TINY_VLMS: dict[Architecture, Callable[..., Path]] = {"qwen2_vl": save_tiny_qwen2_vl, "idefics3": save_tiny_idefics3}
+"""The random tiny model of each architecture (`sharpen.testing`; torch is imported only when one is built)."""
+
 WARM_START_STEPS = 100
 WARM_START_BATCH = 16
 WARM_START_LEARNING_RATE = 3e-3
+
+
+def save_qwen2_vl_colours(folder: Path, *, tokenizer_from: Path) -> Path:
+    """The builder of ``tiny-qwen2-vl-colours``."""
+    return save_colour_warm_start(folder, tokenizer_from=tokenizer_from, architecture="qwen2_vl")
+
+
+def save_idefics3_colours(folder: Path, *, tokenizer_from: Path) -> Path:
+    """The builder of ``tiny-idefics3-colours``."""
+    return save_colour_warm_start(folder, tokenizer_from=tokenizer_from, architecture="idefics3")
 
 
 def save_colour_warm_start(
     folder: Path,
     *,
     tokenizer_from: Path,
+    architecture: Architecture,
     num_steps: int = WARM_START_STEPS,
     batch_size: int = WARM_START_BATCH,
     learning_rate: float = WARM_START_LEARNING_RATE,
     seed: int = 0,
 ) -> Path:
-    """Write ``tiny-qwen2-vl-colours`` into ``folder`` (the tiny Qwen2-VL, then ``num_steps`` AdamW steps of
-    next-token loss on the answer tokens of ``batch_size`` fresh colour images each, every answer a colour word drawn
-    independently of its image); returns ``folder``."""
+    """Write the tiny random ``architecture`` model (`TINY_VLMS`) into ``folder``, then train it for ``num_steps``
+    AdamW steps of next-token loss on the answer tokens of ``batch_size`` fresh colour images each, every answer a
+    colour word drawn independently of its image; returns ``folder``."""
     import torch
 
     from sharpen.data.vision import VisionProcessor, model_class
-    from sharpen.testing import save_tiny_qwen2_vl
 
-    save_tiny_qwen2_vl(folder, tokenizer_from=tokenizer_from)
+    TINY_VLMS[architecture](folder, tokenizer_from=tokenizer_from)
     processor = VisionProcessor.from_pretrained(folder)
     model = model_class(folder).from_pretrained(folder, dtype=torch.float32)
     tokenizer = processor.tokenizer

@@ -40,7 +40,14 @@ KNOWN_MODELS: dict[str, KnownModel | BuiltModel] = {
     "tiny-qwen2-vl-colours": BuiltModel(
         name="tiny-qwen2-vl-colours",
         base="smollm2-135m-instruct",
-        builder="sharpen.cli.warm_start:save_colour_warm_start",
+        builder="sharpen.cli.warm_start:save_qwen2_vl_colours",
+    ),
+    # the same warm start on a tiny Idefics3 (SmolVLM's architecture), which vLLM's CPU build serves
+    # (recipes/vision_vllm.toml)
+    "tiny-idefics3-colours": BuiltModel(
+        name="tiny-idefics3-colours",
+        base="smollm2-135m-instruct",
+        builder="sharpen.cli.warm_start:save_idefics3_colours",
     ),
 }
 
