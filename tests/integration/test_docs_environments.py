@@ -55,3 +55,16 @@ def test_the_documented_environment_trains_and_replays(
     assert any(len(r["episode"]["turns"]) > 1 for r in recorded)  # wrong answers got feedback and retried
     assert main(["replay", str(run_dir), "--step", "1", "--index", "3"]) == 0
     assert "reproduced" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_documented_image_observation_example_runs(tmp_path: Path, smollm2_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "images_example.py").write_text(_block("python", "class ShowTwoColours"))
+    done = subprocess.run(
+        [sys.executable, "images_example.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("2 images; 4 image tokens in the 2nd observation\n"), done.stdout
