@@ -202,6 +202,35 @@ def test_a_browser_killed_mid_episode_abstains_and_the_pool_replaces_it(tiny_mod
         pool.close()
 
 
+def test_a_browser_over_its_memory_limit_is_killed_and_replaced() -> None:
+    """chromedriver and Chromium run in a cgroup of their own: a page that allocates past its memory limit crashes
+    there (not the host), the call is an infrastructure error naming the limit, and the next call gets a new one."""
+    pool = BrowserPool(size=1, memory_mb=300)
+    if not pool.has_cgroup_limits:
+        pool.close()
+        pytest.skip("this process may not make cgroups here (the browser runs without a memory limit)")
+    allocate = "window.kept = []; for (let i = 0; i < 40; i++) { window.kept.push(new Uint8Array(50 << 20).fill(1)); }"
+
+    async def episode() -> int:
+        async with pool.lease(object()) as lease:
+            await lease.run(lambda driver: driver.get("about:blank"))
+            assert lease.browser.cgroup is not None
+            members = len(lease.browser.cgroup.pids())  # chromedriver and Chromium's processes, all inside
+            with pytest.raises(EnvironmentInfraError, match="ran out of its 300 MB memory limit"):
+                await lease.run(lambda driver: driver.execute_script(allocate))
+        async with pool.lease(object()) as lease:  # a new browser in a new cgroup
+            await lease.run(lambda driver: driver.get("about:blank"))
+        return members
+
+    try:
+        assert asyncio.run(episode()) >= 3
+        assert pool.stats.num_crashed == 1 and pool.stats.num_started == 2
+    finally:
+        pool.close()
+    # the pool's cgroups are gone with it
+    assert not [path for d in pool._cgroup_dirs if d.path.exists() for path in d.path.iterdir() if path.is_dir()]
+
+
 def test_a_hung_browser_call_is_cut_at_its_wall_clock_and_the_browser_replaced() -> None:
     pool = BrowserPool(size=1, call_timeout_s=3.0)
     example = BrowserEnvironment.make_tasks(1, seed=0, tasks=["click-test-2"])[0]

@@ -45,6 +45,9 @@ class BrowserEnvironmentConfig(EpisodeLimitsSection):
     killed and replaced, and its episode abstains (infra_error)."""
     js_heap_mb: int = Field(default=256, ge=16)
     """Cap of a page's JavaScript heap (V8's old space), so a runaway page cannot take the host's memory."""
+    memory_mb: int = Field(default=1024, ge=64)
+    """Each browser's memory limit in MiB (chromedriver and every Chromium process together, a cgroup where this
+    process may make one): a page that needs more gets its browser killed, and the episode abstains."""
     max_page_chars: int = Field(default=2000, ge=100)
     """Characters of the page text shown to the policy; the rest is cut with a note."""
     instructions: str = ""

@@ -27,6 +27,7 @@ class BrowserEnvironmentFactory:
             chromium=config.chromium,
             chromedriver=config.chromedriver,
             js_heap_mb=config.js_heap_mb,
+            memory_mb=config.memory_mb,
         )
         self.config = config
 

@@ -1,7 +1,9 @@
 """`BrowserPool`: headless Chromium processes (driven by selenium through chromedriver) reused across episodes.
 
 Owns the browsers' lives: starting one isolated (its own temporary user-data dir, no network: every host name
-resolves to nothing and every proxied request goes to a closed port, so only ``file://`` pages load), lending it for
+resolves to nothing and every proxied request goes to a closed port, so only ``file://`` pages load; and, where this
+process may make cgroups, chromedriver and Chromium in a cgroup of their own with a memory and a process-count limit,
+the sandbox's `JobCgroup`), lending it for
 one environment call at a time, bounding each call by a wall clock, and killing and replacing a browser that
 crashed or hung (a crash is reported as `EnvironmentInfraError`: the episode abstains). It knows nothing of tasks,
 pages or actions (`sharpen.environments.browser.page`), nor of episodes (`BrowserEnvironment`).
@@ -29,6 +31,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sharpen.environments.base import EnvironmentInfraError
+from sharpen.environments.sandbox.cgroups import (
+    ControllerDir,
+    JobCgroup,
+    close_controller_dirs,
+    open_controller_dirs,
+    owned_name,
+)
 
 T = TypeVar("T")
 
@@ -77,6 +86,9 @@ class Browser:
     process: Any
     """chromedriver's ``subprocess.Popen`` (Chromium is its child, in its process group)."""
     user_data_dir: str
+    cgroup: JobCgroup | None = None
+    """The cgroup chromedriver and Chromium run in (memory and process-count limits); None where none could be
+    made."""
     owner: Any = None
     """The episode (an environment object) whose page this browser shows now; None: nobody's."""
     is_dead: bool = False
@@ -86,13 +98,18 @@ class Browser:
         self.is_dead = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)  # its own session: the group id is its pid
+        if self.cgroup is not None:  # and whatever left the process group (Chromium's zygote may)
+            self.cgroup.kill_all()
+            self.cgroup.remove()
         with contextlib.suppress(Exception):
             self.process.wait(timeout=5)  # reap it
         shutil.rmtree(self.user_data_dir, ignore_errors=True)
 
 
-def start_browser(*, chromium: str, chromedriver: str, js_heap_mb: int) -> Browser:
-    """A fresh, isolated headless Chromium (about a second on an idle core)."""
+def start_browser(*, chromium: str, chromedriver: str, js_heap_mb: int, cgroup: JobCgroup | None = None) -> Browser:
+    """A fresh, isolated headless Chromium (about a second on an idle core); in ``cgroup`` when given: a launcher
+    script writes its pid into the group's ``cgroup.procs`` files, then becomes chromedriver, so chromedriver and
+    every Chromium process are born inside it."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -108,15 +125,34 @@ def start_browser(*, chromium: str, chromedriver: str, js_heap_mb: int) -> Brows
     options.binary_location = shutil.which(chromium) or chromium
     for argument in chromium_arguments(user_data_dir, js_heap_mb=js_heap_mb):
         options.add_argument(argument)
-    service = Service(executable_path=shutil.which(chromedriver), popen_kw={"start_new_session": True})
+    executable = shutil.which(chromedriver) or chromedriver
+    if cgroup is not None:
+        executable = _cgroup_launcher(user_data_dir, executable, cgroup.procs_files)
+    service = Service(executable_path=executable, popen_kw={"start_new_session": True})
     try:
         driver = webdriver.Chrome(service=service, options=options)
     except Exception as error:  # any start-up failure is the host's, not the policy's
         shutil.rmtree(user_data_dir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.kill_all()
+            cgroup.remove()
         raise EnvironmentInfraError(f"browser environment: Chromium did not start: {error}") from error
     process = service.process
     assert process is not None, "a started service has its process"
-    return Browser(driver=driver, process=process, user_data_dir=user_data_dir)
+    return Browser(driver=driver, process=process, user_data_dir=user_data_dir, cgroup=cgroup)
+
+
+def _cgroup_launcher(folder: str, chromedriver: str, procs_files: list[str]) -> str:
+    """A shell script in ``folder`` that moves itself into the cgroup (each of ``procs_files``), then execs
+    ``chromedriver`` with its arguments."""
+    import shlex
+
+    path = os.path.join(folder, "chromedriver-in-cgroup")
+    moves = "".join(f"echo $$ > {shlex.quote(name)}\n" for name in procs_files)
+    with open(path, "w") as script:
+        script.write(f'#!/bin/sh\nset -e\n{moves}exec {shlex.quote(chromedriver)} "$@"\n')
+    os.chmod(path, 0o700)
+    return path
 
 
 @dataclass(kw_only=True)
@@ -143,11 +179,21 @@ class BrowserPool:
         chromium: str = "chromium",
         chromedriver: str = "chromedriver",
         js_heap_mb: int = 256,
+        memory_mb: int = 1024,
+        max_pids: int = 256,
     ) -> None:
+        """``memory_mb`` and ``max_pids``: each browser's cgroup limits (chromedriver and every Chromium process
+        together), where this process may make cgroups (`has_cgroup_limits`); a browser that runs out is killed by
+        the kernel, and its call fails like any crash."""
         if size < 1:
             raise ValueError(f"browser pool size must be >= 1, got {size}")
         self.size, self.call_timeout_s = size, call_timeout_s
-        self._start = lambda: start_browser(chromium=chromium, chromedriver=chromedriver, js_heap_mb=js_heap_mb)
+        self.memory_mb, self.max_pids = memory_mb, max_pids
+        self._cgroup_dirs: list[ControllerDir] = open_controller_dirs(owned_name(f"browsers-{id(self)}"))
+        self._num_cgroups = 0
+        self._start = lambda: start_browser(
+            chromium=chromium, chromedriver=chromedriver, js_heap_mb=js_heap_mb, cgroup=self._new_cgroup()
+        )
         self._lock = threading.Lock()
         self._idle: list[Browser] = []
         self._alive: list[Browser] = []  # idle and lent
@@ -155,8 +201,22 @@ class BrowserPool:
         # a thread per browser, and as many again for calls still stuck in a browser that was just killed
         self._executor = ThreadPoolExecutor(max_workers=2 * size, thread_name_prefix="sharpen-browser")
         self.stats = PoolStats()
-        self._finalizer = weakref.finalize(self, _close_all, self._alive, self._idle, self._executor)
+        self._finalizer = weakref.finalize(self, _close_all, self._alive, self._idle, self._executor, self._cgroup_dirs)
         atexit.register(self._finalizer)
+
+    @property
+    def has_cgroup_limits(self) -> bool:
+        """Whether browsers run under the memory limit (a cgroup memory controller this process may write)."""
+        return any(d.controller == "memory" for d in self._cgroup_dirs)
+
+    def _new_cgroup(self) -> JobCgroup | None:
+        if not self._cgroup_dirs:
+            return None
+        with self._lock:
+            self._num_cgroups += 1
+            name = f"browser-{self._num_cgroups}"
+        memory_bytes = self.memory_mb << 20
+        return JobCgroup(self._cgroup_dirs, name, max_pids=self.max_pids, memory_bytes=memory_bytes, cpu_fraction=1.0)
 
     @contextlib.asynccontextmanager
     async def lease(self, owner: Any) -> AsyncIterator[Lease]:
@@ -220,9 +280,11 @@ class BrowserPool:
                 f"browser environment: a browser call ran past {self.call_timeout_s:g} s; the browser was replaced"
             ) from None
         except Exception as error:  # a dead or broken browser: not the policy's fault (policy errors are returned)
+            out_of_memory = browser.cgroup is not None and browser.cgroup.num_oom_kills() > 0
             self._kill(browser)
+            why = f"ran out of its {self.memory_mb} MB memory limit" if out_of_memory else "failed"
             raise EnvironmentInfraError(
-                f"browser environment: the browser failed ({type(error).__name__}: {error}); it was replaced"
+                f"browser environment: the browser {why} ({type(error).__name__}: {error}); it was replaced"
             ) from error
 
     def _kill(self, browser: Browser) -> None:
@@ -246,9 +308,12 @@ class Lease:
         return await self.pool.run(self.browser, function)
 
 
-def _close_all(alive: list[Browser], idle: list[Browser], executor: ThreadPoolExecutor) -> None:
+def _close_all(
+    alive: list[Browser], idle: list[Browser], executor: ThreadPoolExecutor, cgroup_dirs: list[ControllerDir]
+) -> None:
     for browser in alive:
         browser.kill()
     alive.clear()
     idle.clear()
     executor.shutdown(wait=False, cancel_futures=True)
+    close_controller_dirs(cgroup_dirs)
