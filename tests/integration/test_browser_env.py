@@ -419,6 +419,10 @@ def test_screenshot_episodes_of_a_vision_model_keep_exact_token_continuity_and_r
         tampered = copy.deepcopy(record)
         tampered["episode"]["turns"][1]["info"]["image_sha256"] = ["0" * 64]
         assert replay(tampered) == ["turn 1: the observation's images differ (sha256 of their bytes)"]
+        assert record["images"][0]["sha256"] == hashlib.sha256(group.rollouts[0].images[0].data).hexdigest()
+        tampered = copy.deepcopy(record)  # the reset's screenshot, from the record's images
+        tampered["images"][0]["sha256"] = "0" * 64
+        assert replay(tampered) == ["reset: the first observation's images differ (sha256 of their bytes)"]
     finally:
         pool.close()
 

@@ -35,6 +35,7 @@ def rollout_record(step: int, rollout: Rollout) -> dict[str, Any]:
         "sample_index": rollout.sample_index,
         "prompt": [{"role": m.role, "content": m.to_json()} for m in rollout.example.prompt],
         "prompt_ids": list(rollout.prompt_ids),
+        "images": [image.to_json() for image in rollout.images],  # digests (or paths), never the bytes
         "completion_text": rollout.completion_text,
         "completion_ids": list(rollout.completion_ids),
         "completion_logprobs": list(rollout.completion_logprobs),

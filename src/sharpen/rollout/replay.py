@@ -88,6 +88,9 @@ async def _replay(
     )
     if prompt_ids != record["prompt_ids"]:
         differences.append("reset: the first observation renders to different prompt tokens")
+    shown = [image.to_json() for image in _images(first)]
+    if shown and record.get("images", shown)[: len(shown)] != shown:  # records of older runs hold no images
+        differences.append("reset: the first observation's images differ (sha256 of their bytes)")
     for index, turn in enumerate(episode["turns"]):
         result = await environment.step(turn["action_text"])
         replayed = {"reward": result.reward, "is_terminated": result.terminated, "is_truncated": result.truncated}

@@ -46,6 +46,7 @@ def test_record_fields(tmp_path: Path) -> None:
             {"role": "user", "content": "1 + 2 = ?"},
         ],
         "prompt_ids": [1, 2, 3],
+        "images": [],
         "completion_text": "<answer>0</answer>",
         "completion_ids": [10, 11],
         "completion_logprobs": [-0.5, -0.25],
@@ -123,3 +124,4 @@ def test_an_image_prompt_is_recorded_with_its_digest_not_its_bytes(tmp_path: Pat
     (record,) = read_jsonl(tmp_path / "rollouts.jsonl")
     digest = {"type": "image", "sha256": hashlib.sha256(image.data).hexdigest(), "num_bytes": len(image.data)}
     assert record["prompt"] == [{"role": "user", "content": [digest, {"type": "text", "text": "colour?"}]}]
+    assert record["images"] == [digest]  # the rollout's images (observations' too), in order
