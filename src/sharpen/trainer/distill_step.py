@@ -80,7 +80,11 @@ class DistillationStep:
         for chunk in split_micro_batches(missing, self.micro_batch_size):
             micro = self.teacher_micro_batch(chunk)
             logprobs = self.teacher.token_logprobs(
-                micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=self.temperature
+                micro.input_ids,
+                micro.attention_mask,
+                micro.loss_mask,
+                temperature=self.temperature,
+                images=micro.images,
             )  # [batch, seq - 1]
             for row, rollout in enumerate(chunk):
                 self.teacher_logprobs[id(rollout)] = logprobs[row][micro.loss_mask[row]].tolist()

@@ -201,15 +201,18 @@ class Trainer:
         return metrics
 
     def _check_images(self, rollouts: list[Rollout]) -> None:
-        """Rollouts with images train with the policy, the reference policy and the critic: the parts that score
-        them elsewhere (a teacher, packed rows) take no pixel inputs yet, so refuse rather than score image
-        placeholders as if they were text."""
+        """Rollouts with images train with the policy, the reference policy, the critic and a teacher that scores the
+        student's own prompts token by token: what scores them otherwise (a teacher prompt of its own, the top-k
+        distillation, packed rows) takes no pixel inputs yet, so refuse rather than score image placeholders as if
+        they were text."""
         if not any(r.images for r in rollouts):
             return
+        teacher = self.teacher
         unsupported = [
             name
             for name, is_on in (
-                ("trainer.distillation (the teacher)", self.teacher is not None),
+                ("trainer.distillation.teacher_prompt", teacher is not None and teacher.prompt is not None),
+                ("trainer.distillation.top_k > 0", teacher is not None and self.config.distillation.top_k > 0),
                 ("trainer.packing", self.config.packing),
             )
             if is_on

@@ -1,7 +1,8 @@
 """GRPO on image prompts of the tiny Qwen2-VL: a step on rollouts the engine generated from images changes the
 weights (the vision tower's too: the loss reaches the pixels), the loss mask never covers an image placeholder, the
-KL term's reference policy (a frozen copy, or the LoRA policy without its adapters) and PPO's critic score the same
-image rows, and what cannot take images yet (packed rows) refuses them with a clear error."""
+KL term's reference policy (a frozen copy, or the LoRA policy without its adapters), PPO's critic and a distillation
+teacher score the same image rows, and what cannot take images yet (packed rows, top-k distillation) refuses them with
+a clear error."""
 
 from __future__ import annotations
 
@@ -153,6 +154,32 @@ def test_ppo_with_a_critic_values_image_rows_from_their_pixels(tiny_vlm_path, ro
         shown = critic.values(micro.input_ids, micro.attention_mask, micro.loss_mask, micro.images)
         swapped = critic.values(micro.input_ids, micro.attention_mask, micro.loss_mask, [other])
     assert not torch.equal(shown[micro.loss_mask], swapped[micro.loss_mask])
+
+
+def test_a_teacher_scores_image_rows_with_their_pixels(tiny_vlm_path, rollouts):
+    from sharpen.config.algorithm import DistillationConfig
+    from sharpen.trainer.backends.teacher import TeacherPolicy
+
+    def teacher() -> TeacherPolicy:
+        return TeacherPolicy(model_path=tiny_vlm_path, dtype="float32", device=torch.device("cpu"), precision="float32")
+
+    distillation = DistillationConfig(enabled=True, mode="loss")
+    config = TrainerConfig(
+        device="cpu", precision="float32", num_threads=1, learning_rate=1e-2, distillation=distillation
+    )
+    backend = SingleDeviceBackend(config, model_path=tiny_vlm_path, dtype="float32")
+    trainer = Trainer(config, backend=backend, pad_token_id=0, teacher=teacher())
+    first = trainer.step(TrainBatch(rollouts=rollouts, step=0))
+    # the teacher is the student's initial weights: the same logprobs from the same pixels, then they part
+    assert abs(first["distill/reverse_kl"]) < 1e-5
+    second = trainer.step(TrainBatch(rollouts=rollouts, step=1))
+    assert second["distill/reverse_kl"] > 1e-4
+    top_k = TrainerConfig(
+        device="cpu", precision="float32", num_threads=1, distillation=distillation.model_copy(update={"top_k": 4})
+    )
+    refused = Trainer(top_k, backend=backend, pad_token_id=0, teacher=teacher())
+    with pytest.raises(ValueError, match=r"cannot be trained with trainer\.distillation\.top_k > 0 yet"):
+        refused.step(TrainBatch(rollouts=rollouts, step=0))
 
 
 def test_what_takes_no_images_yet_refuses_them(tiny_vlm_path, rollouts):

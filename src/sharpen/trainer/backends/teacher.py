@@ -24,7 +24,7 @@ from torch import nn
 
 from sharpen.trainer.backends.single_device import ReferencePolicy, autocast_bf16
 from sharpen.trainer.precision import Precision
-from sharpen.types import Example, Message, Rollout
+from sharpen.types import Example, ImagePart, Message, Rollout
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -87,12 +87,19 @@ class TeacherPolicy:
         return rollout.prompt_ids if self.prompt is None else self.prompt.prompt_ids(rollout)
 
     def token_logprobs(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, target_mask: torch.Tensor, *, temperature: float
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        target_mask: torch.Tensor,
+        *,
+        temperature: float,
+        images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> torch.Tensor:
         """[batch, seq - 1] logprobs of the target tokens, without gradient (`ReferencePolicy.token_logprobs`), at
-        the teacher's temperature when it has one, else at ``temperature``."""
+        the teacher's temperature when it has one, else at ``temperature``; ``images``: each row's (a
+        vision-language teacher scoring the student's image rows)."""
         return self.reference.token_logprobs(
-            input_ids, attention_mask, target_mask, temperature=self.temperature or temperature
+            input_ids, attention_mask, target_mask, temperature=self.temperature or temperature, images=images
         )
 
     @torch.no_grad()
