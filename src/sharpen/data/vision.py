@@ -35,6 +35,14 @@ def text_only_error(where: str, num_images: int, model: str) -> ImageInputError:
     )
 
 
+def placeholders_without_images(num_placeholders: int) -> ValueError:
+    """The one error for token ids that hold image placeholders given without their images."""
+    return ValueError(
+        f"the token ids hold {num_placeholders} image placeholders but no images: pass the images each prompt was "
+        "rendered with"
+    )
+
+
 def is_vision_model(folder: Path) -> bool:
     """Whether the HF model folder holds a vision-language model (its config has a ``vision_config``)."""
     config = json.loads((Path(folder) / "config.json").read_text())
@@ -171,10 +179,7 @@ class VisionProcessor:
         is_image = input_ids == self.image_token_id  # [batch, seq]
         if not images:
             if bool(is_image.any()):
-                raise ValueError(
-                    f"the token ids hold {int(is_image.sum())} image placeholders but no images: pass the images "
-                    "each prompt was rendered with"
-                )
+                raise placeholders_without_images(int(is_image.sum()))
             return {}
         expected = sum(self.num_image_tokens(images))
         if int(is_image.sum()) != expected:

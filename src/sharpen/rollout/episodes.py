@@ -50,6 +50,7 @@ from sharpen.rollout.engines.base import (
     InferenceEngine,
     generate_prompts,
     request_level,
+    takes_no_images,
 )
 from sharpen.rollout.engines.batcher import DaemonWorker, RequestBatcher
 from sharpen.rollout.episode_state import EpisodeState, Groups, PromptCache
@@ -99,7 +100,7 @@ class _DirectRequests:
         elif isinstance(self._requests, AsyncImageEngine):
             completion = await self._requests.generate_async_with_images(prompt, images, params)
         else:
-            raise EngineError(f"{type(self.engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
+            raise takes_no_images(self.engine)
         if completion.versions is None or len(completion.versions) != len(completion.token_ids):
             raise EngineError(f"{type(self.engine).__name__} returned a completion without per-token versions")
         version = completion.versions[-1] if completion.versions else self.engine.policy_version

@@ -87,6 +87,11 @@ class ImageEngine(Protocol):
         ...
 
 
+def takes_no_images(engine: object) -> EngineError:
+    """The one error for image prompts given to an engine that takes none."""
+    return EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
+
+
 def generate_prompts(
     engine: InferenceEngine,
     prompts: list[list[int]],
@@ -98,7 +103,7 @@ def generate_prompts(
     if not any(images):
         return engine.generate(prompts, params)
     if not isinstance(engine, ImageEngine):
-        raise EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
+        raise takes_no_images(engine)
     return engine.generate_with_images(prompts, images, params)
 
 
@@ -108,7 +113,7 @@ def score_prompt(engine: InferenceEngine, token_ids: list[int], images: tuple[Im
     if not images:
         return engine.score(token_ids)
     if not isinstance(engine, ImageEngine):
-        raise EngineError(f"{type(engine).__name__} takes no image prompts yet (the hf and vllm engines do)")
+        raise takes_no_images(engine)
     return cast(ImageEngine, engine).score(token_ids, images)  # both protocols name score: take the image one
 
 

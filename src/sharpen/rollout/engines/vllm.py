@@ -26,7 +26,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from sharpen.config.engines import VllmEngineConfig
 from sharpen.config.schema import LoraConfig
-from sharpen.data.vision import VisionProcessor, is_vision_model, load_image, text_only_error
+from sharpen.data.vision import (
+    VisionProcessor,
+    is_vision_model,
+    load_image,
+    placeholders_without_images,
+    text_only_error,
+)
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
@@ -222,10 +228,7 @@ class VllmRequests:
             return {"prompt_token_ids": ids}
         if not images:
             if self.vision.image_token_id in ids:
-                raise ValueError(
-                    f"the token ids hold {ids.count(self.vision.image_token_id)} image placeholders but no images: "
-                    "pass the images each prompt was rendered with"
-                )
+                raise placeholders_without_images(ids.count(self.vision.image_token_id))
             return {"prompt_token_ids": ids}
         loaded = [load_image(image, index) for index, image in enumerate(images)]
         return {"prompt_token_ids": self.vision.compact(ids, images), "multi_modal_data": {"image": loaded}}
