@@ -6,7 +6,7 @@ the model's input as one `PackedRow`: the rollouts end to end without padding, p
 rollout, so that the forward pass costs the real tokens only; `unpack_scores` puts the packed row's per-token
 values back on the padded rows. Attention stays inside each rollout because the model derives a block-diagonal
 mask from the restarting positions when it is given no attention mask (transformers' packed-sequence detection;
-`single_device.score_tokens`). The split into micro-batches is by count (`split_micro_batches`) or by a token
+`scoring.score_tokens`). The split into micro-batches is by count (`split_micro_batches`) or by a token
 budget (`split_micro_batches_by_tokens`); this module does not decide which, nor split across ranks.
 """
 

@@ -17,7 +17,7 @@ import torch
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend
 from sharpen.trainer.backends.chunked_logits import score_hidden
-from sharpen.trainer.backends.single_device import score_tokens
+from sharpen.trainer.backends.scoring import score_tokens
 
 VOCAB, HIDDEN, NUM_LAYERS = 128, 32, 2  # the tiny model of conftest.model_dir
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24

@@ -1,8 +1,9 @@
 """The `TrainerBackend` contract: what the `Trainer` needs from wherever the parameters live.
 
-Owns the protocol and the data it returns (`TokenScores`). `SingleDeviceBackend` (one process) and `FSDP2Backend`
-(one process per rank, sharded) implement it and import it from here, never the other way round; on one device
-the data-parallel collectives are identities.
+Owns the protocol, the data it returns (`TokenScores`) and what `export` copies beside the weights
+(`PROCESSOR_FILES`). `SingleDeviceBackend` (one process) and `FSDP2Backend` (one process per rank, sharded)
+implement it and import it from here, never the other way round; on one device the data-parallel collectives are
+identities.
 """
 
 from __future__ import annotations
@@ -15,6 +16,17 @@ from typing import Protocol
 import torch
 
 from sharpen.types import ImagePart
+
+PROCESSOR_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+"""What `export` copies beside the weights: the tokenizer, and a vision-language model's image processor (and its
+processor's settings, e.g. Idefics3's tokens per image)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,8 +90,8 @@ class TrainerBackend(Protocol):
 
 
 class ReferenceScorer(Protocol):
-    """What the trainer needs of a reference policy (the KL term): `single_device.ReferencePolicy` (a frozen copy)
-    or `lora.LoraReferencePolicy` (the LoRA policy with its adapters disabled)."""
+    """What the trainer needs of a reference policy (the KL term): `frozen.ReferencePolicy` (a frozen copy) or
+    `frozen.LoraReferencePolicy` (the LoRA policy with its adapters disabled)."""
 
     def token_logprobs(
         self,

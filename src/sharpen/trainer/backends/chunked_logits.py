@@ -10,7 +10,7 @@ more LM-head matmul per chunk in the backward; a batch with at most ``chunk_toke
 chunk (no recomputation), and so does everything under ``torch.no_grad()``, chunked but never recomputed.
 
 This module owns only that reduction; it does not run the decoder or place the values on the token grid
-(`single_device.score_tokens` does).
+(`scoring.score_tokens` does).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from torch import nn
 
 from sharpen.config.algorithm import CriticConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
-from sharpen.trainer.backends.single_device import autocast_bf16, rows_image_inputs
+from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision
 from sharpen.types import ImagePart

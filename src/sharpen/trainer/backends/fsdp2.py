@@ -17,10 +17,8 @@ run around both halves; a tied LM head is the embedding's parameter and lives in
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -35,12 +33,14 @@ from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
-from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
+from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores
 from sharpen.trainer.backends.cpu_memory import FreedMemory
-from sharpen.trainer.backends.single_device import PROCESSOR_FILES, autocast_bf16, rows_image_inputs, score_tokens
+from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
+from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
+from sharpen.weight_files import write_safetensors
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -191,8 +191,6 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.model.config.use_cache = False
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
-            from sharpen.trainer.backends.lora import apply_lora
-
             self.lora = apply_lora(self.model, config.lora)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -291,8 +289,6 @@ class FSDP2Backend(ScoresTokenLogprobs):
         A tied output embedding is left out, as in `SingleDeviceBackend.named_weights`; with LoRA, the merged target
         weights only, gathered the same way, or the adapter tensors alone with ``trainer.lora.sync = "adapter"``."""
         if self.lora is not None:
-            from sharpen.trainer.backends.lora import adapter_state_dict, merged_target_weights
-
             self._fsdp_root.reshard()
             if self.config.lora.syncs_adapter:
                 yield from adapter_state_dict(self.lora, full=_full_tensor).items()
@@ -334,44 +330,25 @@ class FSDP2Backend(ScoresTokenLogprobs):
     def export(self, folder: Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
         """A HF folder (config, safetensors, tokenizer) that transformers and vLLM load, written by rank 0 alone
         from the gathered weights, one safetensors shard (at most ``max_shard_bytes``) in memory at a time;
-        collective. Several shards get HF's ``model.safetensors.index.json``."""
-        from safetensors.torch import save_file
-
+        collective. Several shards get HF's ``model.safetensors.index.json`` (`weight_files.write_safetensors`)."""
         folder = Path(folder)
         is_writer = self.rank == 0
         if self.lora is not None:  # the merged model and the adapter (`lora.export_merged`), in one piece
-            from sharpen.trainer.backends.lora import export_merged
-
             self._fsdp_root.reshard()
             export_merged(self.lora, folder, full=_full_tensor, is_writer=is_writer)
+        else:
+            weights = self.named_weights()  # every rank gathers each weight in step; rank 0 writes them
             if is_writer:
-                self._write_metadata(folder, {}, {})
-            dist.barrier(group=self._group)
-            return
-        # full sizes from the DTensors' global shapes: nothing is gathered to plan the files
-        sizes = {name: tensor.numel() * tensor.dtype.itemsize for name, tensor in self._sharded_weights().items()}
-        files = _plan_shards(sizes, max_shard_bytes)
-        remaining = Counter(files.values())  # weights still to gather per file
-        shard: dict[str, torch.Tensor] = {}
+                write_safetensors(weights, folder, max_shard_bytes=max_shard_bytes)
+            else:
+                for _ in weights:
+                    pass
         if is_writer:
-            folder.mkdir(parents=True, exist_ok=True)
-        for name, tensor in self.named_weights():
-            if not is_writer:
-                continue
-            shard[name] = tensor.contiguous().cpu()
-            remaining[files[name]] -= 1
-            if not remaining[files[name]]:
-                save_file(shard, str(folder / files[name]), metadata={"format": "pt"})
-                shard = {}
-        if is_writer:
-            self._write_metadata(folder, files, sizes)
+            self._write_metadata(folder)
         dist.barrier(group=self._group)  # the folder is complete when any rank returns
 
-    def _write_metadata(self, folder: Path, files: dict[str, str], sizes: dict[str, int]) -> None:
+    def _write_metadata(self, folder: Path) -> None:
         self.model.config.save_pretrained(folder)
-        if len(set(files.values())) > 1:
-            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": files}
-            (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         for name in (*PROCESSOR_FILES, "generation_config.json"):
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, folder / name)
@@ -380,21 +357,3 @@ class FSDP2Backend(ScoresTokenLogprobs):
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter as one whole tensor: gathered from the ranks' shards (collective) when it is a DTensor."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _plan_shards(sizes: dict[str, int], max_bytes: int) -> dict[str, str]:
-    """Each weight's safetensors file: consecutive weights fill a shard up to ``max_bytes`` (a larger weight gets
-    one alone); a single shard is ``model.safetensors``, several are HF's ``model-0000i-of-0000n.safetensors``."""
-    groups: list[list[str]] = [[]]
-    used = 0
-    for name, size in sizes.items():
-        if groups[-1] and used + size > max_bytes:
-            groups.append([])
-            used = 0
-        groups[-1].append(name)
-        used += size
-    if len(groups) == 1:
-        return dict.fromkeys(groups[0], "model.safetensors")
-    return {
-        name: f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i, group in enumerate(groups) for name in group
-    }

@@ -1,5 +1,6 @@
-"""LoRA adapters (peft) on a HF causal LM: injection, the merged weights an engine loads, adapter persistence, and
-the reference policy that LoRA gives for free (the base model, adapters disabled).
+"""LoRA adapters (peft) on a HF causal LM: injection, the merged weights an engine loads, adapter persistence. The
+reference policy that LoRA gives for free (the base model, adapters disabled) is `frozen.LoraReferencePolicy`,
+re-exported here.
 
 Owns the mapping between peft's module names and HF checkpoint names. It does not own the optimizer or the
 device: `SingleDeviceBackend` builds the model, calls `apply_lora`, and optimises the parameters that require a
@@ -12,23 +13,19 @@ LoRA adapter (docs/weight-sync.md, LoRA).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 import torch
 
 from sharpen.config.schema import LoraConfig
-from sharpen.trainer.backends.single_device import autocast_bf16, rows_image_inputs, score_tokens
-from sharpen.trainer.precision import Precision
+from sharpen.trainer.backends.frozen import LoraReferencePolicy as LoraReferencePolicy  # re-exported
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
     from transformers import PreTrainedModel
-
-    from sharpen.data.vision import VisionProcessor
-    from sharpen.types import ImagePart
 
 _ADAPTER = "default"  # peft's name of the one adapter
 Gather = Callable[[torch.Tensor], torch.Tensor]  # a tensor as a whole: identity, or a DTensor's full_tensor()
@@ -158,41 +155,3 @@ def load_adapter(peft_model: PeftModel, folder: Path, *, device: torch.device) -
 def adapter_num_bytes(peft_model: PeftModel) -> int:
     """Bytes of the adapter tensors (what an adapter-only sync would move)."""
     return sum(t.numel() * t.element_size() for t in adapter_state_dict(peft_model).values())
-
-
-class LoraReferencePolicy:
-    """The reference policy of a LoRA run: the trainer's own model with its adapters disabled, which is exactly the
-    initial policy (the base weights never train), at the cost of one extra forward and no second model copy."""
-
-    def __init__(
-        self,
-        peft_model: PeftModel,
-        *,
-        device: torch.device,
-        precision: Precision,
-        vision: VisionProcessor | None = None,
-        model_path: Path | None = None,
-    ) -> None:
-        """``vision``: the policy backend's processor, for a vision-language model's image rows."""
-        self.peft_model = peft_model
-        self.device = device
-        self.is_bf16 = precision == "bf16"
-        self.vision = vision
-        self.model_path = model_path
-
-    @torch.no_grad()
-    def token_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        target_mask: torch.Tensor,
-        *,
-        temperature: float,
-        images: Sequence[tuple[ImagePart, ...]] = (),
-    ) -> torch.Tensor:
-        image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
-        model = cast("PreTrainedModel", self.peft_model.get_base_model())
-        with self.peft_model.disable_adapter(), autocast_bf16(self.device, enabled=self.is_bf16):
-            return score_tokens(
-                model, input_ids, attention_mask, target_mask, temperature=temperature, image_inputs=image_inputs
-            ).logprobs

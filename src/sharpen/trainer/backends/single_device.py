@@ -3,109 +3,40 @@
 Owns the parameters, the optimizer and their persistence. Knows nothing of rollouts or losses: it turns token
 ids into per-token logprobs and applies accumulated gradients. A vision-language model (Qwen2-VL) also scores rows
 that hold images, from the same `ImagePart`s the engine saw (`data.vision.VisionProcessor` makes the pixel inputs).
+
+The forward pass itself is `scoring` (shared with `fsdp2`, the critic and the frozen scorers); the LoRA adapters are
+`lora`'s, the reference policy of the KL term is `frozen.ReferencePolicy`. `resolve_device` picks the device.
 """
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from sharpen.config.schema import TrainerConfig
-from sharpen.data.vision import VisionProcessor, is_vision_model, model_class, text_only_error
-from sharpen.trainer.backends.base import ScoresTokenLogprobs, TokenScores
-from sharpen.trainer.backends.chunked_logits import score_hidden
+from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
+from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores
 from sharpen.trainer.backends.cpu_memory import FreedMemory
+from sharpen.trainer.backends.lora import (
+    adapter_state_dict,
+    apply_lora,
+    export_merged,
+    load_adapter,
+    merged_target_weights,
+    save_adapter,
+)
+from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens, score_top_k
 from sharpen.trainer.optim import build_adamw
-from sharpen.trainer.precision import Precision, PrecisionChoice, resolve_precision
+from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
 
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
-
-PROCESSOR_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "preprocessor_config.json",
-    "processor_config.json",
-)
-"""What `export` copies beside the weights: the tokenizer, and a vision-language model's image processor (and its
-processor's settings, e.g. Idefics3's tokens per image)."""
-
-
-def score_tokens(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    target_mask: torch.Tensor,
-    *,
-    temperature: float,
-    with_entropy: bool = False,
-    entropy_requires_grad: bool = False,
-    position_ids: torch.Tensor | None = None,
-    logits_chunk_tokens: int = 0,
-    image_inputs: dict[str, torch.Tensor] | None = None,
-) -> TokenScores:
-    """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
-    The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
-
-    ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
-    ``input_ids[:, t + 1]`` is a token to score. The LM head runs only on the selected positions (most of a
-    rollout is prompt), which saves its 49k-wide matmul elsewhere, and on ``logits_chunk_tokens`` of them at a time
-    (`chunked_logits`; 0: all at once).
-
-    Packed rows (`packing.PackedRow`): ``attention_mask`` None and ``position_ids`` [batch, seq] restarting at 0 at
-    each sequence. transformers then masks attention block-diagonally, per sequence, which it does only without an
-    attention mask and without a cache; the cache is turned off here so that no model config can turn it on.
-
-    ``image_inputs`` (`VisionProcessor.model_inputs` of the rows' images; right-padded rows only): a vision-language
-    model's base model embeds the images at their placeholders and derives its 3-D positions itself.
-    """
-    if position_ids is not None and attention_mask is not None:
-        raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
-    if image_inputs is not None:
-        assert position_ids is None, "rows with images are right-padded, never packed"
-        hidden = model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **image_inputs
-        ).last_hidden_state
-    else:
-        hidden = model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-    selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
-    lm_head = cast(nn.Module, model.get_output_embeddings())  # a causal LM always has one
-    targets = input_ids[:, 1:][target_mask]  # [num_targets]
-    target_logprobs, target_entropy = score_hidden(
-        lm_head,
-        selected,
-        targets,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_requires_grad=entropy_requires_grad,
-        chunk_tokens=logits_chunk_tokens,
-    )
-    logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-    logprobs[target_mask] = target_logprobs
-    entropy = None
-    if target_entropy is not None:
-        entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-        entropy[target_mask] = target_entropy
-    return TokenScores(logprobs=logprobs, entropy=entropy)
-
-
-def autocast_bf16(device: torch.device, *, enabled: bool) -> contextlib.AbstractContextManager[object]:
-    """bfloat16 autocast on ``device`` when enabled, else nothing (master weights keep their dtype either way)."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -136,8 +67,6 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self.model.config.use_cache = False
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled (self.model is its base)
         if config.lora.enabled:
-            from sharpen.trainer.backends.lora import apply_lora
-
             self.lora = apply_lora(self.model, config.lora)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -218,9 +147,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         k: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's k most likely tokens at each target and their logprobs (with gradient), each
-        [num_targets, k] (`teacher.score_top_k`; the top-k distillation variant)."""
-        from sharpen.trainer.backends.teacher import score_top_k  # teacher.py builds on this module
-
+        [num_targets, k] (`scoring.score_top_k`; the top-k distillation variant)."""
         with autocast_bf16(self.device, enabled=self.precision.is_bf16):
             return score_top_k(self.model, input_ids, attention_mask, target_mask, temperature=temperature, k=k)
 
@@ -250,8 +177,6 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         merged weights of the target modules only (nothing else changes; `lora.merged_target_weights`), or with
         ``trainer.lora.sync = "adapter"`` the adapter tensors alone (peft's names; `lora.adapter_state_dict`)."""
         if self.lora is not None:
-            from sharpen.trainer.backends.lora import adapter_state_dict, merged_target_weights
-
             if self.config.lora.syncs_adapter:
                 yield from adapter_state_dict(self.lora).items()
             else:
@@ -268,8 +193,6 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
 
         folder.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:  # the base weights are the model folder's: only the adapters are state
-            from sharpen.trainer.backends.lora import save_adapter
-
             save_adapter(self.lora, folder / "lora")
         else:
             state = {name: tensor.contiguous() for name, tensor in self.named_weights()}
@@ -280,8 +203,6 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         from safetensors.torch import load_file
 
         if self.lora is not None:
-            from sharpen.trainer.backends.lora import load_adapter
-
             load_adapter(self.lora, folder / "lora", device=self.device)
         else:
             state = load_file(str(folder / "model.safetensors"), device=str(self.device))
@@ -298,8 +219,6 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         (base + adapters) in the same layout, and the adapter alone under ``folder/adapter`` (peft's format)."""
         folder.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
-            from sharpen.trainer.backends.lora import export_merged
-
             export_merged(self.lora, folder)
         else:
             self.model.save_pretrained(folder, safe_serialization=True)
@@ -309,46 +228,3 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         generation_config = self.model_path / "generation_config.json"
         if generation_config.is_file():
             shutil.copy2(generation_config, folder / "generation_config.json")
-
-
-def rows_image_inputs(
-    vision: VisionProcessor | None, input_ids: torch.Tensor, images: Sequence[tuple[ImagePart, ...]], *, model: str
-) -> dict[str, torch.Tensor] | None:
-    """The pixel inputs of the rows' images (``images``: one tuple per row) for a forward pass over ``input_ids``, or
-    None when the rows hold none; images for a text-only model (``vision`` None) are the one text-only error."""
-    flat = [image for row in images for image in row]
-    if vision is None:
-        if flat:
-            raise text_only_error("trainer", len(flat), model)
-        return None
-    return vision.model_inputs(input_ids, flat) or None  # checks that text rows hold no placeholders
-
-
-class ReferencePolicy:
-    """A frozen copy of the initial policy for the KL term; built only when the KL coefficient is positive."""
-
-    def __init__(self, *, model_path: Path, dtype: str, device: torch.device, precision: Precision) -> None:
-        model = model_class(model_path).from_pretrained(model_path, dtype=getattr(torch, dtype))
-        self.model: PreTrainedModel = model.to(device)  # pyright: ignore[reportArgumentType]
-        self.model.eval().requires_grad_(False)
-        self.is_bf16 = precision == "bf16"
-        self.device = device
-        self.model_path = Path(model_path)
-        self.vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
-
-    @torch.no_grad()
-    def token_logprobs(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        target_mask: torch.Tensor,
-        *,
-        temperature: float,
-        images: Sequence[tuple[ImagePart, ...]] = (),
-    ) -> torch.Tensor:
-        """``images``: each row's, for a vision-language model's rows that hold image placeholders."""
-        image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
-        with autocast_bf16(self.device, enabled=self.is_bf16):
-            return score_tokens(
-                self.model, input_ids, attention_mask, target_mask, temperature=temperature, image_inputs=image_inputs
-            ).logprobs

@@ -1,13 +1,14 @@
 """The distillation teacher: a frozen HF causal LM that scores the student's sampled tokens, and what it sees.
 
-`TeacherPolicy` is the reference policy's machinery (`single_device.ReferencePolicy`: a frozen copy on the
-trainer's device, eval mode, no gradient, bf16 autocast under the run's precision) loaded from the teacher's folder,
-plus the top-k scoring the top-k distillation variant needs. It is never part of the policy's parameters, so the
-optimizer never sees it and `Trainer.named_weights` (what the engine receives) never includes it.
+`TeacherPolicy` is the reference policy's machinery (`frozen.ReferencePolicy`: a frozen copy on the trainer's
+device, eval mode, no gradient, bf16 autocast under the run's precision) loaded from the teacher's folder, plus the
+teacher's logprobs of the student's top-k candidates (`scoring.score_top_k`) for the top-k distillation variant. It
+is never part of the policy's parameters, so the optimizer never sees it and `Trainer.named_weights` (what the
+engine receives) never includes it.
 
 `TeacherPrompt` builds the prompt the teacher sees instead of the student's (context distillation: a privileged
 system prompt, e.g. with the task's answer); the completion tokens stay the student's, so the teacher scores
-exactly the tokens the student sampled. `score_top_k` is shared by the teacher and the single-device backend.
+exactly the tokens the student sampled.
 
 Not here: an engine-served teacher (vLLM prompt logprobs); the trainer-side forward is the only teacher for now.
 """
@@ -17,54 +18,23 @@ from __future__ import annotations
 import string
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
 
 import torch
-from torch import nn
 
-from sharpen.trainer.backends.single_device import ReferencePolicy, autocast_bf16
+from sharpen.trainer.backends.frozen import ReferencePolicy
+from sharpen.trainer.backends.scoring import autocast_bf16, score_top_k
 from sharpen.trainer.precision import Precision
 from sharpen.types import Example, ImagePart, Message, Rollout
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 TEACHER_PROMPT_FIELDS = frozenset({"answer", "system"})
 """Placeholders of ``trainer.distillation.teacher_prompt``: the example's reference answer and the student's
 system prompt (empty when it has none)."""
 
 
-def score_top_k(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    target_mask: torch.Tensor,
-    *,
-    temperature: float,
-    k: int = 0,
-    candidate_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-vocabulary logprobs (of ``logits / temperature``) of k token ids at every target position, in target
-    order (row by row, then by position): ``(ids, logprobs)``, each [num_targets, k]. The ids are the model's own k
-    most likely tokens (``k``) or the given ``candidate_ids`` [num_targets, k]. Differentiable when grad is on.
-
-    ``input_ids``/``attention_mask`` [batch, seq] right-padded; ``target_mask`` [batch, seq - 1] as in
-    `single_device.score_tokens`. The LM head runs on the target positions only, all at once: its [num_targets,
-    vocab] logits are kept for the backward (the top-k variant's memory cost)."""
-    if (candidate_ids is None) == (k <= 0):
-        raise ValueError("score_top_k needs either k > 0 or candidate_ids")
-    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    lm_head = cast(nn.Module, model.get_output_embeddings())
-    logits = lm_head(hidden[:, :-1][target_mask]).float() / temperature  # [num_targets, vocab]
-    logprobs = torch.log_softmax(logits, dim=-1)
-    ids = logprobs.detach().topk(k, dim=-1).indices if candidate_ids is None else candidate_ids
-    return ids, logprobs.gather(1, ids)
-
-
-class TeacherPolicy:
-    """A frozen teacher on the trainer's device. ``prompt``: what the teacher sees instead of the student's prompt
-    (None: the student's own prompt ids); ``temperature``: the teacher's logits are divided by it (None: the
-    rollout temperature, the student's)."""
+class TeacherPolicy(ReferencePolicy):
+    """A frozen teacher on the trainer's device (`frozen.ReferencePolicy`'s loading and scoring, from the teacher's
+    folder). ``prompt``: what the teacher sees instead of the student's prompt (None: the student's own prompt ids);
+    ``temperature``: the teacher's logits are divided by it (None: the rollout temperature, the student's)."""
 
     def __init__(
         self,
@@ -76,9 +46,7 @@ class TeacherPolicy:
         prompt: TeacherPrompt | None = None,
         temperature: float | None = None,
     ) -> None:
-        self.reference = ReferencePolicy(model_path=model_path, dtype=dtype, device=device, precision=precision)
-        self.model = self.reference.model
-        self.device = device
+        super().__init__(model_path=model_path, dtype=dtype, device=device, precision=precision)
         self.prompt = prompt
         self.temperature = temperature
 
@@ -95,10 +63,10 @@ class TeacherPolicy:
         temperature: float,
         images: Sequence[tuple[ImagePart, ...]] = (),
     ) -> torch.Tensor:
-        """[batch, seq - 1] logprobs of the target tokens, without gradient (`ReferencePolicy.token_logprobs`), at
-        the teacher's temperature when it has one, else at ``temperature``; ``images``: each row's (a
-        vision-language teacher scoring the student's image rows)."""
-        return self.reference.token_logprobs(
+        """[batch, seq - 1] logprobs of the target tokens, without gradient (`FrozenScorer.token_logprobs`), at the
+        teacher's temperature when it has one, else at ``temperature``; ``images``: each row's (a vision-language
+        teacher scoring the student's image rows)."""
+        return super().token_logprobs(
             input_ids, attention_mask, target_mask, temperature=self.temperature or temperature, images=images
         )
 
@@ -112,8 +80,9 @@ class TeacherPolicy:
         *,
         temperature: float,
     ) -> torch.Tensor:
-        """[num_targets, k] the teacher's logprobs of ``candidate_ids`` (the student's top-k) at each target."""
-        with autocast_bf16(self.device, enabled=self.reference.is_bf16):
+        """[num_targets, k] the teacher's logprobs of ``candidate_ids`` (the student's top-k) at each target
+        (`scoring.score_top_k`)."""
+        with autocast_bf16(self.device, enabled=self.is_bf16):
             _, logprobs = score_top_k(
                 self.model,
                 input_ids,

@@ -11,7 +11,8 @@ import torch
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
-from sharpen.trainer.backends.lora import LoraReferencePolicy, adapter_num_bytes
+from sharpen.trainer.backends.frozen import LoraReferencePolicy
+from sharpen.trainer.backends.lora import adapter_num_bytes
 from sharpen.types import TrainBatch
 from support.tiny_trainer import PAD, captured_step, random_rollouts, single_device_trainer
 

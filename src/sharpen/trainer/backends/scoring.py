@@ -1,0 +1,134 @@
+"""The forward pass every trainer-side model shares: token ids in, per-token logprobs (and entropy) out.
+
+Owns `score_tokens` (the decoder, then the LM head on the target positions only), `score_top_k` (the top-k
+distillation variant's full-vocabulary logprobs of k ids per target), `autocast_bf16` (the run's bf16 autocast) and
+`rows_image_inputs` (a vision-language model's pixel inputs for rows that hold images). The policy backends
+(`single_device`, `fsdp2`), the critic and the frozen scorers (`frozen`, `teacher`) all build on it; it imports none
+of them (an import-linter contract keeps it below them). It owns no model, no device placement and no optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
+
+import torch
+from torch import nn
+
+from sharpen.data.vision import text_only_error
+from sharpen.trainer.backends.base import TokenScores
+from sharpen.trainer.backends.chunked_logits import score_hidden
+from sharpen.types import ImagePart
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from sharpen.data.vision import VisionProcessor
+
+
+def score_tokens(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    target_mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_requires_grad: bool = False,
+    position_ids: torch.Tensor | None = None,
+    logits_chunk_tokens: int = 0,
+    image_inputs: dict[str, torch.Tensor] | None = None,
+) -> TokenScores:
+    """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
+    The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
+
+    ``input_ids``/``attention_mask``: [batch, seq]; ``target_mask``: [batch, seq - 1], True where
+    ``input_ids[:, t + 1]`` is a token to score. The LM head runs only on the selected positions (most of a
+    rollout is prompt), which saves its 49k-wide matmul elsewhere, and on ``logits_chunk_tokens`` of them at a time
+    (`chunked_logits`; 0: all at once).
+
+    Packed rows (`packing.PackedRow`): ``attention_mask`` None and ``position_ids`` [batch, seq] restarting at 0 at
+    each sequence. transformers then masks attention block-diagonally, per sequence, which it does only without an
+    attention mask and without a cache; the cache is turned off here so that no model config can turn it on.
+
+    ``image_inputs`` (`VisionProcessor.model_inputs` of the rows' images; right-padded rows only): a vision-language
+    model's base model embeds the images at their placeholders and derives its 3-D positions itself.
+    """
+    if position_ids is not None and attention_mask is not None:
+        raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
+    if image_inputs is not None:
+        assert position_ids is None, "rows with images are right-padded, never packed"
+        hidden = model.base_model(
+            input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **image_inputs
+        ).last_hidden_state
+    else:
+        hidden = model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+    selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
+    lm_head = cast(nn.Module, model.get_output_embeddings())  # a causal LM always has one
+    targets = input_ids[:, 1:][target_mask]  # [num_targets]
+    target_logprobs, target_entropy = score_hidden(
+        lm_head,
+        selected,
+        targets,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        chunk_tokens=logits_chunk_tokens,
+    )
+    logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
+    logprobs[target_mask] = target_logprobs
+    entropy = None
+    if target_entropy is not None:
+        entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
+        entropy[target_mask] = target_entropy
+    return TokenScores(logprobs=logprobs, entropy=entropy)
+
+
+def score_top_k(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    target_mask: torch.Tensor,
+    *,
+    temperature: float,
+    k: int = 0,
+    candidate_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-vocabulary logprobs (of ``logits / temperature``) of k token ids at every target position, in target
+    order (row by row, then by position): ``(ids, logprobs)``, each [num_targets, k]. The ids are the model's own k
+    most likely tokens (``k``) or the given ``candidate_ids`` [num_targets, k]. Differentiable when grad is on.
+
+    ``input_ids``/``attention_mask`` [batch, seq] right-padded; ``target_mask`` [batch, seq - 1] as in
+    `score_tokens`. The LM head runs on the target positions only, all at once: its [num_targets,
+    vocab] logits are kept for the backward (the top-k variant's memory cost)."""
+    if (candidate_ids is None) == (k <= 0):
+        raise ValueError("score_top_k needs either k > 0 or candidate_ids")
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    lm_head = cast(nn.Module, model.get_output_embeddings())
+    logits = lm_head(hidden[:, :-1][target_mask]).float() / temperature  # [num_targets, vocab]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    ids = logprobs.detach().topk(k, dim=-1).indices if candidate_ids is None else candidate_ids
+    return ids, logprobs.gather(1, ids)
+
+
+def autocast_bf16(device: torch.device, *, enabled: bool) -> contextlib.AbstractContextManager[object]:
+    """bfloat16 autocast on ``device`` when enabled, else nothing (master weights keep their dtype either way)."""
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def rows_image_inputs(
+    vision: VisionProcessor | None, input_ids: torch.Tensor, images: Sequence[tuple[ImagePart, ...]], *, model: str
+) -> dict[str, torch.Tensor] | None:
+    """The pixel inputs of the rows' images (``images``: one tuple per row) for a forward pass over ``input_ids``, or
+    None when the rows hold none; images for a text-only model (``vision`` None) are the one text-only error."""
+    flat = [image for row in images for image in row]
+    if vision is None:
+        if flat:
+            raise text_only_error("trainer", len(flat), model)
+        return None
+    return vision.model_inputs(input_ids, flat) or None  # checks that text rows hold no placeholders
