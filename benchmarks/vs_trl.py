@@ -200,6 +200,7 @@ def run_trl_worker(args: argparse.Namespace) -> None:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportPrivateImportUsage]
 
+    from sharpen.config.kl import KLLoss
     from sharpen.config.models import resolve_model_path
     from sharpen.data import load_examples
     from sharpen.rewards import Rubric
@@ -250,7 +251,7 @@ def run_trl_worker(args: argparse.Namespace) -> None:
         adam_beta2=trainer.betas[1],
         weight_decay=trainer.weight_decay,
         max_grad_norm=trainer.max_grad_norm,
-        beta=trainer.algorithm.kl_coef,
+        beta=trainer.algorithm.kl.coef if isinstance(trainer.algorithm.kl, KLLoss) else 0.0,
         bf16=is_bf16,
         use_cpu=not torch.cuda.is_available(),  # the device sharpen's trainer picks; bf16 on a CPU needs it said
         gradient_checkpointing=args.trl_gradient_checkpointing == "true",

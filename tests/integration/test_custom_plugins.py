@@ -63,7 +63,7 @@ def test_a_custom_environment_and_a_custom_reward_from_a_file_train(
         "run.name": json.dumps("plugins"),
         "run.num_steps": "2",
         "model.path": json.dumps(str(tiny_model_path)),
-        "data": '{type = "hf", path = "words.parquet", prompt_column = "question"}',
+        "data": '{type = "hf", path = "words.parquet", prompt_field = "question"}',
         "environment": '{type = "custom", factory = "plugins.py:ask_twice", kwargs = {follow_up = "Again?"}}',
         "environment.max_turns": "2",
         "reward.correct_weight": "0.0",

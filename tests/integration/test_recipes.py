@@ -100,11 +100,11 @@ def test_recipe_runs_with_the_tiny_model(
         assert rows[-1]["reward/mean"] == 0.0
         return
     assert rows[-1]["sync/probe_trainer_delta"] > 0.0  # the policy moved and the engine followed
-    if config.trainer.algorithm.kl_in_reward:
+    if config.trainer.algorithm.kl.in_reward:
         assert rows[-1]["reward/kl_penalty"] != 0.0  # the policy moved away from the frozen reference
-    elif config.trainer.algorithm.kl_coef > 0:
+    elif config.trainer.algorithm.kl.needs_reference:
         assert rows[-1]["train/kl"] > 0.0  # the reference is a separate, frozen copy
-    if config.trainer.algorithm.advantage == "gae":
+    if config.trainer.algorithm.advantage.needs_critic:
         assert all(math.isfinite(row["critic/value_loss"]) for row in rows)
         assert rows[0]["critic/value_mean"] == 0.0  # the fresh head predicts exactly 0
         assert rows[1]["critic/value_mean"] != rows[0]["critic/value_mean"]  # the critic trained in step 0

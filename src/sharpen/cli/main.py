@@ -11,6 +11,7 @@ import argparse
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from sharpen.config import ConfigError, SharpenConfig, dump_config, load_config
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.loader import format_validation_error
 from sharpen.config.models import KNOWN_MODELS, ModelNotFoundError
+from sharpen.config.section import DeprecatedKeyWarning
 
 EXIT_USER_ERROR = 2
 
@@ -79,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--index", type=int, default=0, help="which recorded rollout of that step (default: 0)")
 
     serve_rm = commands.add_parser(
-        "serve-rm", help="serve a sequence-classification reward model over HTTP (POST /score, GET /health)"
+        "serve-rm",
+        help="serve a sequence-classification reward model over HTTP (POST /score; token in $SHARPEN_SERVICE_TOKEN; "
+        "/healthz, /readyz, /metrics)",
     )
     serve_rm.add_argument("model_path", help="a local folder with the reward model (num_labels=1) and its tokenizer")
     serve_rm.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -260,21 +264,16 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _serve_rm(args: argparse.Namespace) -> int:
-    if not Path(args.model_path).is_dir():
-        raise ConfigError(f"serve-rm: model path {args.model_path!r} is not a folder")
-    from sharpen.rewards.rm_server import RewardModelScorer, RewardModelServer
+    from sharpen.cli.serve import serve_reward_model
 
-    scorer = RewardModelScorer.from_pretrained(args.model_path, max_length=args.max_length)
-    server = RewardModelServer(
-        scorer,
+    return serve_reward_model(
+        Path(args.model_path),
         host=args.host,
         port=args.port,
         max_batch_size=args.max_batch_size,
         max_wait_ms=args.max_wait_ms,
+        max_length=args.max_length,
     )
-    print(f"serving {args.model_path} at {server.url}", flush=True)
-    server.serve_forever()
-    return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -308,10 +307,22 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def _print_deprecation(message: Warning | str, category: type[Warning], *args: object, **kwargs: object) -> None:
+    """A moved config key is one ``sharpen:`` line on stderr, like an error, not a warning with a source line."""
+    if issubclass(category, DeprecatedKeyWarning):
+        print(f"sharpen: {message}", file=sys.stderr)
+    else:
+        _show_warning(message, category, *args, **kwargs)  # pyright: ignore[reportArgumentType]
+
+
+_show_warning = warnings.showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    warnings.showwarning = _print_deprecation
     try:
         return _run(args)
     except (ConfigError, ModelNotFoundError) as error:

@@ -6,115 +6,59 @@ each formula and its paper.
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from functools import cache
+from typing import Any, Literal, cast, get_args
 
 from pydantic import Field, field_validator, model_validator
 
-from sharpen.config.section import Section
+from sharpen.config.advantages import AdvantageConfig, GRPOAdvantage
+from sharpen.config.corrections import CorrectionConfig, OffPolicyRejectConfig, TokenTISCorrection
+from sharpen.config.kl import KLConfig, NoKL
+from sharpen.config.legacy_keys import TypedSection, migrate_algorithm_keys
+from sharpen.config.policy_losses import AggregationMode, PolicyLossConfig, PPOClipLoss
+from sharpen.config.section import DeprecatedKeyWarning, Section
+
+__all__ = ["AlgorithmConfig", "CriticConfig", "DistillationConfig", "OffPolicyRejectConfig"]
 
 
-class OffPolicyRejectConfig(Section):
-    """One rejection criterion of trainer.algorithm.off_policy_reject, on the per-token divergence between the
-    trainer's old policy and the engine's, with r_t = pi_old(y_t) / pi_engine(y_t): k1 = log r_t, k2 =
-    0.5 (log r_t)^2, k3 = (r_t - 1) - log r_t. A token criterion tests each token's divergence; a sequence criterion
-    tests the sum, mean or max of its tokens' divergences and keeps or drops the whole sequence. docs/algorithms.md
-    gives each form."""
-
-    level: Literal["token", "sequence"]
-    """What a failed test drops: the token, or every token of the sequence."""
-    statistic: Literal["sum", "mean", "max"] | None = None
-    """Sequence criteria only (required there): the sequence's statistic of its tokens' divergences. With k1, sum
-    tests the product ratio prod_t r_t and mean the geometric-mean ratio exp(mean_t log r_t); max needs k2 or k3."""
-    divergence: Literal["k1", "k2", "k3"] = "k1"
-    """Per-token divergence: k1 (log ratio, signed: tested as a ratio band [low, high]), or the non-negative k2 /
-    k3 (tested against the upper threshold high)."""
-    low: float | None = Field(default=None, ge=0.0, le=1.0)
-    """k1 only (required there): the lowest kept ratio (exp of the statistic); 0 means no lower bound."""
-    high: float = Field(gt=0.0)
-    """k1: the highest kept ratio (at least 1); k2 / k3: the largest kept divergence (or statistic of them)."""
-
-    @property
-    def name(self) -> str:
-        """The criterion's name in metrics: ``token_k1``, ``seq_mean_k1``, ``seq_max_k3``, ..."""
-        return f"token_{self.divergence}" if self.level == "token" else f"seq_{self.statistic}_{self.divergence}"
-
-    @model_validator(mode="after")
-    def _check_form(self) -> OffPolicyRejectConfig:
-        if self.level == "token" and self.statistic is not None:
-            raise ValueError('statistic applies to level = "sequence" only (a token is tested on its own divergence)')
-        if self.level == "sequence" and self.statistic is None:
-            raise ValueError('level = "sequence" needs statistic = "sum", "mean" or "max"')
-        if self.divergence == "k1":
-            if self.statistic == "max":
-                raise ValueError('statistic = "max" needs divergence = "k2" or "k3" (k1 is signed: use a k1 band)')
-            if self.low is None:
-                raise ValueError("a k1 criterion needs low (its ratio band is [low, high]; low = 0: no lower bound)")
-            if self.high < 1.0:
-                raise ValueError(f"a k1 criterion needs high >= 1 (a ratio of 1 must be kept), got high = {self.high}")
-        elif self.low is not None:
-            raise ValueError(f"low applies to k1 only: {self.divergence} is non-negative, give only its threshold high")
-        return self
+@cache
+def _typed_sections() -> dict[str, TypedSection]:
+    """The typed sections of `AlgorithmConfig` (classes by ``type``, the default type), read from its fields."""
+    sections: dict[str, TypedSection] = {}
+    for name, field in AlgorithmConfig.model_fields.items():
+        if field.discriminator != "type":
+            continue
+        members = get_args(field.annotation)
+        classes = {get_args(c.model_fields["type"].annotation)[0]: c for c in members}
+        sections[name] = TypedSection(classes=classes, default=field.get_default(call_default_factory=True).type)
+    return sections
 
 
 class AlgorithmConfig(Section):
-    """The RL objective. docs/algorithms.md gives each formula and its paper."""
+    """The RL objective: four typed parts (advantage estimator, policy loss, off-policy correction, KL term), each a
+    section chosen by ``type`` with only its own knobs and its paper's defaults, plus how the loss is aggregated and
+    how each batch is stepped. docs/algorithms.md gives each formula and its paper; the flat keys of earlier
+    versions (``clip_eps_low``, ``kl_coef``, ...) still load, with one deprecation line (``config/legacy_keys.py``)."""
 
-    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "passk", "gae"] = (
-        "grpo"
-    )
-    """Advantage estimator: GRPO (group mean/std), Dr.GRPO (group mean only), RLOO (leave-one-out), REINFORCE++
-    (per-token returns of the score and the KL penalty, normalised over the batch's tokens), REINFORCE++-baseline
-    (the same with the group mean subtracted from the score), ReMax (greedy baseline), Pass@k (the analytic
-    advantage of the best-of-passk_k reward; a score >= 1 counts as correct) or GAE (per-token, from a learned value
-    model: PPO with a critic, configured in trainer.critic)."""
-    passk_k: int = Field(default=1, ge=1)
-    """advantage = "passk": the k of pass@k, 1 <= k < rollout.num_samples_per_prompt (k = the group size makes every
-    group's estimate 0 or 1, so every advantage 0); 1 is GRPO with the population std (Chen et al. 2025)."""
-    advantage_std: Literal["unbiased", "population"] = "unbiased"
-    """Standard-deviation convention wherever advantages are divided by one (GRPO's group std, REINFORCE++'s batch
-    std, the critic's whitening): ``unbiased`` divides the squared deviations by k - 1 (what veRL's GRPO advantage
-    and TRL's GRPOTrainer compute, torch.std), ``population`` by k."""
-    reinforce_pp_gamma: float = Field(default=1.0, ge=0.0, le=1.0)
-    """REINFORCE++ (both variants): discount per trained token of the return G_t = sum_{k >= t} gamma^(k - t) rew_k,
-    rew_k the KL penalty of token k (kl_in_reward) plus the score on the last token (the paper's 1.0: every token
-    sees the whole score). GAE's discount is trainer.critic.gamma."""
-    policy_loss: Literal["ppo_clip", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "pg"] = "ppo_clip"
-    """Policy loss: PPO clip (token ratio), GSPO (sequence ratio), CISPO (clipped stop-gradient IS weight on the
-    log-likelihood), SAPO (soft sigmoid gate instead of the clip), GMPO (geometric mean of log-space-clipped token
-    ratios), Clip-Cov / KL-Cov (PPO with the gradient of a few high-covariance tokens detached / unclipped with a
-    |log r| penalty on them) or plain on-policy policy gradient. GSPO and GMPO are sequence objectives: they need
-    loss_aggregation = "seq_mean_token_mean"."""
-    clip_eps_low: float = Field(default=0.2, ge=0.0)
-    """The ratio is clipped below at 1 - clip_eps_low (PPO, GSPO, CISPO)."""
-    clip_eps_high: float = Field(default=0.2, ge=0.0)
-    """The ratio is clipped above at 1 + clip_eps_high (DAPO's clip-higher when larger than low)."""
-    dual_clip_c: float | None = Field(default=None, gt=1.0)
-    """Dual-clip PPO: for negative advantages the loss is bounded by c * |A| (None: off)."""
-    sapo_tau_pos: float = Field(default=1.0, gt=0.0)
-    """SAPO: gate temperature for tokens with a positive advantage (the paper's 1.0)."""
-    sapo_tau_neg: float = Field(default=1.05, gt=0.0)
-    """SAPO: gate temperature for tokens with a zero or negative advantage (the paper's 1.05: damped harder)."""
-    gmpo_log_clip_low: float = Field(default=0.4, ge=0.0)
-    """GMPO: token log-ratios are clipped below at -gmpo_log_clip_low (the paper's ratio range is (e^-0.4, e^0.4))."""
-    gmpo_log_clip_high: float = Field(default=0.4, ge=0.0)
-    """GMPO: token log-ratios are clipped above at gmpo_log_clip_high."""
-    clip_cov_fraction: float = Field(default=2e-4, gt=0.0, le=1.0)
-    """Clip-Cov: fraction of a mini-batch's loss tokens (at least 1) whose gradient is detached, drawn at random
-    among those with covariance inside (clip_cov_min, clip_cov_max) (the paper's 2e-4)."""
-    clip_cov_min: float = 1.0
-    """Clip-Cov: lower bound of the covariance of the tokens that may be drawn (the paper's 1)."""
-    clip_cov_max: float = 5.0
-    """Clip-Cov: upper bound of the covariance of the tokens that may be drawn (the paper's 5)."""
-    kl_cov_fraction: float = Field(default=2e-3, gt=0.0, le=1.0)
-    """KL-Cov: fraction of a mini-batch's loss tokens (at least 1), those of largest covariance, that get the
-    |log r| penalty (the paper's 2e-3 for 7B models; 2e-4 for 32B)."""
-    kl_cov_coef: float = Field(default=1.0, ge=0.0)
-    """KL-Cov: weight of the |log r| penalty on the selected tokens (the paper's 1)."""
-    loss_aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = (
-        "token_mean"
-    )
+    advantage: AdvantageConfig = Field(default_factory=GRPOAdvantage)
+    """Advantage estimator: grpo, drgrpo, rloo, reinforce_pp, reinforce_pp_baseline, remax, passk (with k) or gae
+    (PPO with a critic, configured in trainer.critic). ``advantage = "rloo"`` is short for ``{type = "rloo"}``."""
+    policy_loss: PolicyLossConfig = Field(default_factory=PPOClipLoss)
+    """Policy loss: ppo_clip, gspo, cispo, sapo, gmpo, clip_cov, kl_cov or pg, each with its paper's knobs
+    (``policy_loss = "gspo"`` is GSPO with the paper's clip range and aggregation)."""
+    off_policy_correction: CorrectionConfig = Field(default_factory=TokenTISCorrection)
+    """Correction of the loss against the engine's (behaviour) logprobs: none, token_tis, sequence_tis, token_mask,
+    icepop or sequence_mask, with rejection criteria (``reject``). On by default (token_tis): the engine's numerics
+    never exactly match the trainer's."""
+    kl: KLConfig = Field(default_factory=NoKL)
+    """KL to the reference policy: none, as a loss term (``{type = "loss", coef = 0.01}``) or as a per-token reward
+    penalty (``{type = "reward", coef = 0.01, estimator = "k1"}``)."""
+    loss_aggregation: AggregationMode | None = None
     """How per-token losses become one number, normalised over the whole mini-batch so the micro-batch split never
-    changes the gradient. seq_mean_token_sum_norm divides each sequence's sum by a constant (Dr.GRPO)."""
+    changes the gradient; seq_mean_token_sum_norm divides each sequence's sum by a constant (Dr.GRPO). Left out: the
+    policy loss's paper's (token_mean; seq_mean_token_mean for GSPO, GMPO and SAPO), written into the resolved
+    config."""
     aggregation_constant: int | None = Field(default=None, ge=1)
     """The constant of seq_mean_token_sum_norm (None: rollout.max_new_tokens)."""
     mask_truncated: bool = False
@@ -126,68 +70,34 @@ class AlgorithmConfig(Section):
     """Optimizer steps per epoch: the batch is split into this many mini-batches."""
     entropy_coef: float = Field(default=0.0, ge=0.0)
     """Weight of the entropy bonus (0: entropy is still logged, no extra cost beyond the logits already computed)."""
-    kl_coef: float = Field(default=0.0, ge=0.0)
-    """Weight of the KL(policy || reference) loss term; 0 loads no reference model and runs no reference forward."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k2"
-    """Per-token KL estimator used as the loss. k2's gradient is the true reverse-KL gradient on on-policy samples;
-    k3 (GRPO's choice) is an unbiased value but a biased gradient; k1's expected gradient is zero."""
-    kl_target: float | None = Field(default=None, gt=0.0)
-    """Adaptive KL coefficient (Ziegler et al.): steer the measured KL towards this target (None: fixed kl_coef)."""
-    kl_horizon: int = Field(default=10000, ge=1)
-    """Horizon (in samples) of the adaptive KL controller."""
-    kl_in_reward: bool = False
-    """Apply the KL as a per-token reward penalty, -kl_coef * KL_t(engine || reference) with kl_estimator, before
-    the advantages (REINFORCE++, PPO-RLHF), instead of as a loss term. Needs kl_coef > 0."""
-    off_policy_correction: Literal["none", "token_tis", "sequence_tis", "token_mask", "icepop", "sequence_mask"] = (
-        "token_tis"
-    )
-    """Correction of the loss against the engine's (behaviour) logprobs: truncated importance sampling per token or
-    per sequence, masking tokens/sequences whose ratio leaves [off_policy_low, off_policy_high] (weight 1), or
-    IcePop (weight = the ratio inside that band, 0 outside). On by default: the engine's numerics never exactly
-    match the trainer's."""
-    off_policy_cap: float = Field(default=2.0, gt=0.0)
-    """Truncation of the importance weight for the *_tis corrections."""
-    off_policy_low: float = Field(default=0.5, ge=0.0)
-    """Lower edge of the kept ratio band for the *_mask and icepop corrections."""
-    off_policy_high: float = Field(default=2.0, gt=0.0)
-    """Upper edge of the kept ratio band for the *_mask and icepop corrections."""
-    off_policy_reject: list[OffPolicyRejectConfig] = Field(default_factory=list[OffPolicyRejectConfig])
-    """Rejection criteria applied on top of off_policy_correction (empty: none): a token stays in the loss only if
-    every criterion keeps it; rejected tokens and sequences get weight 0 and leave the loss mask, the others keep
-    the correction's weight. E.g. ``[{level = "token", low = 0.5, high = 2.0}, {level = "sequence", statistic =
-    "max", divergence = "k3", high = 1.0}]``."""
-    off_policy_normalize: bool = False
-    """Divide the importance weights by their mean over the kept tokens (token_tis, icepop) or kept sequences
-    (sequence_tis) of the whole mini-batch, so that they average 1: less variance, a small bias. Needs the trainer's
-    old logprobs before the first micro-batch (one extra forward pass without gradient when num_epochs and
-    num_mini_batches are 1)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _migrate_legacy_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        migrated, line = migrate_algorithm_keys(cast(dict[str, Any], data), _typed_sections())
+        if line is not None:
+            warnings.warn(line, DeprecatedKeyWarning, stacklevel=2)
+        return migrated
 
     @model_validator(mode="after")
-    def _check_band(self) -> AlgorithmConfig:
-        if self.kl_in_reward and self.kl_coef == 0:
-            raise ValueError("kl_in_reward needs kl_coef > 0")
-        if self.off_policy_low > self.off_policy_high:
+    def _resolve_aggregation(self) -> AlgorithmConfig:
+        loss = self.policy_loss
+        if self.loss_aggregation is None:
+            self.loss_aggregation = loss.paper_aggregation  # validates again, then with a value: no loop
+        elif loss.sequence_level and self.loss_aggregation != loss.paper_aggregation:
             raise ValueError(
-                f"off_policy_low = {self.off_policy_low} is above off_policy_high = {self.off_policy_high}"
-            )
-        names = [criterion.name for criterion in self.off_policy_reject]
-        if repeated := sorted({name for name in names if names.count(name) > 1}):
-            raise ValueError(
-                f"off_policy_reject lists {', '.join(repeated)} more than once: merge their bounds into one criterion"
-            )
-        if self.off_policy_normalize and self.off_policy_correction not in ("token_tis", "sequence_tis", "icepop"):
-            raise ValueError(
-                f'off_policy_normalize needs importance weights: off_policy_correction = "token_tis", "sequence_tis" '
-                f'or "icepop" (the weights of "{self.off_policy_correction}" are all 1)'
-            )
-        if self.clip_cov_min >= self.clip_cov_max:
-            raise ValueError(f"clip_cov_min = {self.clip_cov_min} must be below clip_cov_max = {self.clip_cov_max}")
-        if self.policy_loss in ("gspo", "gmpo") and self.loss_aggregation != "seq_mean_token_mean":
-            raise ValueError(
-                f'policy_loss = "{self.policy_loss}" is a sequence-level objective (its paper averages the loss over '
-                f'sequences): it needs loss_aggregation = "seq_mean_token_mean", got "{self.loss_aggregation}"'
+                f'policy_loss = "{loss.type}" is a sequence-level objective (its paper averages the loss over '
+                f'sequences): it needs loss_aggregation = "{loss.paper_aggregation}", got "{self.loss_aggregation}"'
             )
         return self
+
+    @property
+    def aggregation(self) -> AggregationMode:
+        """The resolved loss aggregation (never None after validation)."""
+        assert self.loss_aggregation is not None, "filled in by validation"
+        return self.loss_aggregation
 
 
 class CriticConfig(Section):

@@ -3,11 +3,11 @@ vLLM and SGLang servers, transformers, and the scripted test engine (docs/engine
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
-from sharpen.config.section import Section, internal
+from sharpen.config.section import Section, internal, rename_keys
 
 
 class VllmEngineConfig(Section):
@@ -40,12 +40,18 @@ class EngineServerFields(Section):
     """The address a server sharpen starts listens on."""
     port: int = Field(default=0, ge=0, le=65535)
     """The port a server sharpen starts listens on (0: any free port)."""
-    startup_timeout_s: float = Field(default=900.0, gt=0.0)
-    """How long a server sharpen starts may take to become ready before the run stops with its log's end."""
+    start_timeout_s: float = Field(default=900.0, gt=0.0)
+    """How long a server sharpen starts may take to become ready before the run stops with its log's end (named
+    like the other start timeouts; startup_timeout_s before)."""
     extra_args: list[str] = Field(default_factory=list[str])
     """More command-line arguments for a server sharpen starts."""
     served_model_name: str | None = None
     """The model name the server must report (checked when connecting to a URL; None: the run's model path)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_old_keys(cls, data: Any) -> Any:
+        return rename_keys(data, {"startup_timeout_s": "start_timeout_s"}, section="rollout.engine")
 
 
 class VllmServerEngineConfig(EngineServerFields):

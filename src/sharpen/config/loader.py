@@ -14,8 +14,13 @@ from typing import Any, cast, get_args
 
 from pydantic import BaseModel, ValidationError
 
+from sharpen.config.advantages import AdvantageConfig
+from sharpen.config.corrections import CorrectionConfig
 from sharpen.config.engines import EngineConfig
 from sharpen.config.environments import EnvironmentConfig
+from sharpen.config.kl import KLConfig
+from sharpen.config.legacy_keys import MOVED_ALGORITHM_KEYS, TYPED_SECTIONS
+from sharpen.config.policy_losses import PolicyLossConfig
 from sharpen.config.rewards import RewardComponentConfig
 from sharpen.config.schema import DataConfig, SharpenConfig
 
@@ -40,8 +45,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for text in overrides:
         path, value = parse_override(text)
         node = data
-        for part in path[:-1]:
+        for depth, part in enumerate(path[:-1]):
             child: Any = node.setdefault(part, {})
+            if isinstance(child, str) and tuple(path[:depth]) == ("trainer", "algorithm") and part in TYPED_SECTIONS:
+                child = node[part] = {"type": child}  # a section given by its name alone, tuned by the override
             if not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: {part!r} is a value, not a section")
             node = cast(dict[str, Any], child)
@@ -49,18 +56,52 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def _known_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> list[str]:
-    """Field names of the section at ``loc`` (best effort, for 'did you mean' hints)."""
+def _known_keys(model: type[BaseModel], loc: tuple[str | int, ...]) -> tuple[list[str], dict[str, list[str]]]:
+    """Field names of the section at ``loc`` (pydantic's location, union tags included), and when that section is
+    a member of a discriminated union, the fields of every member by tag (best effort, for 'did you mean' hints)."""
     current: Any = model
-    for part in loc[:-1]:
+    members: dict[str, Any] = {}
+    parts = list(loc[:-1])
+    while parts:
+        part = parts.pop(0)
         fields = getattr(current, "model_fields", None)
         if fields is None or part not in fields:
-            return []
+            return [], {}
         annotation = fields[part].annotation
-        current = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-        if current is None:
-            return []
-    return list(getattr(current, "model_fields", {}))
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            current, members = annotation, {}
+            continue
+        members = {tag: member for member in get_args(annotation) if (tag := _tag(member)) is not None}
+        tag = parts.pop(0) if parts else None
+        if not isinstance(tag, str) or tag not in members:
+            return [], {}
+        current = members[tag]
+    return list(getattr(current, "model_fields", {})), {tag: list(m.model_fields) for tag, m in members.items()}
+
+
+def _tag(member: object) -> str | None:
+    """The ``type`` value of a discriminated union's member; None for anything else."""
+    fields = getattr(member, "model_fields", None)
+    if not isinstance(fields, dict) or "type" not in fields:
+        return None
+    tags = get_args(cast(Any, fields["type"]).annotation)
+    return str(tags[0]) if len(tags) == 1 else None
+
+
+def _suggest(loc: tuple[str | int, ...]) -> str:
+    """' (did you mean ...?)' for an unknown key at ``loc``, or ''. A key of another member of the same union
+    names the types that have it; a flat key of an older ``[trainer.algorithm]`` is pointed to where it moved."""
+    known, members = _known_keys(SharpenConfig, loc)
+    key = str(loc[-1])
+    owners = sorted(tag for tag, fields in members.items() if key in fields)
+    if owners:
+        return f" (it belongs to type = {' or '.join(repr(tag) for tag in owners)})"
+    is_algorithm = tuple(loc[:-1]) == ("trainer", "algorithm")
+    hint = difflib.get_close_matches(key, known + list(MOVED_ALGORITHM_KEYS) if is_algorithm else known, n=1)
+    if not hint:
+        return ""
+    suggestion = MOVED_ALGORITHM_KEYS.get(hint[0], hint[0]) if is_algorithm else hint[0]
+    return f" (did you mean {suggestion!r}?)"
 
 
 _MOVED_KEYS = {"environment.sandbox": "sandbox", "reward.sandbox": "sandbox"}
@@ -77,8 +118,7 @@ def format_validation_error(error: ValidationError) -> str:
         )
         key = ".".join(str(part) for part in loc) or "<config>"
         if item["type"] == "extra_forbidden":
-            hint = difflib.get_close_matches(str(loc[-1]), _known_keys(SharpenConfig, loc), n=1)
-            suggestion = f" (did you mean {hint[0]!r}?)" if hint else ""
+            suggestion = _suggest(item["loc"])
             if key in _MOVED_KEYS:
                 suggestion = f" (it moved to [{_MOVED_KEYS[key]}])"
             lines.append(f"{key}: unknown key{suggestion}")
@@ -100,7 +140,16 @@ def _discriminator_tags(*unions: object) -> set[str]:
     return tags
 
 
-_UNION_TAGS = _discriminator_tags(DataConfig, EngineConfig, EnvironmentConfig, RewardComponentConfig)
+_UNION_TAGS = _discriminator_tags(
+    DataConfig,
+    EngineConfig,
+    EnvironmentConfig,
+    RewardComponentConfig,
+    AdvantageConfig,
+    PolicyLossConfig,
+    CorrectionConfig,
+    KLConfig,
+)
 
 
 def fill_default_types(data: dict[str, Any], model: type[BaseModel] = SharpenConfig) -> dict[str, Any]:

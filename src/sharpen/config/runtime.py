@@ -1,4 +1,4 @@
-"""Configuration of the runtime that drives the loop: one process ("local") or actors on a Ray cluster ("ray").
+"""Configuration of the runtime that drives the loop: one process ("embedded") or actors on a Ray cluster ("ray").
 
 Pydantic only, like the rest of `sharpen.config`: a field's docstring is its help text. The loop is the same in
 both runtimes; this section only says where the trainer and the engine live and how long a call to them may take.
@@ -6,24 +6,28 @@ both runtimes; this section only says where the trainer and the engine live and 
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal, cast
 
 from pydantic import Field, model_validator
 
-from sharpen.config.section import Section
+from sharpen.config.section import DeprecatedKeyWarning, Section, rename_keys
 
 
 class RuntimeConfig(Section):
     """Where the components run. "ray" puts the trainer and the engine in one Ray actor each; the loop, the
     sampler, the environments and the rewards stay in the driver process."""
 
-    type: Literal["local", "ray"] = "local"
-    """"local": every component in this process. "ray": the trainer and the engine as Ray actors."""
+    type: Literal["embedded", "ray"] = "embedded"
+    """"embedded": every component in this process (`orchestration/embedded.py`). "ray": the trainer and the engine
+    as Ray actors. ("local", its name before, still loads, with a deprecation line.)"""
     address: str | None = None
     """Address of a running Ray cluster ("auto", "ray://host:10001", "host:6379"); None starts a local Ray instance
-    (stopped at the end of the run). The local runtime uses Ray only for reward models with backend = "ray"."""
-    num_cpus: int | None = Field(default=None, ge=1)
-    """CPUs of the local Ray instance (None: all of this machine's); only when address is None."""
+    (stopped at the end of the run). The embedded runtime uses Ray only for reward models with backend = "ray" and
+    for fleets."""
+    ray_cpus: int | None = Field(default=None, ge=1)
+    """CPUs of the local Ray instance (None: all of this machine's); only when address is None. (num_cpus before:
+    a fleet's num_cpus is what each of its replicas reserves.)"""
     trainer_cpus: float = Field(default=0.5, gt=0.0)
     """CPUs reserved for the trainer actor (fractions allowed; leave room on small machines: an actor waiting
     for CPUs never starts)."""
@@ -51,10 +55,26 @@ class RuntimeConfig(Section):
     start_timeout_s: float = Field(default=1800.0, gt=0.0)
     """Longest wait for an actor to start and build its component (loading a model, starting vLLM)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_old_keys(cls, data: Any) -> Any:
+        renamed = rename_keys(data, {"num_cpus": "ray_cpus"}, section="runtime")
+        if not isinstance(renamed, dict):
+            return renamed
+        section = cast(dict[str, Any], renamed)
+        if section.get("type") != "local":
+            return section
+        warnings.warn(
+            'runtime.type = "local" is now called "embedded": write runtime.type = "embedded"',
+            DeprecatedKeyWarning,
+            stacklevel=2,
+        )
+        return {**section, "type": "embedded"}
+
     @model_validator(mode="after")
     def _check_local_instance(self) -> RuntimeConfig:
-        if self.num_cpus is not None and self.address is not None:
-            raise ValueError("runtime.num_cpus sizes a local Ray instance; leave it unset with runtime.address")
+        if self.ray_cpus is not None and self.address is not None:
+            raise ValueError("runtime.ray_cpus sizes a local Ray instance; leave it unset with runtime.address")
         if self.colocate and self.trainer_gpus + self.engine_gpus > 1:
             raise ValueError(
                 f"runtime.colocate puts a trainer rank and an engine on one GPU, but trainer_gpus = "

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, field_validator, model_validator
 
+from sharpen.config.advantages import PassKAdvantage
 from sharpen.config.algorithm import AlgorithmConfig, CriticConfig, DistillationConfig
 from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfig
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
@@ -20,7 +21,7 @@ from sharpen.config.lora import LoraConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.config.section import Section, internal
+from sharpen.config.section import Section, internal, rename_keys
 
 
 class RunConfig(Section):
@@ -111,14 +112,15 @@ class HfDataConfig(Section):
     split: str = "train"
     """The split to read where the path holds several (a saved DatasetDict, a folder with split-named files); a
     source of one split (data files, a saved Dataset) is read whatever this says."""
-    prompt_column: str = "prompt"
-    """Column holding the prompt: a string (one user message) or a list of {role, content} messages."""
-    answer_column: str = "answer"
-    """Column holding the reference answer (a string or a number). With messages_column set and no such column in
+    prompt_field: str = "prompt"
+    """Column holding the prompt (named like the JSONL source's field; prompt_column before): a string (one user
+    message) or a list of {role, content} messages."""
+    answer_field: str = "answer"
+    """Column holding the reference answer (a string or a number). With messages_field set and no such column in
     the dataset, the answer is the content of each conversation's last message, which must be the assistant's."""
-    messages_column: str | None = None
-    """Column holding whole conversations (lists of {role, content} messages), read instead of prompt_column: a
-    last assistant message is cut from the prompt (and is the answer when the dataset has no answer_column)."""
+    messages_field: str | None = None
+    """Column holding whole conversations (lists of {role, content} messages), read instead of prompt_field: a
+    last assistant message is cut from the prompt (and is the answer when the dataset has no answer_field)."""
     verifier: Literal["exact_match", "math"] = "exact_match"
     """How an extracted answer is checked against the reference: equal up to whitespace, case and number format,
     or mathematically equivalent (math-verify: fractions, LaTeX, sets, intervals; run in a process pool)."""
@@ -127,6 +129,16 @@ class HfDataConfig(Section):
     answer-format instruction)."""
     limit: int | None = Field(default=None, ge=1)
     """The first N rows of the split (None: all)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _rename_columns(cls, data: Any) -> Any:
+        renamed = {
+            "prompt_column": "prompt_field",
+            "answer_column": "answer_field",
+            "messages_column": "messages_field",
+        }
+        return rename_keys(data, renamed, section="data")
 
 
 DataConfig = Annotated[
@@ -367,7 +379,7 @@ class SharpenConfig(Section):
 
     run: RunConfig = Field(default_factory=RunConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    """Where the trainer and the engine run: this process ("local") or Ray actors ("ray")."""
+    """Where the trainer and the engine run: this process ("embedded") or Ray actors ("ray")."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=ReasoningGymDataConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -426,18 +438,18 @@ class SharpenConfig(Section):
 
     def _check_advantage(self) -> None:
         """What the advantage estimator needs from the group size and the reward."""
-        algorithm, num_samples = self.trainer.algorithm, self.rollout.num_samples_per_prompt
+        advantage, num_samples = self.trainer.algorithm.advantage, self.rollout.num_samples_per_prompt
         largest_k = max(num_samples - 1, 1)
-        if algorithm.advantage == "passk" and algorithm.passk_k > largest_k:
+        if isinstance(advantage, PassKAdvantage) and advantage.k > largest_k:
             raise ValueError(
-                f"trainer.algorithm.passk_k = {algorithm.passk_k} must be between 1 and {largest_k} "
+                f"trainer.algorithm.advantage.k = {advantage.k} must be between 1 and {largest_k} "
                 f"(below rollout.num_samples_per_prompt = {num_samples}): pass@k is estimated from each group's "
                 "samples, and with k >= their number every group's estimate is 0 or 1, so every advantage is 0"
             )
-        if self.reward.component_normalization == "group" and algorithm.advantage == "remax":
+        if self.reward.component_normalization == "group" and advantage.needs_greedy_baseline:
             raise ValueError(
-                'reward.component_normalization = "group" cannot be used with advantage = "remax": the greedy '
-                "baseline is a group of one, whose normalised components are all 0"
+                f'reward.component_normalization = "group" cannot be used with advantage = "{advantage.type}": the '
+                "greedy baseline is a group of one, whose normalised components are all 0"
             )
 
     def _check_adapter_sync(self) -> None:
@@ -457,10 +469,11 @@ class SharpenConfig(Section):
     def _check_scale_out(self) -> None:
         """What the runtime's placement, the engines and the weight transport cannot do together."""
         runtime, engine = self.runtime, self.rollout.engine
-        if runtime.trainer_ranks > 1 and self.trainer.algorithm.advantage == "gae":
+        if runtime.trainer_ranks > 1 and self.trainer.algorithm.advantage.needs_critic:
             raise ValueError(
-                f'runtime.trainer_ranks = {runtime.trainer_ranks} shards the policy with FSDP2, but advantage = "gae" '
-                "needs a critic, which runs on one device only: use trainer_ranks = 1"
+                f"runtime.trainer_ranks = {runtime.trainer_ranks} shards the policy with FSDP2, but advantage = "
+                f'"{self.trainer.algorithm.advantage.type}" needs a critic, which runs on one device only: use '
+                "trainer_ranks = 1"
             )
         if runtime.colocate and self.rollout.mode == "async":
             raise ValueError(

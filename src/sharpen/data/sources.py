@@ -285,12 +285,12 @@ _HF_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jso
 
 def _load_hf(config: HfDataConfig) -> list[Example]:
     rows, columns, name, where = _read_hf_rows(config)
-    answer_from_messages = config.messages_column is not None and config.answer_column not in columns
+    answer_from_messages = config.messages_field is not None and config.answer_field not in columns
     needed = [
-        (config.messages_column, "messages_column")
-        if config.messages_column is not None
-        else (config.prompt_column, "prompt_column"),
-        *([] if answer_from_messages else [(config.answer_column, "answer_column")]),
+        (config.messages_field, "messages_field")
+        if config.messages_field is not None
+        else (config.prompt_field, "prompt_field"),
+        *([] if answer_from_messages else [(config.answer_field, "answer_field")]),
     ]
     for column, config_key in needed:
         if column not in columns:
@@ -304,31 +304,31 @@ def _load_hf(config: HfDataConfig) -> list[Example]:
 
 
 def _example_from_row(row: dict[str, Any], config: HfDataConfig, *, task_key: str, where: str) -> Example:
-    """One example from one row. With messages_column, a conversation's last assistant message is cut from the
-    prompt (the policy must not see it) and is the answer where the dataset has no answer_column."""
-    if config.messages_column is None:
-        used = [config.prompt_column]
-        messages = _parse_prompt(_without_nulls(row[config.prompt_column]), where=f"{where}: column {used[0]!r}")
+    """One example from one row. With messages_field, a conversation's last assistant message is cut from the
+    prompt (the policy must not see it) and is the answer where the dataset has no answer_field column."""
+    if config.messages_field is None:
+        used = [config.prompt_field]
+        messages = _parse_prompt(_without_nulls(row[config.prompt_field]), where=f"{where}: column {used[0]!r}")
         final = None
     else:
-        used = [config.messages_column]
-        where_messages = f"{where}: column {config.messages_column!r}"
-        conversation = row[config.messages_column]
+        used = [config.messages_field]
+        where_messages = f"{where}: column {config.messages_field!r}"
+        conversation = row[config.messages_field]
         if not isinstance(conversation, list):
             raise DataError(f"{where_messages}: must be a list of {{role, content}} messages")
         messages = _parse_prompt(_without_nulls(conversation), where=where_messages)
         final = messages.pop() if messages[-1].role == "assistant" else None
         if not messages:
             raise DataError(f"{where_messages}: only an assistant message, no prompt")
-    if config.answer_column in row:
-        used.append(config.answer_column)
-        answer = _checked_answer(row[config.answer_column], where=f"{where}: column {config.answer_column!r}")
+    if config.answer_field in row:
+        used.append(config.answer_field)
+        answer = _checked_answer(row[config.answer_field], where=f"{where}: column {config.answer_field!r}")
     elif final is not None:
         answer = final.text
     else:
         raise DataError(
-            f"{where}: column {config.messages_column!r}: the conversation does not end with an assistant message "
-            f"and the dataset has no column {config.answer_column!r} (data.answer_column) to take the answer from"
+            f"{where}: column {config.messages_field!r}: the conversation does not end with an assistant message "
+            f"and the dataset has no column {config.answer_field!r} (data.answer_field) to take the answer from"
         )
     metadata = {key: to_json_safe(value) for key, value in row.items() if key not in used}
     return _file_example(config, task_key=task_key, messages=messages, answer=answer, metadata=metadata)

@@ -44,6 +44,7 @@ from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.rollout.weight_sync.verify import FLOAT32_TOLERANCE, ProbeTolerance
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
 from sharpen.trainer.backends.base import ReferenceScorer, TrainerBackend
+from sharpen.trainer.backends.frozen import LoraReferencePolicy
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.trainer.backends.teacher import TeacherPolicy, TeacherPrompt, check_same_vocabulary
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
@@ -204,18 +205,17 @@ def build_trainer(
     precision = run_precision(config).precision
     reference: ReferenceScorer | None = None
     lora = backend.lora if isinstance(backend, SingleDeviceBackend) else None  # set when trainer.lora.enabled
-    if config.trainer.algorithm.kl_coef > 0 and isinstance(backend, SingleDeviceBackend) and lora is not None:
-        from sharpen.trainer.backends.lora import LoraReferencePolicy  # peft: imported only by LoRA runs
-
+    needs_reference = config.trainer.algorithm.kl.needs_reference
+    if needs_reference and isinstance(backend, SingleDeviceBackend) and lora is not None:
         reference = LoraReferencePolicy(  # no second model copy
             lora, device=backend.device, precision=precision, vision=backend.vision, model_path=model_path
         )
-    elif config.trainer.algorithm.kl_coef > 0:
+    elif needs_reference:
         reference = ReferencePolicy(
             model_path=model_path, dtype=config.model.master_dtype, device=backend.device, precision=precision
         )
     critic = None
-    if config.trainer.algorithm.advantage == "gae":
+    if config.trainer.algorithm.advantage.needs_critic:
         critic = ValueModel(
             config.trainer.critic,
             model_path=model_path,
@@ -333,7 +333,7 @@ def build_components(
     )
 
 
-def build_parity_probe(config: SharpenConfig, c: Components, examples: list[Example]) -> ParityProbe | None:
+def build_parity_probe(config: SharpenConfig, components: Components, examples: list[Example]) -> ParityProbe | None:
     """The run's parity probes: its first tasks' prompts, completed greedily by the engine once (at the start, or
     at the resumed weights). Prompts with images are rendered as the episode runner renders them (its
     `VisionProcessor`) and carry their images to the engine and the trainer."""
@@ -342,13 +342,16 @@ def build_parity_probe(config: SharpenConfig, c: Components, examples: list[Exam
         return None
     probed = examples[: monitoring.parity_probe_size]
     images = [prompt_images(example.prompt) for example in probed]
-    vision = c.runner.vision
+    vision = components.runner.vision
     prompts = [
         vision.render_prompt(example.prompt)
         if vision is not None and found
-        else render_prompt(c.tokenizer, example.prompt)
+        else render_prompt(components.tokenizer, example.prompt)
         for example, found in zip(probed, images, strict=True)
     ]
     return build_probe_set(
-        prompts, c.engine, max_new_tokens=monitoring.parity_probe_max_new_tokens, images=images if any(images) else None
+        prompts,
+        components.engine,
+        max_new_tokens=monitoring.parity_probe_max_new_tokens,
+        images=images if any(images) else None,
     )

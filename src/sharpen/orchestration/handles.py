@@ -37,7 +37,7 @@ class TrainerHandle(Protocol):
         ...
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
-        """Per-token KL penalties of each rollout against the reference policy (``kl_in_reward``)."""
+        """Per-token KL penalties of each rollout against the reference policy (``kl.type = "reward"``)."""
         ...
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:

@@ -30,13 +30,12 @@ from sharpen.monitoring import (
 )
 from sharpen.orchestration.batches import GroupCollector, ProducedBatch, build_batch_source
 from sharpen.orchestration.checkpoint import save_checkpoint
-from sharpen.orchestration.filters import overlong_filter
 from sharpen.orchestration.handles import TrainerHandle
-from sharpen.orchestration.phases import add_kl_penalties, assign_advantages, reward_metrics
+from sharpen.orchestration.phases import compute_step_advantages, reward_metrics
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rewards import RewardFn
 from sharpen.rewards.canaries import build_canary_monitor
-from sharpen.rewards.hack_monitor import PolicyErrorMonitor, hack_metrics, penalise_flagged, screen_flagged
+from sharpen.rewards.hack_monitor import PolicyErrorMonitor, hack_metrics
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Example, TrainBatch, with_segments
@@ -69,62 +68,62 @@ class Components:
     steps (None: off)."""
 
 
-def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBatch] = ()) -> None:
+def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[ProducedBatch] = ()) -> None:
     """Steps ``start_step .. run.num_steps - 1``. ``pending``: batches a checkpoint kept (async mode) — they are
     trained on first, exactly as they would have been without the interruption."""
-    config = c.config
-    timer = PhaseTimer(timeline=c.timeline)
+    config = components.config
+    timer = PhaseTimer(timeline=components.timeline)
     health = RunHealth(
-        c.run_dir,
+        components.run_dir,
         spike_factor=config.monitoring.grad_norm_spike_factor,
         spike_window=config.monitoring.grad_norm_spike_window,
     )
     source = build_batch_source(
         config,
-        GroupCollector(config, runner=c.runner, rubric=c.rubric, sampler=c.sampler),
-        engine=c.engine,
-        weight_sync=c.weight_sync,
+        GroupCollector(config, runner=components.runner, rubric=components.rubric, sampler=components.sampler),
+        engine=components.engine,
+        weight_sync=components.weight_sync,
         start_step=start_step,
         timer=timer,
-        timeline=c.timeline,
-        decode=lambda ids: c.tokenizer.decode(ids, skip_special_tokens=True),
+        timeline=components.timeline,
+        decode=lambda ids: components.tokenizer.decode(ids, skip_special_tokens=True),
         pending=pending,
     )
-    canaries = build_canary_monitor(c.rubric)
+    canaries = build_canary_monitor(components.rubric)
     policy_errors = PolicyErrorMonitor()
+    trainer = components.trainer
     try:
-        source.publish(c.trainer, version=start_step)  # the engine already holds it: a no-op in sync mode
+        source.publish(trainer, version=start_step)  # the engine already holds it: a no-op in sync mode
         step_started = time.perf_counter()
+        # Where each stage lives. sample -> generate -> score: the batch source (`batches/`; `collect.py` draws
+        # examples from the sampler, has the episode runner generate them and `phases.score_groups` reward them;
+        # async mode runs it ahead in a thread). advantages: `phases.compute_step_advantages` (KL reward penalties,
+        # hack policy, estimator, overlong filter). train: the trainer (`trainer/trainer.py`: its `Objective`, the
+        # step schedule, the rank lockstep). sync: the source's `publish` (`weight_sync.py`: load, then the probe).
         for step in range(start_step, config.run.num_steps):
             canary_metrics: dict[str, float] = {}
             if canaries is not None:  # before the step's rollouts are scored: a fooled judge is gated from them
                 with timer.phase("canaries"):
                     canary_metrics = canaries.maybe_run(step)
-            batch = source.take(step)
+            batch = source.scored_batch(step)
             groups = batch.groups
             rollouts = [r for g in groups for r in g.rollouts]
-            with timer.phase("score"):
-                policy_error_metrics = policy_errors.observe(rollouts)
-                if config.trainer.algorithm.kl_in_reward:
-                    add_kl_penalties(c.trainer, groups)
-                if config.reward.hack_policy == "penalise":
-                    penalise_flagged(rollouts, penalty=config.reward.hack_penalty)
-                assign_advantages(groups, config.trainer.algorithm)
-                num_screened = screen_flagged(rollouts) if config.reward.hack_policy == "screen" else 0
-            trained = overlong_filter(rollouts) if config.trainer.algorithm.mask_truncated else rollouts
+            policy_error_metrics = policy_errors.observe(rollouts)
+            with timer.phase("advantages"):
+                advantages = compute_step_advantages(trainer, groups, config)
             train_started = time.perf_counter()
             with timer.phase("train"):
-                train_metrics = c.trainer.step(TrainBatch(rollouts=with_segments(trained), step=step))
+                train_metrics = trainer.step(TrainBatch(rollouts=with_segments(advantages.trained), step=step))
             train_ended = time.perf_counter()
-            health_metrics = health.check(step, trained, train_metrics)
+            health_metrics = health.check(step, advantages.trained, train_metrics)
             with timer.phase("sync"):
-                sync_metrics = source.publish(c.trainer, version=step + 1)
+                sync_metrics = source.publish(trainer, version=step + 1)
 
             metrics = {
                 **reward_metrics(groups),
                 **hack_metrics(rollouts),
                 **policy_error_metrics,
-                "hack/num_screened": float(num_screened),
+                "hack/num_screened": float(advantages.num_screened),
                 **batch.metrics,
                 **train_metrics,
                 **health_metrics,
@@ -132,15 +131,17 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
                 "policy/version": float(step + 1),
                 **peak_memory_metrics(),
             }
-            metrics.update(source.step_metrics(step, trained, train_started=train_started, train_ended=train_ended))
+            metrics.update(
+                source.step_metrics(step, advantages.trained, train_started=train_started, train_ended=train_ended)
+            )
             every = config.evaluation.every_steps
             if every and ((step + 1) % every == 0 or step + 1 == config.run.num_steps):
                 with timer.phase("evaluate"), source.exclusive(step + 1) as engine:
-                    metrics.update(evaluate_policy(c, engine))
+                    metrics.update(evaluate_policy(components, engine))
             every = config.monitoring.parity_probe_every
-            if c.parity_probe is not None and every and (step + 1) % every == 0:
+            if components.parity_probe is not None and every and (step + 1) % every == 0:
                 with timer.phase("parity"), source.exclusive(step + 1) as engine:
-                    metrics.update(c.parity_probe.run(c.trainer, engine))
+                    metrics.update(components.parity_probe.run(trainer, engine))
             metrics.update(canary_metrics)
             add_times(metrics, timer.pop_metrics())
             now = time.perf_counter()
@@ -148,15 +149,15 @@ def run_loop(c: Components, *, start_step: int = 0, pending: Sequence[ProducedBa
             step_started = now
             num_tokens = sum(r.num_tokens for r in rollouts)
             metrics["throughput/tokens_per_second"] = num_tokens / metrics["time/step"]
-            c.sink.log(metrics, step=step)
-            c.recorder.record(step, rollouts)
+            components.sink.log(metrics, step=step)
+            components.recorder.record(step, rollouts)
             is_last = step + 1 == config.run.num_steps
             if (config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0) or is_last:
                 kept = source.pending(step + 1)
                 save_checkpoint(
-                    c.run_dir,
+                    components.run_dir,
                     next_step=step + 1,
-                    trainer=c.trainer,
+                    trainer=trainer,
                     sampler_state=kept[-1].sampler_state if kept else batch.sampler_state,
                     pending=kept,
                 )
@@ -171,14 +172,15 @@ def add_times(metrics: dict[str, float], times: dict[str, float]) -> None:
         metrics[name] = metrics.get(name, 0.0) + seconds
 
 
-def evaluate_policy(c: Components, engine: InferenceEngine) -> dict[str, float]:
-    """Periodic evaluation of ``engine`` (holding the weights just trained) on ``c.eval_examples``: ``eval/*``."""
-    config, evaluation = c.config, c.config.evaluation
+def evaluate_policy(components: Components, engine: InferenceEngine) -> dict[str, float]:
+    """Periodic evaluation of ``engine`` (holding the weights just trained) on ``components.eval_examples``:
+    ``eval/*``."""
+    config, evaluation = components.config, components.config.evaluation
     report = evaluate(
         engine,
-        c.eval_examples,
-        runner=c.runner,
-        rubric=c.rubric,
+        components.eval_examples,
+        runner=components.runner,
+        rubric=components.rubric,
         sampling=eval_sampling(config),
         num_samples=evaluation.num_samples,
         ks=evaluation.ks,

@@ -1,7 +1,8 @@
-"""The loop's phases as small functions: score (and normalise components), add KL penalties, assign advantages,
-summarise rewards.
+"""The loop's phases as small functions: score (and normalise components), the advantage phase (KL penalties, the
+hack policy, the estimator, the overlong filter: `compute_step_advantages`), summarise rewards.
 
-Each takes components as arguments and returns data or metrics; the order in which they run is `loop.py`'s.
+Each takes components as arguments and returns what it computes (it also writes it onto the rollouts, which carry
+their reward and advantage to the trainer); the order in which they run is `loop.py`'s.
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ import math
 import statistics
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from sharpen.config.advantages import ReinforcePPAdvantage, ReinforcePPBaselineAdvantage
 from sharpen.config.algorithm import AlgorithmConfig
-from sharpen.config.schema import RewardConfig
-from sharpen.orchestration.filters import is_informative, shape_overlong_reward
+from sharpen.config.schema import RewardConfig, SharpenConfig
+from sharpen.orchestration.filters import is_informative, overlong_filter, shape_overlong_reward
 from sharpen.rewards import RewardFn, score_weights
+from sharpen.rewards.hack_monitor import penalise_flagged, screen_flagged
 from sharpen.rewards.scoring import score_rollout
 from sharpen.trainer.algorithms import (
     compute_advantages,
@@ -32,12 +36,13 @@ if TYPE_CHECKING:
 
 def score_groups(
     rubric: RewardFn, groups: list[RolloutGroup], *, config: RewardConfig | None = None, max_new_tokens: int = 0
-) -> None:
+) -> list[RewardResult]:
     """Reward every rollout (`score_rollout`, which evaluation shares); with ``config.component_normalization =
     "group"`` rebuild each score from its components normalised within the group (`normalize_components`); with
     ``config.overlong_buffer_tokens`` then apply DAPO's soft overlong punishment (logged as the
     ``overlong_penalty`` component)."""
     shaping = config is not None and config.overlong_buffer_tokens > 0
+    results: list[RewardResult] = []
     for group in groups:
         rewards = [score_rollout(rubric, group.example, rollout) for rollout in group.rollouts]
         if config is not None and config.component_normalization == "group":
@@ -54,6 +59,8 @@ def score_groups(
                 reward.components["overlong_penalty"] = reward.score - shaped
                 reward.score = shaped
             rollout.reward = reward
+        results += rewards
+    return results
 
 
 def normalize_components(rewards: list[RewardResult], weights: Mapping[str, float]) -> None:
@@ -91,33 +98,68 @@ def normalize_components(rewards: list[RewardResult], weights: Mapping[str, floa
         reward.score = math.fsum(w * float(normalized[row, col]) for row, w in enumerate(weighted.values()))
 
 
-def add_kl_penalties(trainer: TrainerHandle, groups: list[RolloutGroup]) -> None:
-    """``kl_in_reward``: each rollout gets per-token reward terms -kl_coef * KL_t(engine || reference), which the
+@dataclass(kw_only=True, slots=True)
+class StepAdvantages:
+    """What the advantage phase computed for one step."""
+
+    trained: list[Rollout]
+    """The rollouts the trainer steps on (those cut off at the token limit left out under mask_truncated); each
+    carries its advantage, None where its reward abstained or it was screened."""
+    num_screened: int
+    """Rollouts flagged by the hack monitor and left out of the gradient (reward.hack_policy = "screen")."""
+
+
+def compute_step_advantages(
+    trainer: TrainerHandle, groups: list[RolloutGroup], config: SharpenConfig
+) -> StepAdvantages:
+    """The advantage phase, in order: the KL reward penalties (``kl.type = "reward"``), the hack policy's penalty
+    (before the advantages) or screening (after), the estimator (`assign_advantages`), and DAPO's overlong filter."""
+    algorithm, reward = config.trainer.algorithm, config.reward
+    rollouts = [r for g in groups for r in g.rollouts]
+    if algorithm.kl.in_reward:
+        add_kl_penalties(trainer, groups)
+    if reward.hack_policy == "penalise":
+        penalise_flagged(rollouts, penalty=reward.hack_penalty)
+    assign_advantages(groups, algorithm)
+    num_screened = screen_flagged(rollouts) if reward.hack_policy == "screen" else 0
+    trained = overlong_filter(rollouts) if algorithm.mask_truncated else rollouts
+    return StepAdvantages(trained=trained, num_screened=num_screened)
+
+
+def add_kl_penalties(trainer: TrainerHandle, groups: list[RolloutGroup]) -> list[list[float]]:
+    """``kl.type = "reward"``: each rollout gets per-token reward terms -coef * KL_t(engine || reference), which the
     advantages then see (sequence estimators through `Rollout.total_score`, GAE token by token). An agent episode's
     earlier segments get theirs too (its total score adds them up)."""
     rollouts = [s for g in groups for r in g.rollouts for s in (*r.segments, r) if s.num_loss_tokens]
-    for rollout, penalties in zip(rollouts, trainer.kl_penalties(rollouts), strict=True):
+    all_penalties = trainer.kl_penalties(rollouts)
+    for rollout, penalties in zip(rollouts, all_penalties, strict=True):
         rollout.token_rewards = penalties
+    return all_penalties
 
 
-def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
-    """Sequence-level advantages from the configured estimator; rollouts whose reward abstained keep
-    ``advantage = None`` (not trained on).
+def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> list[float | None]:
+    """Sequence-level advantages from the configured estimator, one per rollout of ``groups`` in order (also set on
+    each rollout); rollouts whose reward abstained keep ``advantage = None`` (not trained on).
 
     With ``advantage = "gae"`` (PPO with a critic) no group estimator runs: the advantages are per token and need
     the critic's values, so the trainer computes them from each rollout's score. Here every scored rollout gets the
     placeholder ``advantage = 0.0``, which only marks it as trainable; abstained ones get None as usual.
     With ``advantage = "remax"`` each group's baseline is its greedy completion's score (``baseline_score``); a
     group without one abstains as a whole. REINFORCE++ (both variants) is per token: `assign_token_advantages`."""
-    if config.advantage == "gae":
+    _set_advantages(groups, config)
+    return [r.advantage for g in groups for r in g.rollouts]
+
+
+def _set_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
+    if config.advantage.needs_critic:
         for group in groups:
             for rollout, score in zip(group.rollouts, group.scores, strict=True):
                 rollout.advantage = None if score is None else 0.0
         return
     if not groups:
         return
-    if config.advantage in ("reinforce_pp", "reinforce_pp_baseline"):
-        assign_token_advantages(groups, config)
+    if isinstance(config.advantage, ReinforcePPAdvantage | ReinforcePPBaselineAdvantage):
+        assign_token_advantages(groups, config.advantage)
         return
     size = max(len(g.rollouts) for g in groups)
     scores = torch.full((len(groups), size), float("nan"), dtype=torch.float64)
@@ -128,21 +170,22 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> No
     baselines = torch.tensor(
         [float("nan") if g.baseline_score is None else g.baseline_score for g in groups], dtype=torch.float64
     )
-    advantages = compute_advantages(
-        config.advantage, scores, baselines=baselines, std=config.advantage_std, passk_k=config.passk_k
-    )
+    advantages = compute_advantages(config.advantage, scores, baselines=baselines)
     for row, group in enumerate(groups):
         for col, rollout in enumerate(group.rollouts):
             value = float(advantages[row, col])
             rollout.advantage = None if math.isnan(value) else value
 
 
-def assign_token_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None:
+def assign_token_advantages(
+    groups: list[RolloutGroup], estimator: ReinforcePPAdvantage | ReinforcePPBaselineAdvantage
+) -> None:
     """REINFORCE++'s per-token advantages (`compute_reinforce_pp_token_advantages`): each scored rollout gets
     ``token_advantages`` (its segments their share) and ``advantage`` = their mean; abstained ones get None.
 
     An agent episode is one trajectory: its segments' trained tokens, then the rollout's, in order; the score
-    lands on the last of them and the KL penalties (``token_rewards``, under ``kl_in_reward``) on their own tokens.
+    lands on the last of them and the KL penalties (``token_rewards``, under ``kl.type = "reward"``) on their own
+    tokens.
     """
     episodes = [[(*r.segments, r) for r in g.rollouts] for g in groups]
     size = max(len(g.rollouts) for g in groups)
@@ -163,9 +206,9 @@ def assign_token_advantages(groups: list[RolloutGroup], config: AlgorithmConfig)
         scores,
         token_rewards,
         mask,
-        baseline=config.advantage == "reinforce_pp_baseline",
-        gamma=config.reinforce_pp_gamma,
-        std=config.advantage_std,
+        baseline=isinstance(estimator, ReinforcePPBaselineAdvantage),
+        gamma=estimator.gamma,
+        std=estimator.std,
     )  # [groups, n, length]
     for row, group_episodes in enumerate(episodes):
         for col, episode in enumerate(group_episodes):

@@ -94,7 +94,7 @@ def run_session(
         next_step = 0 if checkpoint is None else int(checkpoint.name.removeprefix("step_"))
         tokenizer = load_tokenizer(model_path)
         trainer, engine = place(model_path, tokenizer)
-        c = build_components(
+        components = build_components(
             config,
             run_dir,
             examples=examples,
@@ -107,23 +107,23 @@ def run_session(
                 config, tokenizer=tokenizer, sandbox=sandbox, make_environment=make_environment
             ),
         )
-        attach(c.timeline)
+        attach(components.timeline)
         try:
             pending: list[ProducedBatch] = []
             if checkpoint is not None:
-                next_step, pending = load_checkpoint(checkpoint, trainer=c.trainer, sampler=c.sampler)
+                next_step, pending = load_checkpoint(checkpoint, trainer=components.trainer, sampler=components.sampler)
                 logger.info("resuming %s at step %d", run_dir, next_step)
             # The engine starts from the base model (or a caller's engine from anything): give it the trainer's
             # weights and check them before the first rollout.
-            c.weight_sync(c.trainer, c.engine, version=next_step)
-            c.parity_probe = build_parity_probe(config, c, examples)
-            run_loop(c, start_step=next_step, pending=pending)
+            components.weight_sync(components.trainer, components.engine, version=next_step)
+            components.parity_probe = build_parity_probe(config, components, examples)
+            run_loop(components, start_step=next_step, pending=pending)
             if config.run.export_model:
-                c.trainer.export(run_dir / "model")
+                components.trainer.export(run_dir / "model")
         finally:
-            c.sink.close()
-            c.recorder.close()
+            components.sink.close()
+            components.recorder.close()
             attach(None)
-            if c.timeline is not None:
-                c.timeline.close()
+            if components.timeline is not None:
+                components.timeline.close()
     return run_dir

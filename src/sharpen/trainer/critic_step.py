@@ -58,7 +58,7 @@ class CriticStep:
     ) -> None:
         self.critic = critic
         self.config = config
-        self.std: StdConvention = std  # the whitening's std convention (trainer.algorithm.advantage_std)
+        self.std: StdConvention = std  # the whitening's std convention (trainer.algorithm.advantage.std)
         self.sums: dict[str, float] = defaultdict(float)
         self.grad_norms: list[float] = []
         self.targets, self.start_metrics = self._compute_targets(

@@ -24,26 +24,16 @@ from pathlib import Path
 
 import torch
 
-from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
-from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
-from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, KLController, kl_per_token
-from sharpen.trainer.algorithms.offpolicy import (
-    OffPolicyCorrection,
-    compute_correction,
-    correction_metrics,
-    normalizer_terms,
-)
-from sharpen.trainer.algorithms.policy_losses import (
-    compute_policy_loss,
-    select_clip_cov_tokens,
-    select_kl_cov_tokens,
-)
+from sharpen.trainer.algorithms.offpolicy import correction_metrics
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
 from sharpen.trainer.backends.base import ReferenceScorer, TokenScores, TrainerBackend
 from sharpen.trainer.backends.teacher import TeacherPolicy
 from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.distill_step import DistillationStep
+from sharpen.trainer.lockstep import RankLockstep
+from sharpen.trainer.objective import CORRECTION_MAX, CORRECTION_SUM, Objective
 from sharpen.trainer.packing import (
     MicroBatch,
     pack_micro_batch,
@@ -51,18 +41,7 @@ from sharpen.trainer.packing import (
     split_micro_batches_by_tokens,
     unpack_scores,
 )
-from sharpen.trainer.sharding import split_rollouts_by_tokens
 from sharpen.types import ImagePart, Rollout, TrainBatch
-
-
-def build_kl_controller(config: AlgorithmConfig) -> KLController:
-    if config.kl_target is not None and config.kl_coef > 0:
-        return AdaptiveKLController(config.kl_coef, config.kl_target, config.kl_horizon)
-    return FixedKLController(config.kl_coef)
-
-
-_CORRECTION_SUM, _CORRECTION_MAX = "correction_sum/", "correction_max/"
-"""Prefixes of the off-policy correction's additive statistics and maxima in a step's metric sums."""
 
 
 def _pop_prefixed(sums: dict[str, float], prefix: str) -> dict[str, float]:
@@ -112,14 +91,12 @@ class Trainer:
             raise ValueError(
                 "trainer.distillation.top_k > 0 runs on the single-device backend only (trainer_ranks = 1)"
             )
-        if algorithm.kl_coef > 0 and reference is None:
-            raise ValueError("trainer.algorithm.kl_coef > 0 needs a reference policy")
-        if (algorithm.advantage == "gae") != (critic is not None):
+        if algorithm.advantage.needs_critic != (critic is not None):
             raise ValueError('a critic (ValueModel) is needed exactly when trainer.algorithm.advantage = "gae"')
         if critic is not None and backend.num_ranks > 1:
             raise ValueError('advantage = "gae" (a critic) runs on one device only; the critic is not sharded')
         if (
-            algorithm.loss_aggregation == "seq_mean_token_sum_norm"
+            algorithm.aggregation == "seq_mean_token_sum_norm"
             and (algorithm.aggregation_constant or max_new_tokens) is None
         ):
             raise ValueError("seq_mean_token_sum_norm needs trainer.algorithm.aggregation_constant or max_new_tokens")
@@ -130,10 +107,14 @@ class Trainer:
         self.teacher = teacher
         self.pad_token_id = pad_token_id
         self.temperature = temperature
-        self.constant_length = float(algorithm.aggregation_constant or max_new_tokens or 1)
-        self.kl_controller = build_kl_controller(algorithm)
+        self.objective = Objective(
+            algorithm,
+            reference=reference,
+            temperature=temperature,
+            constant_length=float(algorithm.aggregation_constant or max_new_tokens or 1),
+        )
+        self.lockstep = RankLockstep(backend)
         self.reward_kl = 0.0  # mean per-token KL measured by the last `kl_penalties` call
-        self.cov_generator = torch.Generator().manual_seed(0)  # Clip-Cov's draws (not checkpointed)
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algorithm = self.config.algorithm
@@ -143,10 +124,9 @@ class Trainer:
         self._check_images(rollouts)
         size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
         mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
-        needs_old = algorithm.num_epochs > 1 or algorithm.num_mini_batches > 1 or algorithm.off_policy_normalize
         old_logprobs = None
-        if needs_old:
-            local = [r for mini_batch in mini_batches for r in self._local_share(mini_batch)]
+        if self.objective.needs_old_logprobs:
+            local = [r for mini_batch in mini_batches for r in self.lockstep.local_share(mini_batch)]
             old_logprobs = self._old_logprobs(local, filler=rollouts[:1])
         critic_step = None
         if self.critic is not None:
@@ -156,7 +136,7 @@ class Trainer:
                 rollouts,
                 micro_batch_size=self.config.micro_batch_size,
                 pad_token_id=self.pad_token_id,
-                std=algorithm.advantage_std,
+                std=algorithm.advantage.std if isinstance(algorithm.advantage, GAEAdvantage) else "unbiased",
             )
         distill_step = self._distillation_step(mini_batches)
         sums: dict[str, float] = defaultdict(float)
@@ -167,21 +147,23 @@ class Trainer:
                 grad_norms.append(self.backend.clip_and_step())
                 if critic_step is not None:
                     critic_step.clip_and_step(self.config.max_grad_norm)
-        kl_coef = self.kl_controller.coef
-        maxima = self._all_reduce_maxima(_pop_prefixed(sums, _CORRECTION_MAX))
-        sums = self.backend.all_reduce_sum(sums)  # every rank's share of the step; identity on one device
-        correction_sums = _pop_prefixed(sums, _CORRECTION_SUM)
+        kl_coef = self.objective.kl_controller.coef
+        maxima = _pop_prefixed(sums, CORRECTION_MAX)
+        if self.objective.collects_correction_sums:
+            maxima = self.lockstep.max_over_ranks(maxima)
+        sums = self.lockstep.sum_over_ranks(sums)
+        correction_sums = _pop_prefixed(sums, CORRECTION_SUM)
         num_tokens = sums.pop("num_tokens")
         loss = sums.pop("loss_total") / len(grad_norms)  # the mean over optimizer steps of each mini-batch's loss
         metrics = {f"train/{name}": value / num_tokens for name, value in sums.items() if not name.startswith("off")}
         metrics["train/loss"] = loss
         metrics.update({name: value / num_tokens for name, value in sums.items() if name.startswith("off")})
-        if algorithm.off_policy_reject or algorithm.off_policy_normalize:
+        if self.objective.collects_correction_sums:
             metrics.update(correction_metrics(correction_sums, maxima))
-        if algorithm.kl_in_reward:
+        if algorithm.kl.in_reward:
             metrics["train/kl"] = self.reward_kl
-        if algorithm.kl_coef > 0 and math.isfinite(metrics["train/kl"]):
-            self.kl_controller.update(metrics["train/kl"], len(rollouts))
+        if algorithm.kl.needs_reference and math.isfinite(metrics["train/kl"]):
+            self.objective.update_kl(metrics["train/kl"], len(rollouts))
         # a non-finite gradient norm means the backend skipped that optimizer step (NaN/Inf guard)
         finite = [norm for norm in grad_norms if math.isfinite(norm)]
         metrics.update(
@@ -231,7 +213,7 @@ class Trainer:
         return DistillationStep(
             self.config.distillation,
             self.teacher,
-            [r for mini_batch in mini_batches for r in self._local_share(mini_batch)],
+            [r for mini_batch in mini_batches for r in self.lockstep.local_share(mini_batch)],
             micro_batch_size=self.config.micro_batch_size,
             pad_token_id=self.pad_token_id,
             temperature=self.temperature,
@@ -251,13 +233,11 @@ class Trainer:
         The normaliser comes from the whole mini-batch (every rank has it), so the ranks' gradients sum to the
         single-device gradient."""
         algorithm = self.config.algorithm
-        lengths = torch.tensor([r.num_loss_tokens for r in rollouts])
-        normalizer = aggregation_normalizer(
-            algorithm.loss_aggregation, torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
-        )
-        cov_selection = self._cov_selection(rollouts, critic_step)
+        normalizer = self.objective.normalizer([r.num_loss_tokens for r in rollouts])
+        selection = self._selection(rollouts, critic_step)
         weight_normalizer = self._weight_normalizer(rollouts, old_logprobs)
-        for chunk, is_filler in self._lockstep_chunks(self._local_share(rollouts), filler=rollouts[:1]):
+        local = self.lockstep.local_share(rollouts)
+        for chunk, is_filler in self.lockstep.chunks(local, filler=rollouts[:1], split=self._split_micro_batches):
             inputs = _advantage_inputs(chunk, critic_step)
             micro = pack_micro_batch(
                 chunk,
@@ -276,7 +256,7 @@ class Trainer:
                 micro = distill_step.with_advantages(chunk, micro, old, is_filler=is_filler)
                 distill_sums = defaultdict(float) if is_filler else distill_step.sums
                 extra_loss = partial(distill_step.micro_batch_loss, chunk, micro, scores.logprobs, sums=distill_sums)
-            loss = self._micro_batch_loss(
+            loss = self.objective.micro_batch_loss(
                 micro,
                 scores.logprobs,
                 old,
@@ -284,147 +264,42 @@ class Trainer:
                 normalizer,
                 defaultdict(float) if is_filler else sums,
                 extra_loss=extra_loss,
-                cov_selected=None if cov_selection is None else _rows_of(cov_selection, chunk, micro.loss_mask),
+                selected=None if selection is None else _rows_of(selection, chunk, micro.loss_mask),
                 weight_normalizer=weight_normalizer,
             )
             (loss * 0.0 if is_filler else loss).backward()  # a filler pass only keeps the ranks' collectives in step
             if critic_step is not None:
                 value_loss = critic_step.micro_batch_loss(
-                    micro, mode=algorithm.loss_aggregation, normalizer=normalizer, constant_length=self.constant_length
+                    micro,
+                    mode=algorithm.aggregation,
+                    normalizer=normalizer,
+                    constant_length=self.objective.constant_length,
                 )
                 value_loss.backward()
-
-    def _micro_batch_loss(
-        self,
-        micro: MicroBatch,
-        logprobs: torch.Tensor,
-        old: torch.Tensor,
-        entropy: torch.Tensor | None,
-        normalizer: float,
-        sums: dict[str, float],
-        *,
-        extra_loss: Callable[[Callable[[torch.Tensor], torch.Tensor]], torch.Tensor] | None = None,
-        cov_selected: torch.Tensor | None = None,
-        weight_normalizer: float | None = None,
-    ) -> torch.Tensor:
-        """``extra_loss``: a term added to the loss, given the aggregation (the distillation loss).
-        ``weight_normalizer``: the mini-batch's importance-weight normaliser (``off_policy_normalize``)."""
-        algorithm = self.config.algorithm
-        mask = micro.loss_mask
-        correction = self._correction(old, micro.engine_logprobs, mask, normalizer=weight_normalizer)
-        per_token, loss_metrics = compute_policy_loss(
-            algorithm.policy_loss,
-            logprobs,
-            old,
-            micro.advantages,
-            correction.mask,
-            clip_eps_low=algorithm.clip_eps_low,
-            clip_eps_high=algorithm.clip_eps_high,
-            dual_clip_c=algorithm.dual_clip_c,
-            sapo_tau_pos=algorithm.sapo_tau_pos,
-            sapo_tau_neg=algorithm.sapo_tau_neg,
-            gmpo_log_clip_low=algorithm.gmpo_log_clip_low,
-            gmpo_log_clip_high=algorithm.gmpo_log_clip_high,
-            cov_selected=cov_selected,
-            clip_cov_fraction=algorithm.clip_cov_fraction,
-            clip_cov_min=algorithm.clip_cov_min,
-            clip_cov_max=algorithm.clip_cov_max,
-            kl_cov_fraction=algorithm.kl_cov_fraction,
-            kl_cov_coef=algorithm.kl_cov_coef,
-        )
-        mode = algorithm.loss_aggregation
-
-        def aggregate(values: torch.Tensor) -> torch.Tensor:
-            return aggregate_loss(
-                values, correction.mask, mode, normalizer=normalizer, constant_length=self.constant_length
-            )
-
-        loss = aggregate(per_token * correction.weights)
-        num_tokens = float(mask.sum())
-        if entropy is not None:
-            sums["entropy"] += float(entropy.detach()[mask].sum())
-            if algorithm.entropy_coef > 0:
-                loss = loss - algorithm.entropy_coef * aggregate(entropy)
-        if self.reference is not None and not algorithm.kl_in_reward:
-            ref = self.reference.token_logprobs(
-                micro.input_ids, micro.attention_mask, mask, temperature=self.temperature, images=micro.images
-            )
-            kl = kl_per_token(logprobs, ref, algorithm.kl_estimator)
-            sums["kl"] += float(kl.detach()[mask].sum())
-            loss = loss + self.kl_controller.coef * aggregate(kl)
-        if extra_loss is not None:
-            loss = loss + extra_loss(aggregate)
-        sums["num_tokens"] += num_tokens
-        sums["loss_total"] += float(loss.detach())
-        sums["clip_fraction"] += float(loss_metrics.num_clipped_low + loss_metrics.num_clipped_high)
-        sums["dual_clip_fraction"] += float(loss_metrics.num_dual_clipped)
-        sums["ratio_mean"] += float(loss_metrics.ratio_sum)
-        for name, value in correction.metrics.items():
-            if name != "offpolicy/num_tokens":
-                sums[name] += value * num_tokens  # token-weighted mean over micro-batches
-        for name, value in correction.sums.items():
-            sums[_CORRECTION_SUM + name] += value
-        for name, value in correction.maxima.items():
-            sums[_CORRECTION_MAX + name] = max(sums[_CORRECTION_MAX + name], value)
-        return loss
-
-    def _correction(
-        self, old: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, *, normalizer: float | None
-    ) -> OffPolicyCorrection:
-        algorithm = self.config.algorithm
-        return compute_correction(
-            algorithm.off_policy_correction,
-            old,
-            engine,
-            mask,
-            cap=algorithm.off_policy_cap,
-            low=algorithm.off_policy_low,
-            high=algorithm.off_policy_high,
-            reject=algorithm.off_policy_reject,
-            normalizer=normalizer,
-        )
 
     def _weight_normalizer(self, rollouts: list[Rollout], old_logprobs: dict[int, list[float]] | None) -> float | None:
         """``off_policy_normalize``: the mean of the kept importance weights over the whole mini-batch (per token,
         or per sequence for sequence_tis), from every rank's share (collective), so that neither the micro-batch
         split nor the number of ranks changes it; 1 when nothing is kept, None when not normalising."""
-        algorithm = self.config.algorithm
-        if not algorithm.off_policy_normalize:
+        if not self.config.algorithm.off_policy_correction.normalizes_weights():
             return None
-        assert old_logprobs is not None, "off_policy_normalize makes `step` score the old logprobs first"
-        local = self._local_share(rollouts)
+        assert old_logprobs is not None, "normalised weights make `step` score the old logprobs first"
+        local = self.lockstep.local_share(rollouts)
         terms = {"weight_sum": 0.0, "count": 0.0}
         if local:
             old = [old_logprobs[id(r)] for r in local]
             whole = pack_micro_batch(
                 local, pad_token_id=self.pad_token_id, device=torch.device("cpu"), is_packed=False, old_logprobs=old
             )
-            assert whole.old_logprobs is not None
-            correction = self._correction(whole.old_logprobs, whole.engine_logprobs, whole.loss_mask, normalizer=None)
-            terms = normalizer_terms(correction, per_sequence=algorithm.off_policy_correction == "sequence_tis")
-        terms = self.backend.all_reduce_sum(terms)
+            terms = self.objective.weight_normalizer_terms(whole)
+        terms = self.lockstep.sum_over_ranks(terms)
         return terms["weight_sum"] / terms["count"] if terms["count"] > 0 else 1.0
 
-    def _all_reduce_maxima(self, maxima: dict[str, float]) -> dict[str, float]:
-        """Each name's maximum over the ranks (values >= 0; a name a rank lacks counts 0 there); collective when
-        correction maxima are collected. Each rank's values travel under their own names through the sum."""
-        algorithm = self.config.algorithm
-        if self.backend.num_ranks == 1 or not (algorithm.off_policy_reject or algorithm.off_policy_normalize):
-            return maxima
-        spread = self.backend.all_reduce_sum({f"{name}@{self.backend.rank}": v for name, v in maxima.items()})
-        result: dict[str, float] = {}
-        for key, value in spread.items():
-            name = key.rpartition("@")[0]
-            result[name] = max(result.get(name, 0.0), value)
-        return result
-
-    def _cov_selection(self, rollouts: list[Rollout], critic_step: CriticStep | None) -> dict[int, torch.Tensor] | None:
-        """Clip-Cov's / KL-Cov's tokens of a whole mini-batch (every rank computes the same), keyed by rollout id,
-        so the selection does not depend on the micro-batch split. The covariance uses the engine's logprobs (the
-        policy the tokens were sampled from; equal to pi_old up to the mismatch) and the rollouts' (or the critic's)
-        advantages; None for other losses."""
-        algorithm = self.config.algorithm
-        if algorithm.policy_loss not in ("clip_cov", "kl_cov"):
+    def _selection(self, rollouts: list[Rollout], critic_step: CriticStep | None) -> dict[int, torch.Tensor] | None:
+        """The tokens a Clip-Cov / KL-Cov loss treats apart, over the whole mini-batch (every rank computes the
+        same), keyed by rollout id, so the selection does not depend on the micro-batch split; None for other
+        losses. The advantages are the rollouts' (or the critic's)."""
+        if not self.objective.selects_tokens:
             return None
         whole = pack_micro_batch(
             rollouts,
@@ -433,24 +308,9 @@ class Trainer:
             is_packed=False,
             **_advantage_inputs(rollouts, critic_step),
         )
-        args = (whole.engine_logprobs, whole.advantages.to(torch.float32), whole.loss_mask)
-        if algorithm.policy_loss == "clip_cov":
-            selected = select_clip_cov_tokens(
-                *args,
-                fraction=algorithm.clip_cov_fraction,
-                cov_low=algorithm.clip_cov_min,
-                cov_high=algorithm.clip_cov_max,
-                generator=self.cov_generator,
-            )
-        else:
-            selected = select_kl_cov_tokens(*args, fraction=algorithm.kl_cov_fraction)
+        selected = self.objective.select_tokens(whole)
+        assert selected is not None, "a loss that selects tokens returns them"
         return {id(r): selected[row][whole.loss_mask[row]] for row, r in enumerate(rollouts)}
-
-    def _local_share(self, rollouts: list[Rollout]) -> list[Rollout]:
-        """This rank's share of a mini-batch (all of it on one device)."""
-        if self.backend.num_ranks == 1:
-            return rollouts
-        return split_rollouts_by_tokens(rollouts, self.backend.num_ranks)[self.backend.rank]
 
     def _score_policy(
         self, micro: MicroBatch, *, with_entropy: bool = False, entropy_requires_grad: bool = False
@@ -500,15 +360,6 @@ class Trainer:
         prompts = {tuple(row[:length].tolist()) for row, length in rows}
         return len(prompts) < len(micro.prompt_lengths)
 
-    def _lockstep_chunks(self, rollouts: list[Rollout], *, filler: list[Rollout]) -> list[tuple[list[Rollout], bool]]:
-        """``rollouts``' micro-batches, then ``filler`` passes up to the most micro-batches any rank has: with a
-        sharded backend every forward/backward is collective. Pairs of (micro-batch, is_filler). The ranks' shares
-        are balanced by tokens (`_local_share`), so with packing their micro-batch counts differ by one at most
-        (beyond rollouts longer than the budget) and a filler pass is one short rollout."""
-        chunks = self._split_micro_batches(rollouts)
-        num_passes = self.backend.all_reduce_max(len(chunks))
-        return [(chunk, False) for chunk in chunks] + [(filler, True)] * (num_passes - len(chunks))
-
     @torch.no_grad()
     def _score_completions(
         self,
@@ -524,7 +375,7 @@ class Trainer:
         if filler is None:
             chunks = [(chunk, False) for chunk in split_micro_batches(rollouts, self.config.micro_batch_size)]
         else:
-            chunks = self._lockstep_chunks(rollouts, filler=filler)
+            chunks = self.lockstep.chunks(rollouts, filler=filler, split=self._split_micro_batches)
         for chunk, is_filler in chunks:
             placeholders = [replace(r, advantage=0.0) for r in chunk]
             is_packed = self.config.packing and filler is not None  # the policy's passes; the reference's are padded
@@ -543,15 +394,14 @@ class Trainer:
         return self._score_completions(rollouts, lambda micro: self._score_policy(micro).logprobs, filler=filler)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
-        """Per-token reward penalties -kl_coef * KL_t(engine || reference) for ``kl_in_reward``: the behaviour
+        """Per-token reward penalties -kl_coef * KL_t(engine || reference) for ``kl.type = "reward"``: the behaviour
         policy's logprobs are the engine's, so only the reference runs a forward pass."""
         reference = self.reference
         if reference is None:
-            raise ValueError("kl_penalties needs a reference policy (trainer.algorithm.kl_coef > 0)")
-        estimator = self.config.algorithm.kl_estimator
+            raise ValueError('kl_penalties needs a reference policy (trainer.algorithm.kl.type = "reward")')
         kl = self._score_completions(
             rollouts,
-            lambda micro: kl_per_token(
+            lambda micro: self.objective.kl_penalty_terms(
                 micro.engine_logprobs,
                 reference.token_logprobs(
                     micro.input_ids,
@@ -560,12 +410,11 @@ class Trainer:
                     temperature=self.temperature,
                     images=micro.images,
                 ),
-                estimator,
             ),
         )
         values = [value for row in kl.values() for value in row]
         self.reward_kl = sum(values) / max(len(values), 1)  # what the adaptive controller steers in this mode
-        coef = self.kl_controller.coef
+        coef = self.objective.kl_controller.coef
         return [[-coef * value for value in kl[id(r)]] for r in rollouts]
 
     @torch.no_grad()
@@ -597,18 +446,13 @@ class Trainer:
         if self.critic is not None:
             self.critic.save(folder / "critic")
         if self.backend.rank == 0:
-            (folder / "trainer.json").write_text(json.dumps({"kl_coef": self.kl_controller.coef}))
+            (folder / "trainer.json").write_text(json.dumps(self.objective.state()))
 
     def load_checkpoint(self, folder: Path) -> None:
         self.backend.load(folder)
         if self.critic is not None:
             self.critic.load(folder / "critic")
-        state = json.loads((folder / "trainer.json").read_text())
-        if isinstance(self.kl_controller, AdaptiveKLController):
-            algorithm = self.config.algorithm
-            self.kl_controller = AdaptiveKLController(
-                state["kl_coef"], algorithm.kl_target or 1.0, algorithm.kl_horizon
-            )
+        self.objective.load_state(json.loads((folder / "trainer.json").read_text()))
 
     def export(self, folder: Path) -> None:
         self.backend.export(folder)

@@ -114,7 +114,7 @@ INTERNAL_KEYS = (
 
 def test_config_keys_lists_every_key_a_user_sets(capsys):
     keys = _user_keys(SharpenConfig)
-    assert {"trainer.algorithm.clip_eps_high", "data.path", "data.task", "sandbox.memory_mb"} <= keys
+    assert {"trainer.algorithm.policy_loss.clip_eps_high", "data.path", "data.task", "sandbox.memory_mb"} <= keys
     assert main(["config", "--keys"]) == 0
     out = capsys.readouterr().out
     missing = sorted(key for key in keys if key not in out)

@@ -7,9 +7,12 @@ from pathlib import Path
 import pytest
 
 from sharpen.config import ConfigError, SharpenConfig, dump_config, load_config
+from sharpen.config.advantages import GRPOAdvantage
 from sharpen.config.engines import ScriptedEngineConfig
 from sharpen.config.loader import parse_override
+from sharpen.config.policy_losses import GSPOLoss
 from sharpen.config.schema import JsonlDataConfig
+from sharpen.config.section import DeprecatedKeyWarning
 
 
 def _error(path: str | Path | None, overrides: list[str]) -> str:
@@ -28,8 +31,12 @@ def test_defaults_load_without_a_recipe():
 def test_unknown_key_names_the_dotted_key_and_suggests_the_field():
     message = _error(None, ["trainer.learning_rat=1e-5"])
     assert message == "trainer.learning_rat: unknown key (did you mean 'learning_rate'?)"
-    message = _error(None, ["trainer.algorithm.clip_eps_hi=0.3"])
-    assert message == "trainer.algorithm.clip_eps_hi: unknown key (did you mean 'clip_eps_high'?)"
+    message = _error(None, ["trainer.algorithm.policy_loss.clip_eps_hi=0.3"])
+    assert message == "trainer.algorithm.policy_loss.clip_eps_hi: unknown key (did you mean 'clip_eps_high'?)"
+    message = _error(None, ["trainer.algorithm.clip_eps_hi=0.3"])  # a flat key of earlier recipes, misspelt
+    assert message == "trainer.algorithm.clip_eps_hi: unknown key (did you mean 'policy_loss.clip_eps_high'?)"
+    message = _error(None, ["trainer.algorithm.kl.coef=0.1"])  # the KL section's default type is "none"
+    assert message == "trainer.algorithm.kl.coef: unknown key (it belongs to type = 'loss' or 'reward')"
 
 
 def test_unknown_section_in_a_recipe(tmp_path):
@@ -95,12 +102,15 @@ def test_override_values_are_toml_else_strings(text, expected):
 
 def test_dotted_overrides_reach_nested_values_and_beat_the_recipe(tmp_path):
     recipe = tmp_path / "r.toml"
-    recipe.write_text('[run]\nname = "from-recipe"\nnum_steps = 7\n[trainer.algorithm]\nclip_eps_high = 0.25\n')
+    recipe.write_text(
+        '[run]\nname = "from-recipe"\nnum_steps = 7\n[trainer.algorithm]\npolicy_loss = "gspo"\n'
+        "[trainer.algorithm.advantage]\nstd = 'population'\n"
+    )
     config = load_config(
         recipe,
         [
             "run.name=from-cli",
-            "trainer.algorithm.clip_eps_low=0.1",
+            "trainer.algorithm.policy_loss.clip_eps_low=0.1",  # tunes the section the recipe named
             "trainer.algorithm.entropy_coef=0.01",
             "trainer.betas=[0.8, 0.95]",
             "rollout.engine.type=scripted",
@@ -111,8 +121,8 @@ def test_dotted_overrides_reach_nested_values_and_beat_the_recipe(tmp_path):
     )
     assert config.run.name == "from-cli"
     assert config.run.num_steps == 7
-    assert config.trainer.algorithm.clip_eps_high == 0.25
-    assert config.trainer.algorithm.clip_eps_low == 0.1
+    assert config.trainer.algorithm.policy_loss == GSPOLoss(clip_eps_low=0.1, clip_eps_high=4e-4)
+    assert config.trainer.algorithm.advantage == GRPOAdvantage(std="population")
     assert config.trainer.algorithm.entropy_coef == 0.01
     assert config.trainer.betas == (0.8, 0.95)
     assert config.rollout.engine == ScriptedEngineConfig(completions=["a", "b"])
@@ -231,3 +241,22 @@ def test_a_tensor_parallel_engine_actor_needs_a_gpu_per_worker():
         load_config(None, [*ray, "runtime.engine_gpus=1"])
     assert load_config(None, [*ray, "runtime.engine_gpus=2"]).rollout.engine.tensor_parallel_size == 2
     assert load_config(None, ray).runtime.engine_gpus == 0  # CPU actors: the workers bind cores instead
+
+
+def test_renamed_keys_still_load_with_one_deprecation_line_each():
+    with pytest.warns(DeprecatedKeyWarning) as caught:
+        config = load_config(None, ['data={type = "hf", path = "d.parquet", prompt_column = "q", answer_column = "a"}'])
+    assert (config.data.prompt_field, config.data.answer_field) == ("q", "a")  # type: ignore[union-attr]
+    assert sorted(str(w.message) for w in caught) == [
+        "data.answer_column is now called answer_field: write answer_field",
+        "data.prompt_column is now called prompt_field: write prompt_field",
+    ]
+    message = _error(None, ['data={type = "hf", path = "d.parquet", prompt_column = "q", prompt_field = "p"}'])
+    assert message == "data: prompt_column is the old name of prompt_field: give only prompt_field"
+    with pytest.warns(DeprecatedKeyWarning, match='runtime.type = "local" is now called "embedded"'):
+        assert load_config(None, ['runtime.type="local"']).runtime.type == "embedded"
+    with pytest.warns(DeprecatedKeyWarning, match="runtime.num_cpus is now called ray_cpus"):
+        assert load_config(None, ["runtime.num_cpus=2"]).runtime.ray_cpus == 2
+    with pytest.warns(DeprecatedKeyWarning, match="rollout.engine.startup_timeout_s is now called start_timeout_s"):
+        engine = load_config(None, ['rollout.engine={type = "vllm_server", startup_timeout_s = 60}']).rollout.engine
+    assert engine.start_timeout_s == 60  # type: ignore[union-attr]

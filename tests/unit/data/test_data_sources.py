@@ -193,7 +193,7 @@ def test_hf_column_mapping_message_prompts_limit_and_a_glob(tmp_path):
         tmp_path / "train-1.parquet"
     )
     config = _hf(
-        tmp_path / "train-*.parquet", prompt_column="question", answer_column="solution", limit=3, verifier="math"
+        tmp_path / "train-*.parquet", prompt_field="question", answer_field="solution", limit=3, verifier="math"
     )
     examples = load_examples(config, seed=0)
     assert [e.answer for e in examples] == ["1", "2", "3"]
@@ -201,30 +201,28 @@ def test_hf_column_mapping_message_prompts_limit_and_a_glob(tmp_path):
     assert [m.content for m in examples[1].prompt] == ["Be terse.", "Say hi"]  # the row's own system message is kept
     assert examples[0].metadata == {"source": "hf", "verifier": "math"}
     assert (
-        len(
-            load_examples(_hf(tmp_path / "train-*.parquet", prompt_column="question", answer_column="solution"), seed=0)
-        )
+        len(load_examples(_hf(tmp_path / "train-*.parquet", prompt_field="question", answer_field="solution"), seed=0))
         == 4
     )
 
 
 def test_hf_messages_column_cuts_the_final_assistant_message_into_the_answer(tmp_path):
     _dataset({"messages": [_CHATS[0]]}).to_parquet(tmp_path / "chat.parquet")
-    (example,) = load_examples(_hf(tmp_path / "chat.parquet", messages_column="messages", system_prompt=""), seed=0)
+    (example,) = load_examples(_hf(tmp_path / "chat.parquet", messages_field="messages", system_prompt=""), seed=0)
     assert example.prompt == (Message(role="user", content="What is 2+2?"),)  # the policy never sees the answer
     assert example.answer == "4"
 
     _dataset({"messages": _CHATS, "answer": ["four", "hi"]}).to_parquet(tmp_path / "both.parquet")
-    examples = load_examples(_hf(tmp_path / "both.parquet", messages_column="messages"), seed=0)
+    examples = load_examples(_hf(tmp_path / "both.parquet", messages_field="messages"), seed=0)
     assert [e.answer for e in examples] == ["four", "hi"]  # an answer column wins over the assistant message
     assert examples[0].prompt[-1] == Message(role="user", content="What is 2+2?")
 
     _dataset({"messages": _CHATS}).to_parquet(tmp_path / "open.parquet")
     with pytest.raises(DataError) as info:
-        load_examples(_hf(tmp_path / "open.parquet", messages_column="messages"), seed=0)
+        load_examples(_hf(tmp_path / "open.parquet", messages_field="messages"), seed=0)
     assert str(info.value) == (
         f"{tmp_path / 'open.parquet'} row 1: column 'messages': the conversation does not end with an assistant "
-        "message and the dataset has no column 'answer' (data.answer_column) to take the answer from"
+        "message and the dataset has no column 'answer' (data.answer_field) to take the answer from"
     )
 
 
@@ -255,10 +253,10 @@ def test_hf_saved_dataset_folders_and_their_splits(tmp_path):
         (
             {"question": ["a"], "answer": ["b"]},
             {},
-            "no column 'prompt' (data.prompt_column); the dataset has: question, answer",
+            "no column 'prompt' (data.prompt_field); the dataset has: question, answer",
         ),
-        ({"prompt": ["a"]}, {}, "no column 'answer' (data.answer_column); the dataset has: prompt"),
-        ({"prompt": ["a"]}, {"messages_column": "chat"}, "no column 'chat' (data.messages_column)"),
+        ({"prompt": ["a"]}, {}, "no column 'answer' (data.answer_field); the dataset has: prompt"),
+        ({"prompt": ["a"]}, {"messages_column": "chat"}, "no column 'chat' (data.messages_field)"),
         ({"prompt": ["a", "b"], "answer": ["x", None]}, {}, "row 1: column 'answer' must be a string or a number"),
         ({"prompt": ["a", " "], "answer": ["x", "y"]}, {}, "row 1: column 'prompt': empty prompt"),
         ({"prompt": [[{"role": "bot", "content": "x"}]], "answer": ["y"]}, {}, "row 0: column 'prompt': message 0"),
@@ -294,5 +292,5 @@ def test_hf_bad_paths(tmp_path):
 
 
 def test_hf_data_section_from_a_recipe(tmp_path):
-    config = load_config(None, ['data.type="hf"', "data.path=x.parquet", "data.messages_column=messages"])
-    assert config.data == HfDataConfig(path="x.parquet", messages_column="messages")
+    config = load_config(None, ['data.type="hf"', "data.path=x.parquet", "data.messages_field=messages"])
+    assert config.data == HfDataConfig(path="x.parquet", messages_field="messages")

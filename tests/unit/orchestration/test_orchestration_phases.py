@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from sharpen.config.advantages import GRPOAdvantage, PassKAdvantage
 from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.orchestration.phases import assign_advantages, reward_metrics
 from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, RolloutGroup
@@ -47,12 +48,12 @@ def test_assign_advantages_normalises_per_group_and_leaves_abstained_rollouts_ou
         _group(1, (2.0,), (2.0,)),  # flat: no signal
         _group(2, (None,), (None,)),  # everything abstained
     ]
-    assign_advantages(groups, AlgorithmConfig())  # advantage_std = "unbiased" by default
+    assign_advantages(groups, AlgorithmConfig())  # GRPO's std = "unbiased" by default
     first = [r.advantage for r in groups[0].rollouts]
     assert first[1] is None
     assert first[0] == pytest.approx(0.5 / (0.5**0.5 + EPS), abs=1e-12)
     assert first[2] == pytest.approx(-0.5 / (0.5**0.5 + EPS), abs=1e-12)
-    assign_advantages(groups, AlgorithmConfig(advantage_std="population"))
+    assign_advantages(groups, AlgorithmConfig(advantage=GRPOAdvantage(std="population")))
     first = [r.advantage for r in groups[0].rollouts]
     assert first[0] == pytest.approx(0.5 / (0.5 + EPS), abs=1e-12)
     assert first[2] == pytest.approx(-0.5 / (0.5 + EPS), abs=1e-12)
@@ -169,7 +170,7 @@ def test_an_agent_episodes_earlier_segments_get_kl_penalties_that_count_in_its_s
 def test_passk_advantages_reach_the_rollouts_with_the_configured_k():
     # valid [0, 1, 0, 0] with k = 2: rho = 1/2, sigma = 1/2 -> correct 1, incorrect (1/2 - 2/3)/(1/2) = -1/3
     groups = [_group(0, (0.0,), (1.0,), (None,), (0.0,), (0.0,))]
-    assign_advantages(groups, AlgorithmConfig(advantage="passk", passk_k=2))
+    assign_advantages(groups, AlgorithmConfig(advantage=PassKAdvantage(k=2)))
     advantages = [r.advantage for r in groups[0].rollouts]
     assert advantages[2] is None
     assert [a for a in advantages if a is not None] == pytest.approx([-1 / 3, 1.0, -1 / 3, -1 / 3], abs=1e-12)

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from sharpen.config.advantages import ReinforcePPAdvantage
 from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.orchestration.phases import assign_advantages
 from sharpen.types import Example, Message, RewardResult, RewardStatus, Rollout, RolloutGroup, with_segments
@@ -40,7 +41,7 @@ def test_reinforce_pp_gives_each_token_its_discounted_kl_to_go_plus_score():
         example=_EXAMPLE,
         rollouts=[_rollout(1.0, 3, [-0.1, -0.2, -0.3]), _rollout(0.0, 2, [-0.4, 0.0]), _rollout(None, 2, [5.0, 5.0])],
     )
-    assign_advantages([group], AlgorithmConfig(advantage="reinforce_pp", reinforce_pp_gamma=0.5))
+    assign_advantages([group], AlgorithmConfig(advantage=ReinforcePPAdvantage(gamma=0.5)))
     scale = math.sqrt(0.637 / 4) + EPS
     first, second, abstained = group.rollouts
     assert first.token_advantages == _approx([-0.11 / scale, 0.065 / scale, 0.615 / scale])
@@ -66,7 +67,7 @@ def test_an_agent_episode_is_one_trajectory_across_its_segments():
     episode = _rollout(1.0, 2, [-0.2, -0.2])
     episode.segments = [replace(episode, segments=[], reward=None, token_rewards=[-0.1, -0.1])]
     group = RolloutGroup(example=_EXAMPLE, rollouts=[episode, _rollout(0.0, 2, [0.0, 0.0])])
-    assign_advantages([group], AlgorithmConfig(advantage="reinforce_pp", advantage_std="population"))
+    assign_advantages([group], AlgorithmConfig(advantage=ReinforcePPAdvantage(std="population")))
     returns = [0.4, 0.5, 0.6, 0.8, 0.0, 0.0]
     mean, std = statistics.fmean(returns), statistics.pstdev(returns)
     a = [(g - mean) / (std + EPS) for g in returns]

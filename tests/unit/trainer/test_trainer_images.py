@@ -89,15 +89,14 @@ def test_the_loss_mask_never_covers_an_image_placeholder(tiny_vlm_path, rollouts
 
 @pytest.mark.parametrize("lora", [False, True], ids=["frozen_copy", "lora_without_adapters"])
 def test_the_kl_reference_scores_image_rows_with_their_pixels(tiny_vlm_path, rollouts, lora):
-    from sharpen.trainer.backends.lora import LoraReferencePolicy
-    from sharpen.trainer.backends.single_device import ReferencePolicy
+    from sharpen.trainer.backends.frozen import LoraReferencePolicy, ReferencePolicy
 
     trainer_config = TrainerConfig.model_validate(
         {
             "device": "cpu",
             "precision": "float32",
             "num_threads": 1,
-            "algorithm": {"kl_coef": 0.1},
+            "algorithm": {"kl": {"type": "loss", "coef": 0.1}},
             "lora": {"enabled": lora, "rank": 4},
         }
     )

@@ -22,8 +22,8 @@ _CASES = {
     },
     "gmpo": {"policy_loss": "gmpo", "loss_aggregation": "seq_mean_token_mean"},
     # large fractions and a low bound so that several tokens are selected in this small batch
-    "clip_cov": {"policy_loss": "clip_cov", "clip_cov_fraction": 0.3, "clip_cov_min": 0.01},
-    "kl_cov": {"policy_loss": "kl_cov", "kl_cov_fraction": 0.3},
+    "clip_cov": {"policy_loss": {"type": "clip_cov", "fraction": 0.3, "cov_min": 0.01}},
+    "kl_cov": {"policy_loss": {"type": "kl_cov", "fraction": 0.3}},
 }
 
 

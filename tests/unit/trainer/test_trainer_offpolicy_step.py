@@ -53,7 +53,7 @@ def backend(model_dir: Path) -> SingleDeviceBackend:
 def test_rejection_and_normalisation_do_not_depend_on_the_micro_batch_size(backend, monkeypatch, mode):
     rollouts = _rollouts(seed=11)
     reject = [_REJECT[0], {**_REJECT[1], "high": 0.02}]  # rows go once a |log r| passes 0.2
-    algorithm = {"off_policy_correction": mode, "off_policy_reject": reject, "off_policy_normalize": True}
+    algorithm = {"off_policy_correction": {"type": mode, "reject": reject, "normalize": True}}
     results = {}
     for size in (6, 1):
         trainer = Trainer(_config(micro_batch_size=size, **algorithm), backend=backend, pad_token_id=PAD)
@@ -102,7 +102,7 @@ _KEPT_LOG_RATIOS = [0.0, 0.0, 0.0, 0.0, -0.2, -0.1, 0.1, 0.15]
 
 
 def test_step_metrics_and_normaliser_by_hand(backend, monkeypatch):
-    algorithm = {"off_policy_correction": "token_tis", "off_policy_reject": _REJECT, "off_policy_normalize": True}
+    algorithm = {"off_policy_correction": {"type": "token_tis", "reject": _REJECT, "normalize": True}}
     trainer = Trainer(_config(micro_batch_size=2, **algorithm), backend=backend, pad_token_id=PAD)
     metrics, normalised = _step(trainer, _exact_ratio_rollouts(trainer, _DELTAS), monkeypatch)
     kept = [math.exp(d) for d in _KEPT_LOG_RATIOS]  # every ratio is under the cap 2
@@ -120,7 +120,7 @@ def test_step_metrics_and_normaliser_by_hand(backend, monkeypatch):
     assert {name: metrics[name] for name in expected} == pytest.approx(expected, abs=2e-6)
 
     # the policy loss is linear in the weights, so normalising divides its gradient by the normaliser exactly
-    plain_algorithm = {"off_policy_correction": "token_tis", "off_policy_reject": _REJECT}
+    plain_algorithm = {"off_policy_correction": {"type": "token_tis", "reject": _REJECT}}
     plain_trainer = Trainer(_config(micro_batch_size=2, **plain_algorithm), backend=backend, pad_token_id=PAD)
     plain_metrics, plain = _step(plain_trainer, _exact_ratio_rollouts(plain_trainer, _DELTAS), monkeypatch)
     assert plain_metrics["offpolicy/weight_mean"] == pytest.approx(normalizer, abs=2e-6)
@@ -131,7 +131,7 @@ def test_step_metrics_and_normaliser_by_hand(backend, monkeypatch):
 
 
 def test_sequence_tis_is_normalised_per_kept_sequence(backend, monkeypatch):
-    algorithm = {"off_policy_correction": "sequence_tis", "off_policy_reject": _REJECT, "off_policy_normalize": True}
+    algorithm = {"off_policy_correction": {"type": "sequence_tis", "reject": _REJECT, "normalize": True}}
     trainer = Trainer(_config(micro_batch_size=3, **algorithm), backend=backend, pad_token_id=PAD)
     metrics, _ = _step(trainer, _exact_ratio_rollouts(trainer, _DELTAS), monkeypatch)
     # rows 0, 2, 3 are kept with their product ratios e^0, e^0.1, e^0.15 (row 2's rejected 0.3 still counts in it)

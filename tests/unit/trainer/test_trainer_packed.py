@@ -15,7 +15,7 @@ import torch
 from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
-from sharpen.trainer.backends.single_device import score_tokens
+from sharpen.trainer.backends.scoring import score_tokens
 from sharpen.trainer.packing import pack_micro_batch, split_micro_batches_by_tokens, unpack_scores
 from sharpen.trainer.sharding import split_rollouts_by_tokens
 from sharpen.types import Example, Message, Rollout, TrainBatch

@@ -30,7 +30,7 @@ from sharpen.config.loader import load_config
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import Trainer, prefix
 from sharpen.trainer.backends.base import TokenScores, TrainerBackend
-from sharpen.trainer.backends.single_device import score_tokens
+from sharpen.trainer.backends.scoring import score_tokens
 from sharpen.trainer.packing import MicroBatch, pack_micro_batch
 from sharpen.trainer.prefix import build_layout, group_by_prompt, score_shared_prompts
 from sharpen.types import Example, Message, Rollout
@@ -128,7 +128,9 @@ def _model(*, gradient_checkpointing: bool = False, use_reentrant: bool = False)
 
 def _trainer() -> Trainer:
     """A trainer for its loss code only: PPO-clip with an entropy bonus (so the entropy's gradient counts too)."""
-    config = TrainerConfig(device="cpu", algorithm={"entropy_coef": 0.01, "clip_eps_low": 0.1})
+    config = TrainerConfig(
+        device="cpu", algorithm={"entropy_coef": 0.01, "policy_loss": {"type": "ppo_clip", "clip_eps_low": 0.1}}
+    )
     backend = cast(TrainerBackend, SimpleNamespace(device=torch.device("cpu"), num_ranks=1, rank=0))
     return Trainer(config, backend=backend, pad_token_id=PAD)
 
@@ -169,7 +171,7 @@ def _run(model, rollouts: list[Rollout], score: Score) -> dict[str, torch.Tensor
     scores = score(model, micro, [len(r.prompt_ids) for r in rollouts])
     assert scores.entropy is not None
     old = micro.engine_logprobs + 0.05  # some ratios clip, some do not
-    loss = _trainer()._micro_batch_loss(micro, scores.logprobs, old, scores.entropy, 3.0, defaultdict(float))
+    loss = _trainer().objective.micro_batch_loss(micro, scores.logprobs, old, scores.entropy, 3.0, defaultdict(float))
     loss.backward()
     out = {"logprobs": scores.logprobs.detach(), "entropy": scores.entropy.detach(), "loss": loss.detach()}
     for name, param in model.named_parameters():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sharpen.config.kl import KLReward
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.types import Rollout, TrainBatch
@@ -186,9 +187,7 @@ def test_kl_penalties_are_minus_coef_times_k1_of_engine_against_the_reference(mo
     from sharpen.config.algorithm import AlgorithmConfig
     from sharpen.trainer import ReferencePolicy
 
-    config = _config().model_copy(
-        update={"algorithm": AlgorithmConfig(kl_coef=0.5, kl_estimator="k1", kl_in_reward=True)}
-    )
+    config = _config().model_copy(update={"algorithm": AlgorithmConfig(kl=KLReward(coef=0.5, estimator="k1"))})
     reference = ReferencePolicy(model_path=model_dir, dtype="float32", device=torch.device("cpu"), precision="float32")
     backend = SingleDeviceBackend(config, model_path=model_dir, dtype="float32")
     trainer = Trainer(config, backend=backend, pad_token_id=PAD, reference=reference)

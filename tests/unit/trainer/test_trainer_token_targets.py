@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from sharpen.config.advantages import ReinforcePPAdvantage
 from sharpen.config.algorithm import AlgorithmConfig, CriticConfig
+from sharpen.config.corrections import NoCorrection
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import SingleDeviceBackend, Trainer, ValueModel
 from sharpen.trainer.critic_step import CriticStep
@@ -28,7 +30,7 @@ def test_token_advantages_reach_the_policy_loss(model_dir: Path):
         precision="float32",
         learning_rate=1e-3,
         micro_batch_size=4,
-        algorithm=AlgorithmConfig(advantage="reinforce_pp", off_policy_correction="none"),
+        algorithm=AlgorithmConfig(advantage=ReinforcePPAdvantage(), off_policy_correction=NoCorrection()),
     )
     trainer = Trainer(
         config, backend=SingleDeviceBackend(config, model_path=model_dir, dtype="float32"), pad_token_id=PAD

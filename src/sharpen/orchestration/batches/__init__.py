@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from sharpen.config.corrections import NoCorrection
 from sharpen.orchestration.batches.base import BatchSource, ProducedBatch, load_pending, save_pending
 from sharpen.orchestration.batches.collect import GroupCollector, rollout_sampling
 from sharpen.orchestration.batches.producer import AsyncBatches, staleness_metrics
@@ -60,7 +61,7 @@ def build_batch_source(
             colocate=config.runtime.colocate,
             pending=pending,
         )
-    if config.trainer.algorithm.off_policy_correction == "none":
+    if isinstance(config.trainer.algorithm.off_policy_correction, NoCorrection):
         logger.warning("async mode without off-policy correction: stale tokens are trained on as if on-policy")
     return AsyncBatches(
         collector,

@@ -36,8 +36,8 @@ class ProducedBatch:
 class BatchSource(Protocol):
     """What the loop asks of sync and async generation alike."""
 
-    def take(self, step: int) -> ProducedBatch:
-        """The batch to train on at ``step`` (blocks until it is ready)."""
+    def scored_batch(self, step: int) -> ProducedBatch:
+        """The batch to train on at ``step``: its groups sampled, generated and scored (blocks until ready)."""
         ...
 
     def publish(self, trainer: TrainerHandle, *, version: PolicyVersion) -> dict[str, float]:

@@ -77,7 +77,7 @@ class GroupCollector:
                     )
                 with timer.phase("score"):  # what is left once the last episode has ended
                     scorer.wait()
-            if config.trainer.algorithm.advantage == "remax":
+            if config.trainer.algorithm.advantage.needs_greedy_baseline:
                 self._add_greedy_baselines(engine, groups, timer=timer)
             if buffer is None:
                 return groups, {}

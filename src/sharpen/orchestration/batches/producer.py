@@ -118,7 +118,7 @@ class AsyncBatches:
             self._thread.start()
         return {"sync/snapshot_seconds": snapshot_seconds, "async/num_held_versions": float(len(self.store))}
 
-    def take(self, step: int) -> ProducedBatch:
+    def scored_batch(self, step: int) -> ProducedBatch:
         started = time.perf_counter()
         with self._cond:
             while step not in self._ready and self._error is None:

@@ -44,7 +44,7 @@ class SyncBatches:
         self.sleeper = sleepable(engine) if colocate else None
         self.is_asleep = False
 
-    def take(self, step: int) -> ProducedBatch:
+    def scored_batch(self, step: int) -> ProducedBatch:
         if step in self.kept:  # a checkpoint of an async run kept it
             batch = self.kept.pop(step)
         else:

@@ -17,7 +17,7 @@ def start_ray(runtime: RuntimeConfig) -> bool:
     if ray.is_initialized():
         return False
     if runtime.address is None:
-        ray.init(num_cpus=runtime.num_cpus, include_dashboard=False)
+        ray.init(num_cpus=runtime.ray_cpus, include_dashboard=False)
     else:
         ray.init(address=runtime.address)
     return True

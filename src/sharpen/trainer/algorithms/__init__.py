@@ -1,13 +1,14 @@
 """Pure torch functions of the PPO/GRPO family: advantages, policy losses, aggregation, KL, off-policy corrections.
 
-No modules, no state, no knowledge of models or batches beyond tensors: each function is tested on
-hand-computed cases. The trainer and the loop call them; they call nothing of sharpen's.
+No modules, no knowledge of models or batches beyond tensors: each function is tested on hand-computed cases. The
+registries (`compute_advantages`, `compute_policy_loss`, `compute_correction`, `build_kl_controller`) map the
+objective's typed config sections to their functions; the trainer's `Objective` and the loop call them. They import
+nothing of sharpen's but the config sections.
 """
 
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.estimators import (
-    AdvantageEstimator,
     compute_advantages,
     compute_discounted_returns,
     compute_drgrpo_advantages,
@@ -20,10 +21,15 @@ from sharpen.trainer.algorithms.estimators import (
     compute_rloo_advantages,
     whiten,
 )
-from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, entropy_from_logits, kl_per_token
+from sharpen.trainer.algorithms.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    build_kl_controller,
+    entropy_from_logits,
+    kl_per_token,
+)
 from sharpen.trainer.algorithms.offpolicy import OffPolicyCorrection, compute_correction
 from sharpen.trainer.algorithms.policy_losses import (
-    PolicyLoss,
     cispo_per_token,
     compute_policy_loss,
     gspo_per_token,
@@ -33,12 +39,11 @@ from sharpen.trainer.algorithms.policy_losses import (
 
 __all__ = [
     "AdaptiveKLController",
-    "AdvantageEstimator",
     "FixedKLController",
     "OffPolicyCorrection",
-    "PolicyLoss",
     "aggregate_loss",
     "aggregation_normalizer",
+    "build_kl_controller",
     "cispo_per_token",
     "compute_advantages",
     "compute_correction",

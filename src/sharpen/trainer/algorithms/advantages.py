@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-StdConvention = Literal["unbiased", "population"]
-"""How a standard deviation over k values is taken: ``unbiased`` divides the squared deviations by k - 1 (Bessel's
-correction; torch.std's default, what veRL's GRPO advantage and TRL's GRPOTrainer compute), ``population`` by k."""
+from sharpen.config.advantages import StdConvention
+
+__all__ = ["StdConvention", "compute_grpo_advantages"]
 
 
 def compute_grpo_advantages(

@@ -30,11 +30,12 @@ This module owns only the reduction; it does not compute per-token losses (`poli
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-AggregationMode = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+from sharpen.config.policy_losses import AggregationMode
+
 AGGREGATION_MODES: tuple[AggregationMode, ...] = get_args(AggregationMode)
 
 

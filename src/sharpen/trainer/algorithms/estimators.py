@@ -1,8 +1,8 @@
 """Advantage estimators beyond GRPO: RLOO, REINFORCE++, ReMax, Dr.GRPO, Pass@k, and GAE for PPO with a critic; and
-``compute_advantages``, the registry that maps the config's ``trainer.algorithm.advantage`` name to its estimator.
+``compute_advantages``, the registry that maps the config's ``trainer.algorithm.advantage`` section to its estimator.
 
-Adding an outcome estimator means: a function here, a ``case`` in ``compute_advantages`` (pyright fails on a name of
-``AdvantageEstimator`` without one), the name in the config's Literal, and a test.
+Adding an outcome estimator means: its section in ``config/advantages.py``, a function here and its ``case`` in
+``compute_advantages`` (pyright fails on a section of the ``AdvantageConfig`` union without one), and a test.
 
 Pure torch functions over tensors, like ``advantages.py``. The outcome estimators take scores
 [num_groups, group_size] with NaN where the reward abstained, exactly as ``compute_grpo_advantages`` does:
@@ -13,64 +13,67 @@ REINFORCE++ has a token-level form too (``compute_reinforce_pp_token_advantages`
 normalised over the batch's tokens), which is what the loop uses for "reinforce_pp" and "reinforce_pp_baseline".
 
 Deliberately not here: computing the per-token KL penalty (the caller passes it as per-token rewards to
-``compute_gae`` or ``compute_reinforce_pp_token_advantages``), loss aggregation (``losses.py``; Dr.GRPO's constant
-length normaliser lives there), and the critic itself.
+``compute_gae`` or ``compute_reinforce_pp_token_advantages``), loss aggregation (``aggregation.py``; Dr.GRPO's
+constant length normaliser lives there), and the critic itself.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, assert_never
+from typing import assert_never
 
 import torch
 
-from sharpen.trainer.algorithms.advantages import StdConvention, compute_grpo_advantages
-
-AdvantageEstimator = Literal["grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "remax", "passk", "gae"]
-"""The names of ``AlgorithmConfig.advantage`` (a test keeps the two equal: this package imports no config)."""
+from sharpen.config.advantages import (
+    AdvantageConfig,
+    DrGRPOAdvantage,
+    GAEAdvantage,
+    GRPOAdvantage,
+    PassKAdvantage,
+    ReinforcePPAdvantage,
+    ReinforcePPBaselineAdvantage,
+    ReMaxAdvantage,
+    RLOOAdvantage,
+    StdConvention,
+)
+from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 
 
 def compute_advantages(
-    name: AdvantageEstimator,
-    scores: torch.Tensor,
-    *,
-    baselines: torch.Tensor | None = None,
-    std: StdConvention = "unbiased",
-    passk_k: int = 1,
+    estimator: AdvantageConfig, scores: torch.Tensor, *, baselines: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Sequence-level advantages [num_groups, group_size] of the estimator ``name`` (``trainer.algorithm.advantage``).
+    """Sequence-level advantages [num_groups, group_size] of the estimator ``estimator``
+    (``trainer.algorithm.advantage``), with its section's knobs.
 
     ``scores``: [num_groups, group_size], NaN where the reward abstained (and where a group is shorter than the
     largest); abstained entries come back NaN. ``baselines``: [num_groups], the score of each group's greedy
-    completion, NaN where there is none; needed by "remax", ignored by the others. "gae" is not a group estimator:
-    its advantages are per token and come from the critic's values, so the trainer computes them (``compute_gae``).
-    ``std``: the standard-deviation convention of the estimators that divide by one
-    (``trainer.algorithm.advantage_std``). ``passk_k``: the k of "passk" (``trainer.algorithm.passk_k``).
+    completion, NaN where there is none; needed by ReMax, ignored by the others. GAE is not a group estimator: its
+    advantages are per token and come from the critic's values, so the trainer computes them (``compute_gae``).
     """
-    match name:
-        case "grpo":
-            return compute_grpo_advantages(scores, std=std)
-        case "drgrpo":
+    match estimator:
+        case GRPOAdvantage():
+            return compute_grpo_advantages(scores, std=estimator.std)
+        case DrGRPOAdvantage():
             return compute_drgrpo_advantages(scores)
-        case "rloo":
+        case RLOOAdvantage():
             return compute_rloo_advantages(scores)
-        case "reinforce_pp":
-            return compute_reinforce_pp_advantages(scores, std=std)
-        case "reinforce_pp_baseline":
-            return compute_reinforce_pp_baseline_advantages(scores, std=std)
-        case "remax":
+        case ReinforcePPAdvantage():
+            return compute_reinforce_pp_advantages(scores, std=estimator.std)
+        case ReinforcePPBaselineAdvantage():
+            return compute_reinforce_pp_baseline_advantages(scores, std=estimator.std)
+        case ReMaxAdvantage():
             if baselines is None:
-                raise ValueError('advantage = "remax" needs baselines: the score of each group\'s greedy completion')
+                raise ValueError("ReMax needs baselines: the score of each group's greedy completion")
             return compute_remax_advantages(scores, baselines)
-        case "passk":
-            return compute_passk_advantages(scores, k=passk_k)
-        case "gae":
+        case PassKAdvantage():
+            return compute_passk_advantages(scores, k=estimator.k)
+        case GAEAdvantage():
             raise ValueError(
-                'advantage = "gae" is not a group estimator: its per-token advantages need the critic\'s values, '
-                "so the trainer computes them (compute_gae)"
+                "GAE is not a group estimator: its per-token advantages need the critic's values, so the trainer "
+                "computes them (compute_gae)"
             )
         case _:
-            assert_never(name)
+            assert_never(estimator)
 
 
 def compute_rloo_advantages(scores: torch.Tensor) -> torch.Tensor:
@@ -133,7 +136,7 @@ def compute_reinforce_pp_token_advantages(
 
     ``scores``: [num_groups, group_size], the sequence rewards, NaN where abstained. ``token_rewards``,
     ``mask``: [num_groups, group_size, seq]; ``mask`` is true on the trained tokens of each sample, in order, and
-    ``token_rewards`` holds the per-token terms there (the KL penalty -kl_coef * KL_k under ``kl_in_reward``, else
+    ``token_rewards`` holds the per-token terms there (the KL penalty -coef * KL_k under ``kl.type = "reward"``, else
     0). With R the score (``baseline``: the score minus its group's mean over valid scores, REINFORCE++-baseline),
     rew_k = token_rewards_k + R * [k is the sample's last trained token], and
         G_t = sum_{k >= t} gamma^(k - t) rew_k,    A_t = (G_t - mean G) / (std G + eps),

@@ -29,9 +29,11 @@ This module does not decide where the KL enters (reward penalty or loss term); t
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol
+from typing import Literal, Protocol, assert_never
 
 import torch
+
+from sharpen.config.kl import KLConfig, KLLoss, KLReward, NoKL
 
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -105,6 +107,21 @@ class FixedKLController:
 
     def update(self, current_kl: float, num_steps: int) -> None:
         """Does nothing: the coefficient is fixed."""
+
+
+def build_kl_controller(kl: KLConfig, *, coef: float | None = None) -> KLController:
+    """The controller of ``trainer.algorithm.kl``: adaptive with a target, else fixed (0 with no KL term).
+    ``coef``: the coefficient to start from instead of the section's (a resumed adaptive controller's)."""
+    match kl:
+        case NoKL():
+            return FixedKLController(0.0)
+        case KLLoss() | KLReward():
+            start = kl.coef if coef is None else coef
+            if kl.target is None:
+                return FixedKLController(kl.coef)
+            return AdaptiveKLController(start, kl.target, kl.horizon)
+        case _:
+            assert_never(kl)
 
 
 class AdaptiveKLController:

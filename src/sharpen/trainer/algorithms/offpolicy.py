@@ -35,7 +35,8 @@ detached: they scale the gradient, they are not differentiated. The PPO ratio th
 logprobs and ``trainer_logprobs`` (decoupled PPO: the clip bounds the trainer's own update, the weight the
 engine-to-trainer mismatch).
 
-On top of a mode, ``reject`` chains rejection criteria (``trainer.algorithm.off_policy_reject``): each tests a
+On top of a mode, ``reject`` chains rejection criteria (``trainer.algorithm.off_policy_correction.reject``):
+each tests a
 per-token divergence, k1 = log r_t, k2 = 0.5 (log r_t)^2 or k3 = (r_t - 1) - log r_t, per token or through a
 sequence's sum, mean or max of it (k1 as a ratio band [low, high] on exp of the statistic, k2 / k3 against an
 upper threshold), and a token stays in the loss only if the mode and every criterion keep it. The mode's weight is
@@ -49,7 +50,7 @@ Log ratios are clamped to +-``LOG_RATIO_LIMIT`` (e^80 ~ 5.5e34, finite in float3
 infinite trainer logprob or an extreme mismatch gives finite weights and metrics; the clamp changes no weight that
 matters (past e^+-80 a TIS weight is the cap or ~0, and a band of any sensible width rejects the token). NaN
 inputs on valid tokens are not sanitised. This module does not compute the loss, choose a mode, or know about
-models or batches: the trainer does, from its config.
+models or batches: the trainer does, from its config (``compute_correction`` reads the section's knobs).
 """
 
 from __future__ import annotations
@@ -57,14 +58,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import assert_never
 
 import torch
 
-if TYPE_CHECKING:
-    from sharpen.config.algorithm import OffPolicyRejectConfig
-
-CorrectionMode = Literal["none", "token_tis", "sequence_tis", "token_mask", "icepop", "sequence_mask"]
+from sharpen.config.corrections import (
+    CorrectionConfig,
+    IcePopCorrection,
+    NoCorrection,
+    OffPolicyRejectConfig,
+    SequenceMaskCorrection,
+    SequenceTISCorrection,
+    TokenMaskCorrection,
+    TokenTISCorrection,
+)
 
 LOG_RATIO_LIMIT = 80.0
 """Log ratios are clamped to [-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT] so that every exp stays finite in float32."""
@@ -146,26 +153,22 @@ def sequence_mask_is(
 
 
 def compute_correction(
-    mode: CorrectionMode,
+    correction: CorrectionConfig,
     trainer_logprobs: torch.Tensor,
     engine_logprobs: torch.Tensor,
     mask: torch.Tensor,
     *,
-    cap: float,
-    low: float,
-    high: float,
-    reject: Sequence[OffPolicyRejectConfig] = (),
     normalizer: float | None = None,
 ) -> OffPolicyCorrection:
-    """The correction named by ``mode``; ``cap`` is used by the TIS modes, ``low``/``high`` by the band modes. Tokens
-    that a criterion of ``reject`` drops leave the mask; the kept weights are divided by ``normalizer``."""
-    correction = _mode_correction(mode, trainer_logprobs, engine_logprobs, mask, cap=cap, low=low, high=high)
-    if not reject and normalizer is None:
-        return correction
+    """The correction ``correction`` (``trainer.algorithm.off_policy_correction``) with its section's knobs. Tokens
+    that a criterion of its ``reject`` drops leave the mask; the kept weights are divided by ``normalizer``."""
+    result = _section_correction(correction, trainer_logprobs, engine_logprobs, mask)
+    if not correction.reject and normalizer is None:
+        return result
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"importance-weight normalizer must be positive, got {normalizer}")
     log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)
-    return _reject_and_normalize(correction, log_ratio, mask, reject, normalizer)
+    return _reject_and_normalize(result, log_ratio, mask, correction.reject, normalizer)
 
 
 def keep_by_criterion(log_ratio: torch.Tensor, mask: torch.Tensor, criterion: OffPolicyRejectConfig) -> torch.Tensor:
@@ -230,34 +233,26 @@ def correction_metrics(sums: dict[str, float], maxima: dict[str, float]) -> dict
     return metrics
 
 
-def _mode_correction(
-    mode: CorrectionMode,
-    trainer_logprobs: torch.Tensor,
-    engine_logprobs: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    cap: float,
-    low: float,
-    high: float,
+def _section_correction(
+    correction: CorrectionConfig, trainer_logprobs: torch.Tensor, engine_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> OffPolicyCorrection:
-    if mode == "none":
-        log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)
-        weights = mask.to(log_ratio.dtype)
-        return _correction(log_ratio, mask, kept=mask, weights=weights, capped=torch.zeros_like(mask))
-    if mode == "token_tis":
-        return token_tis(trainer_logprobs, engine_logprobs, mask, cap=cap)
-    if mode == "sequence_tis":
-        return sequence_tis(trainer_logprobs, engine_logprobs, mask, cap=cap)
-    if mode == "token_mask":
-        return token_mask_is(trainer_logprobs, engine_logprobs, mask, low=low, high=high)
-    if mode == "icepop":
-        return icepop(trainer_logprobs, engine_logprobs, mask, low=low, high=high)
-    if mode == "sequence_mask":
-        return sequence_mask_is(trainer_logprobs, engine_logprobs, mask, low=low, high=high)
-    raise ValueError(
-        f"unknown off-policy correction {mode!r}: expected none, token_tis, sequence_tis, token_mask, icepop or "
-        "sequence_mask"
-    )
+    match correction:
+        case NoCorrection():
+            log_ratio = _log_ratio(trainer_logprobs, engine_logprobs, mask)
+            weights = mask.to(log_ratio.dtype)
+            return _correction(log_ratio, mask, kept=mask, weights=weights, capped=torch.zeros_like(mask))
+        case TokenTISCorrection():
+            return token_tis(trainer_logprobs, engine_logprobs, mask, cap=correction.cap)
+        case SequenceTISCorrection():
+            return sequence_tis(trainer_logprobs, engine_logprobs, mask, cap=correction.cap)
+        case TokenMaskCorrection():
+            return token_mask_is(trainer_logprobs, engine_logprobs, mask, low=correction.low, high=correction.high)
+        case IcePopCorrection():
+            return icepop(trainer_logprobs, engine_logprobs, mask, low=correction.low, high=correction.high)
+        case SequenceMaskCorrection():
+            return sequence_mask_is(trainer_logprobs, engine_logprobs, mask, low=correction.low, high=correction.high)
+        case _:
+            assert_never(correction)
 
 
 def _reject_and_normalize(

@@ -3,8 +3,9 @@
 
 Each function returns the loss of every token, [batch, seq], exactly 0 at masked tokens, and a
 `PolicyLossMetrics` of masked sums. ``compute_policy_loss`` is the registry: it maps the config's
-``trainer.algorithm.policy_loss`` name to its function, so adding a loss means a function here, a ``case`` there
-(pyright fails on a name of ``PolicyLoss`` without one), the name in the config's Literal, and a test.
+``trainer.algorithm.policy_loss`` section to its function with the section's knobs, so adding a loss means its
+section in ``config/policy_losses.py``, a function and a ``case`` here (pyright fails on a section of the
+``PolicyLossConfig`` union without one), and a test.
 Reducing the tokens to a scalar is `aggregation.aggregate_loss`'s job, so any loss combines with any aggregation
 mode and with gradient accumulation over micro-batches.
 
@@ -17,8 +18,8 @@ whose exp is finite (float32: 88.7228, bfloat16: 88.5, float64: 709.78): a value
 never changed (nor its gradient); one that would give inf gives the dtype's largest finite ratio, with gradient 0.
 r_t = exp(logprobs_t - old_logprobs_t) is the token importance ratio; sg() is stop-gradient.
 
-This module knows nothing of models, batches or configs (the registry takes the config's values as plain
-arguments); it calls nothing of sharpen's.
+The loss functions know nothing of models, batches or configs (they take plain arguments); only the registry reads
+the config's sections.
 """
 
 from __future__ import annotations
@@ -26,12 +27,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal, assert_never
+from typing import assert_never
 
 import torch
 
-PolicyLoss = Literal["ppo_clip", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "pg"]
-"""The names of ``AlgorithmConfig.policy_loss`` (a test keeps the two equal: this package imports no config)."""
+from sharpen.config.policy_losses import (
+    CISPOLoss,
+    ClipCovLoss,
+    GMPOLoss,
+    GSPOLoss,
+    KLCovLoss,
+    PGLoss,
+    PolicyLossConfig,
+    PPOClipLoss,
+    SAPOLoss,
+)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -413,89 +423,105 @@ def pg_per_token(
     )
 
 
+def select_tokens(
+    loss: PolicyLossConfig,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor | None:
+    """The tokens a loss treats apart (``loss.selects_tokens``: Clip-Cov's and KL-Cov's), selected over the whole
+    mini-batch given; None for the other losses."""
+    match loss:
+        case ClipCovLoss():
+            return select_clip_cov_tokens(
+                logprobs,
+                advantages,
+                mask,
+                fraction=loss.fraction,
+                cov_low=loss.cov_min,
+                cov_high=loss.cov_max,
+                generator=generator,
+            )
+        case KLCovLoss():
+            return select_kl_cov_tokens(logprobs, advantages, mask, fraction=loss.fraction)
+        case _:
+            return None
+
+
 def compute_policy_loss(
-    name: PolicyLoss,
+    loss: PolicyLossConfig,
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
-    clip_eps_low: float,
-    clip_eps_high: float,
-    dual_clip_c: float | None = None,
-    sapo_tau_pos: float = 1.0,
-    sapo_tau_neg: float = 1.05,
-    gmpo_log_clip_low: float = 0.4,
-    gmpo_log_clip_high: float = 0.4,
-    cov_selected: torch.Tensor | None = None,
-    clip_cov_fraction: float = 2e-4,
-    clip_cov_min: float = 1.0,
-    clip_cov_max: float = 5.0,
-    kl_cov_fraction: float = 2e-3,
-    kl_cov_coef: float = 1.0,
+    selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PolicyLossMetrics]:
-    """Per-token loss [batch, seq] and metrics of the policy loss ``name`` (``trainer.algorithm.policy_loss``).
-
-    Every loss gets the same arguments and takes what it uses: the clip bounds go to PPO, GSPO and CISPO,
-    ``dual_clip_c`` to PPO only, the temperatures to SAPO, the log-space bounds to GMPO, and plain policy gradient
-    ignores ``old_logprobs`` (it has no ratio). The keyword defaults are the papers'. ``cov_selected``: Clip-Cov's
-    or KL-Cov's tokens, selected over the whole mini-batch by the caller (for split invariance); None selects them
-    from this batch alone, with the covariance of ``old_logprobs``.
-    """
-    match name:
-        case "ppo_clip":
+    """Per-token loss [batch, seq] and metrics of the policy loss ``loss`` (``trainer.algorithm.policy_loss``), with
+    its section's knobs. ``selected``: the tokens a Clip-Cov or KL-Cov loss treats apart, selected over the whole
+    mini-batch by the caller (`select_tokens`, for split invariance); None selects them from this batch alone, with
+    the covariance of ``old_logprobs``. Plain policy gradient ignores ``old_logprobs`` (it has no ratio)."""
+    match loss:
+        case PPOClipLoss():
             return ppo_clip_per_token(
                 logprobs,
                 old_logprobs,
                 advantages,
                 mask,
-                clip_eps_low=clip_eps_low,
-                clip_eps_high=clip_eps_high,
-                dual_clip_c=dual_clip_c,
+                clip_eps_low=loss.clip_eps_low,
+                clip_eps_high=loss.clip_eps_high,
+                dual_clip_c=loss.dual_clip_c,
             )
-        case "gspo":
+        case GSPOLoss():
             return gspo_per_token(
-                logprobs, old_logprobs, advantages, mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
+                logprobs,
+                old_logprobs,
+                advantages,
+                mask,
+                clip_eps_low=loss.clip_eps_low,
+                clip_eps_high=loss.clip_eps_high,
             )
-        case "cispo":
+        case CISPOLoss():
             return cispo_per_token(
-                logprobs, old_logprobs, advantages, mask, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high
+                logprobs,
+                old_logprobs,
+                advantages,
+                mask,
+                clip_eps_low=loss.clip_eps_low,
+                clip_eps_high=loss.clip_eps_high,
             )
-        case "sapo":
-            return sapo_per_token(logprobs, old_logprobs, advantages, mask, tau_pos=sapo_tau_pos, tau_neg=sapo_tau_neg)
-        case "gmpo":
+        case SAPOLoss():
+            return sapo_per_token(logprobs, old_logprobs, advantages, mask, tau_pos=loss.tau_pos, tau_neg=loss.tau_neg)
+        case GMPOLoss():
             return gmpo_per_token(
                 logprobs,
                 old_logprobs,
                 advantages,
                 mask,
-                log_clip_low=gmpo_log_clip_low,
-                log_clip_high=gmpo_log_clip_high,
+                log_clip_low=loss.log_clip_low,
+                log_clip_high=loss.log_clip_high,
             )
-        case "clip_cov":
-            if cov_selected is None:
-                cov_selected = select_clip_cov_tokens(
-                    old_logprobs,
-                    advantages,
-                    mask,
-                    fraction=clip_cov_fraction,
-                    cov_low=clip_cov_min,
-                    cov_high=clip_cov_max,
-                )
+        case ClipCovLoss():
+            if selected is None:
+                selected = select_tokens(loss, old_logprobs, advantages, mask)
+            assert selected is not None
             return clip_cov_per_token(
                 logprobs,
                 old_logprobs,
                 advantages,
                 mask,
-                selected=cov_selected,
-                clip_eps_low=clip_eps_low,
-                clip_eps_high=clip_eps_high,
+                selected=selected,
+                clip_eps_low=loss.clip_eps_low,
+                clip_eps_high=loss.clip_eps_high,
             )
-        case "kl_cov":
-            if cov_selected is None:
-                cov_selected = select_kl_cov_tokens(old_logprobs, advantages, mask, fraction=kl_cov_fraction)
-            return kl_cov_per_token(logprobs, old_logprobs, advantages, mask, selected=cov_selected, coef=kl_cov_coef)
-        case "pg":
+        case KLCovLoss():
+            if selected is None:
+                selected = select_tokens(loss, old_logprobs, advantages, mask)
+            assert selected is not None
+            return kl_cov_per_token(logprobs, old_logprobs, advantages, mask, selected=selected, coef=loss.coef)
+        case PGLoss():
             return pg_per_token(logprobs, advantages, mask)
         case _:
-            assert_never(name)
+            assert_never(loss)

@@ -281,7 +281,7 @@ def test_producer_runs_ahead_only_as_far_as_the_bound() -> None:
         time.sleep(0.3)  # a trainer that has not finished step 0: batches 0, 1, 2 may be made (versions >= 0)
         assert [step for step, _ in produced] == [0, 1, 2]
         for step in range(6):
-            batch = batches.take(step)
+            batch = batches.scored_batch(step)
             assert batch.groups[0].rollouts[0].versions == [max(step - 2, 0)]  # pinned: exactly step - bound
             assert batch.metrics["sampling/step"] == step and batch.metrics["time/generate"] >= 0
             assert batch.sampler_state == {"drawn": step + 1}
@@ -297,7 +297,7 @@ def test_zero_staleness_alternates_with_the_trainer() -> None:
     try:
         batches.publish(trainer, version=0)
         for step in range(3):
-            batch = batches.take(step)
+            batch = batches.scored_batch(step)
             time.sleep(0.05)
             assert len(produced) == step + 1  # nothing is generated while the trainer holds an older version
             assert batch.groups[0].rollouts[0].versions == [step]
@@ -310,9 +310,9 @@ def test_a_producer_failure_is_raised_in_the_trainer_thread() -> None:
     batches, _, _ = make_batches(max_staleness=1, fail_at=1)
     try:
         batches.publish(FakeTrainer(), version=0)
-        batches.take(0)
+        batches.scored_batch(0)
         with pytest.raises(RuntimeError, match="reward worker crashed in step 1"):
-            batches.take(1)
+            batches.scored_batch(1)
     finally:
         batches.close()
 
@@ -322,7 +322,7 @@ def test_pending_waits_for_the_batches_made_by_older_weights_and_they_round_trip
     trainer = FakeTrainer()
     try:
         batches.publish(trainer, version=0)
-        batches.take(0)
+        batches.scored_batch(0)
         batches.publish(trainer, version=1)
         kept = batches.pending(1)  # batches 1 and 2 were made by version 0 < 1; batch 3 will be made by 1
         assert [b.step for b in kept] == [1, 2]
@@ -354,9 +354,9 @@ def test_a_run_resumed_with_kept_batches_trains_on_them_first() -> None:
     )
     try:
         batches.publish(FakeTrainer(), version=3)
-        assert batches.take(3).groups[0].rollouts[0].versions == [1]
-        assert batches.take(4).groups[0].rollouts[0].versions == [2]
-        assert batches.take(5).groups[0].rollouts[0].versions == [3]  # step 5 - bound 2 = version 3
+        assert batches.scored_batch(3).groups[0].rollouts[0].versions == [1]
+        assert batches.scored_batch(4).groups[0].rollouts[0].versions == [2]
+        assert batches.scored_batch(5).groups[0].rollouts[0].versions == [3]  # step 5 - bound 2 = version 3
     finally:
         batches.close()
     assert [step for step, _ in maker.produced] == [5]
@@ -367,7 +367,7 @@ def test_overlap_measures_generation_inside_a_window() -> None:
     try:
         started = time.perf_counter()
         batches.publish(FakeTrainer(), version=0)
-        batches.take(1)
+        batches.scored_batch(1)
         ended = time.perf_counter()
         assert 0.15 <= batches.overlap(started, ended) <= ended - started + 1e-6
         assert batches.overlap(ended + 1, ended + 2) == 0.0

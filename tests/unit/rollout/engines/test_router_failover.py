@@ -373,13 +373,13 @@ def test_the_step_metrics_carry_the_routers_counts() -> None:
             return ProducedBatch(step=step, groups=[], metrics={"reward/mean": 0.5})
 
     source = SyncBatches(Collector(), engine=router, weight_sync=None, timer=PhaseTimer())  # type: ignore[arg-type]
-    metrics = source.take(0).metrics
+    metrics = source.scored_batch(0).metrics
     assert metrics["reward/mean"] == 0.5 and metrics["rollout/requests_retried"] == 2
     assert metrics["engine/restarts"] == 1 and metrics["engine/replica_0/requests"] == 4
     assert metrics["engine/replica_1/requests"] == 2
     broken.restartable.set()
     wait_for(lambda: router.health.states[1] is ReplicaState.SERVING)
-    metrics = source.take(1).metrics
+    metrics = source.scored_batch(1).metrics
     assert metrics["rollout/requests_retried"] == 0 and metrics["engine/restarts"] == 0
     assert metrics["engine/replica_0/requests"] == metrics["engine/replica_1/requests"] == 2
     router.close()

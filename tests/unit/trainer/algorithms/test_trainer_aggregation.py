@@ -174,6 +174,7 @@ def test_a_micro_batch_local_normalizer_would_break_the_invariance():
         aggregate_loss(_per_token_loss(logprobs[a:b]), mask[a:b], "token_mean", normalizer=float(mask[a:b].sum()) * 2)
         for a, b in [(0, 3), (3, 7)]
     )
+    assert isinstance(local, torch.Tensor)
     (local_grad,) = torch.autograd.grad(local, logprobs)
     assert not torch.allclose(local_grad, whole)
 

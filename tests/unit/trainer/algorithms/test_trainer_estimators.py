@@ -1,5 +1,5 @@
 """Advantage estimators on hand-computed cases: RLOO, REINFORCE++, ReMax, Dr.GRPO, GAE and masked whitening; and
-the registry `compute_advantages`, which must know every estimator name of the config."""
+the registry `compute_advantages`, which must have a case for every section of the config's `AdvantageConfig`."""
 
 from __future__ import annotations
 
@@ -12,10 +12,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.advantages import AdvantageConfig, GAEAdvantage, GRPOAdvantage, PassKAdvantage, ReMaxAdvantage
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 from sharpen.trainer.algorithms.estimators import (
-    AdvantageEstimator,
     compute_advantages,
     compute_drgrpo_advantages,
     compute_gae,
@@ -255,13 +254,35 @@ def test_outcome_estimators_accept_empty_inputs(estimator, shape):
 
 # --- the registry ------------------------------------------------------------------------------------------------
 
-_CONFIG_NAMES = typing.get_args(AlgorithmConfig.model_fields["advantage"].annotation)
-_GROUP_ESTIMATORS = [name for name in _CONFIG_NAMES if name != "gae"]  # gae needs a critic: the trainer runs it
+_SECTIONS: tuple[type[AdvantageConfig], ...] = typing.get_args(typing.get_args(AdvantageConfig)[0])
+_GROUP_SECTIONS = [section for section in _SECTIONS if section is not GAEAdvantage]  # gae needs a critic
 
 
-def test_the_registry_names_are_the_configs():
-    assert set(typing.get_args(AdvantageEstimator)) == set(_CONFIG_NAMES)
-    assert "gae" in _CONFIG_NAMES and len(_GROUP_ESTIMATORS) == len(_CONFIG_NAMES) - 1
+def _type(section: type[AdvantageConfig]) -> str:
+    return typing.get_args(section.model_fields["type"].annotation)[0]
+
+
+def _section(section: type[AdvantageConfig], **knobs: object) -> AdvantageConfig:
+    """The section with those of ``knobs`` it carries (PassKAdvantage needs k; the default is k = 1)."""
+    defaults = {"k": 1} if section is PassKAdvantage else {}
+    return section.model_validate(
+        {**defaults, **{key: value for key, value in knobs.items() if key in section.model_fields}}
+    )
+
+
+@pytest.mark.parametrize("section", _SECTIONS, ids=_type)
+def test_every_section_of_the_union_has_a_case(section: type[AdvantageConfig]):
+    """The registry knows every member of `AdvantageConfig` (pyright's assert_never checks it statically; this
+    checks it at run time): a group estimator gives finite advantages on the valid scores, GAE its own refusal."""
+    scores = _t([[1.0, 0.0, NAN, 1.0], [3.0, NAN, 1.0, 0.0]])
+    baselines = _t([0.5, 1.0]) if section is ReMaxAdvantage else None
+    if section is GAEAdvantage:
+        with pytest.raises(ValueError, match="critic"):
+            compute_advantages(_section(section), scores, baselines=baselines)
+        return
+    advantages = compute_advantages(_section(section), scores, baselines=baselines)
+    assert torch.isfinite(advantages[~torch.isnan(scores)]).all()
+    assert _type(section) in _HAND_COMPUTED, f"add hand-computed advantages for the new estimator {section.__name__}"
 
 
 # Two groups of four with abstentions: group 0 has valid [1, 0, 1], group 1 has valid [3, 1].
@@ -299,22 +320,24 @@ _HAND_COMPUTED: dict[str, list[list[float]]] = {
 }
 
 
-@pytest.mark.parametrize("name", _GROUP_ESTIMATORS)
-def test_every_group_estimator_of_the_config_gives_its_hand_computed_advantages(name: AdvantageEstimator):
+@pytest.mark.parametrize("section", _GROUP_SECTIONS, ids=_type)
+def test_every_group_estimator_of_the_config_gives_its_hand_computed_advantages(section: type[AdvantageConfig]):
+    name = _type(section)
     assert name in _HAND_COMPUTED, f"add hand-computed advantages for the new estimator {name!r}"
-    baselines = _t([0.5, NAN]) if name == "remax" else None
-    advantages = compute_advantages(name, _t(_REGISTRY_SCORES), baselines=baselines, std="population")
+    baselines = _t([0.5, NAN]) if section is ReMaxAdvantage else None
+    estimator = _section(section, std="population")  # the std goes to the sections that carry one
+    advantages = compute_advantages(estimator, _t(_REGISTRY_SCORES), baselines=baselines)
     torch.testing.assert_close(advantages, _t(_HAND_COMPUTED[name]), rtol=0, atol=1e-12, equal_nan=True)
 
 
 def test_gae_is_refused_as_a_group_estimator():
     with pytest.raises(ValueError, match="critic"):
-        compute_advantages("gae", _t(_REGISTRY_SCORES))
+        compute_advantages(GAEAdvantage(), _t(_REGISTRY_SCORES))
 
 
 def test_remax_without_baselines_is_refused():
     with pytest.raises(ValueError, match="baselines"):
-        compute_advantages("remax", _t(_REGISTRY_SCORES))
+        compute_advantages(ReMaxAdvantage(), _t(_REGISTRY_SCORES))
 
 
 # --- GAE ---------------------------------------------------------------------------------------------------------
@@ -480,9 +503,11 @@ def test_unbiased_std_is_the_default_and_divides_by_k_minus_1():
     population = 0.5 / (0.5 + 1e-6)
     expected = [[unbiased, -unbiased, -unbiased, unbiased]]
     torch.testing.assert_close(compute_grpo_advantages(scores), _t(expected), rtol=0, atol=1e-12)
-    torch.testing.assert_close(compute_advantages("grpo", scores), _t(expected), rtol=0, atol=1e-12)
+    torch.testing.assert_close(compute_advantages(GRPOAdvantage(), scores), _t(expected), rtol=0, atol=1e-12)
     pop = compute_grpo_advantages(scores, std="population")
     torch.testing.assert_close(pop, _t([[population, -population, -population, population]]), rtol=0, atol=1e-12)
+    via_section = compute_advantages(GRPOAdvantage(std="population"), scores)  # the section's std reaches it
+    torch.testing.assert_close(via_section, pop, rtol=0, atol=0)
     # REINFORCE++ over the batch [[2, NaN], [0, 4]]: mean 2, squared deviations 0 + 4 + 4 = 8 over k = 3 valid
     rpp = compute_reinforce_pp_advantages(_t([[2, NAN], [0, 4]]))
     s = math.sqrt(8 / 2)
@@ -500,7 +525,9 @@ def test_advantage_std_config_key_defaults_to_unbiased_and_rejects_other_values(
 
     from sharpen.config.algorithm import AlgorithmConfig
 
-    assert AlgorithmConfig().advantage_std == "unbiased"
-    assert AlgorithmConfig(advantage_std="population").advantage_std == "population"
-    with pytest.raises(ValidationError, match="advantage_std"):
-        AlgorithmConfig(advantage_std="sample")  # type: ignore[arg-type]
+    default = AlgorithmConfig().advantage
+    assert isinstance(default, GRPOAdvantage) and default.std == "unbiased"
+    population = AlgorithmConfig.model_validate({"advantage": {"type": "grpo", "std": "population"}}).advantage
+    assert isinstance(population, GRPOAdvantage) and population.std == "population"
+    with pytest.raises(ValidationError, match="std"):
+        AlgorithmConfig.model_validate({"advantage": {"type": "grpo", "std": "sample"}})

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sharpen.config.advantages import GRPOAdvantage
 from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer
@@ -59,13 +60,10 @@ _GROUPS = [
 _OBJECTIVES: dict[str, dict[str, object]] = {
     "grpo_defaults": {},
     "gspo_kl_entropy": {
-        "policy_loss": "gspo",
-        "clip_eps_low": 0.02,
-        "clip_eps_high": 0.03,
+        "policy_loss": {"type": "gspo", "clip_eps_low": 0.02, "clip_eps_high": 0.03},
         "loss_aggregation": "seq_mean_token_mean",
         "num_mini_batches": 2,  # the second mini-batch runs after an optimizer step: ratios away from 1
-        "kl_coef": 0.5,
-        "kl_estimator": "k3",
+        "kl": {"type": "loss", "coef": 0.5, "estimator": "k3"},
         "entropy_coef": 0.01,
     },
 }
@@ -73,7 +71,7 @@ _LEARNING_RATE = 2e-2  # large enough that the second mini-batch's ratios leave 
 
 # train/loss and train/grad_norm of one step (see the module docstring for how they were obtained)
 _GOLDEN = {
-    # re-recorded when trainer.algorithm.advantage_std became "unbiased" by default (issue 18): the group std of
+    # re-recorded when trainer.algorithm.advantage.std became "unbiased" by default (issue 18): the group std of
     # three scores is sqrt(3/2) larger, so the GRPO advantages and the loss are sqrt(2/3) of the population values
     "grpo_defaults": (-0.05598658323287964, 1.6018886259846326),
     "gspo_kl_entropy": (-0.03698986768722534, 2.511287175601163),
@@ -82,7 +80,7 @@ _GOLDEN = {
 
 def _batch() -> TrainBatch:
     scores = torch.tensor([[score for *_, score in group] for group in _GROUPS], dtype=torch.float64)
-    advantages = compute_advantages("grpo", scores)  # [groups, samples]
+    advantages = compute_advantages(GRPOAdvantage(), scores)  # [groups, samples]
     rollouts = [
         Rollout(
             example=_EXAMPLES[row],
@@ -109,7 +107,7 @@ def _step_metrics(model_dir: Path, objective: str) -> dict[str, float]:
     )
     backend = SingleDeviceBackend(config, model_path=model_dir, dtype="float64")
     reference = None
-    if config.algorithm.kl_coef > 0:
+    if config.algorithm.kl.needs_reference:
         reference = ReferencePolicy(model_path=model_dir, dtype="float64", device=backend.device, precision="float32")
     trainer = Trainer(config, backend=backend, pad_token_id=PAD, reference=reference)
     return trainer.step(_batch())

@@ -29,7 +29,7 @@ def test_estimators_by_hand():
     logprobs = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64)
     ref = torch.tensor([[-1.5, -2.0, 0.0]], dtype=F64)
     x = [0.5, 0.0, -0.5]  # log pi - log pi_ref
-    expected = {
+    expected: dict[KLEstimator, list[float]] = {
         "k1": x,
         "k2": [0.5 * v * v for v in x],
         "k3": [math.exp(-v) - 1 + v for v in x],  # (r - 1) - log r with r = exp(-x)

@@ -10,10 +10,19 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import TypeAdapter, ValidationError
 
+from sharpen.config.corrections import (
+    CorrectionConfig,
+    IcePopCorrection,
+    NoCorrection,
+    SequenceMaskCorrection,
+    SequenceTISCorrection,
+    TokenMaskCorrection,
+    TokenTISCorrection,
+)
 from sharpen.trainer.algorithms.offpolicy import (
     LOG_RATIO_LIMIT,
-    CorrectionMode,
     compute_correction,
     icepop,
     sequence_mask_is,
@@ -22,8 +31,22 @@ from sharpen.trainer.algorithms.offpolicy import (
     token_tis,
 )
 
-MODES: tuple[CorrectionMode, ...] = get_args(CorrectionMode)
+SECTIONS: tuple[type[CorrectionConfig], ...] = get_args(get_args(CorrectionConfig)[0])
 KNOBS = {"cap": 2.0, "low": 0.5, "high": 2.0}
+
+
+def _section(section: type[CorrectionConfig], **knobs: float) -> CorrectionConfig:
+    """The section with those of ``knobs`` (default: KNOBS) it carries: cap for the TIS corrections, low and high
+    for the band ones."""
+    knobs = knobs or KNOBS
+    return section.model_validate({key: value for key, value in knobs.items() if key in section.model_fields})
+
+
+def _type(section: type[CorrectionConfig]) -> str:
+    return get_args(section.model_fields["type"].annotation)[0]
+
+
+MODES = [_section(section) for section in SECTIONS]
 
 
 def _pair(log_ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,7 +137,7 @@ def test_icepop_weights_kept_tokens_by_their_ratio_and_zeroes_the_rest():
     expected = [[0.0, 1.0, 0.0, math.exp(0.5), math.exp(-0.6)]]
     torch.testing.assert_close(out.weights, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
     assert out.metrics["offpolicy/masked_fraction"] == pytest.approx(2 / 5)
-    via_registry = compute_correction("icepop", trainer, engine, _all((1, 5)), **KNOBS)
+    via_registry = compute_correction(IcePopCorrection(low=0.5, high=2.0), trainer, engine, _all((1, 5)))
     assert torch.equal(via_registry.weights, out.weights)
 
 
@@ -141,11 +164,11 @@ def test_sequence_mask_is_length_normalised():
 # --- dispatcher, metrics -------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_no_mismatch_means_no_correction(mode: CorrectionMode):
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.type)
+def test_no_mismatch_means_no_correction(mode: CorrectionConfig):
     engine = -torch.rand(3, 5, dtype=torch.float64) * 4
     mask = torch.tensor([[True] * 5, [True, True, True, False, False], [False] * 5])
-    out = compute_correction(mode, engine.clone(), engine, mask, **KNOBS)
+    out = compute_correction(mode, engine.clone(), engine, mask)
     assert out.mask.tolist() == mask.tolist()
     assert out.weights.tolist() == mask.double().tolist()
     metrics = out.metrics
@@ -158,7 +181,7 @@ def test_no_mismatch_means_no_correction(mode: CorrectionMode):
 
 def test_none_mode_leaves_weights_at_one_but_still_reports_the_mismatch():
     trainer, engine = _pair([[0.5, -1.0]])
-    out = compute_correction("none", trainer, engine, _all((1, 2)), **KNOBS)
+    out = compute_correction(NoCorrection(), trainer, engine, _all((1, 2)))
     assert out.weights.tolist() == [[1.0, 1.0]]
     # k1 = mean(-log r) = 0.25; k3 = mean(r - 1 - log r) over r = e^0.5, e^-1
     assert out.metrics["offpolicy/kl_k1"] == pytest.approx(0.25, abs=1e-12)
@@ -168,8 +191,19 @@ def test_none_mode_leaves_weights_at_one_but_still_reports_the_mismatch():
 
 def test_every_mode_reports_the_same_metric_names():
     trainer, engine = _pair([[0.5, -1.0]])
-    names = {frozenset(compute_correction(m, trainer, engine, _all((1, 2)), **KNOBS).metrics) for m in MODES}
+    names = {frozenset(compute_correction(m, trainer, engine, _all((1, 2))).metrics) for m in MODES}
     assert len(names) == 1
+
+
+@pytest.mark.parametrize("section", SECTIONS, ids=_type)
+def test_every_section_of_the_union_has_a_case(section: type[CorrectionConfig]):
+    """The registry knows every member of `CorrectionConfig` with its default knobs (pyright's assert_never checks
+    it statically; this at run time): finite weights in [0, cap or the ratio], the input mask or less."""
+    trainer, engine = _pair([[0.5, -1.0, 0.0], [0.1, 0.2, 0.3]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    out = compute_correction(section(), trainer, engine, mask)
+    assert torch.isfinite(out.weights).all() and (out.weights >= 0).all()
+    assert not (out.mask & ~mask).any()
 
 
 def test_ess_is_one_for_equal_ratios_and_hand_computed_otherwise():
@@ -183,7 +217,7 @@ def test_ratio_quantiles_on_a_known_set():
     # ratios 1..101 in shuffled order: p01 = 1 + 0.01 * 100 = 2, p50 = 51, p99 = 100
     ratios = torch.randperm(101, generator=torch.Generator().manual_seed(0)).double() + 1
     trainer = ratios.log().unsqueeze(0)
-    out = compute_correction("none", trainer, torch.zeros_like(trainer), _all((1, 101)), **KNOBS)
+    out = compute_correction(NoCorrection(), trainer, torch.zeros_like(trainer), _all((1, 101)))
     assert out.metrics["offpolicy/ratio_p01"] == pytest.approx(2.0)
     assert out.metrics["offpolicy/ratio_p50"] == pytest.approx(51.0)
     assert out.metrics["offpolicy/ratio_p99"] == pytest.approx(100.0)
@@ -194,7 +228,7 @@ def test_ratio_quantiles_match_torch_quantile_on_the_valid_tokens():
     trainer = -torch.rand(4, 37, generator=generator, dtype=torch.float64) * 3
     engine = -torch.rand(4, 37, generator=generator, dtype=torch.float64) * 3
     mask = torch.rand(4, 37, generator=generator) > 0.3
-    metrics = compute_correction("none", trainer, engine, mask, **KNOBS).metrics
+    metrics = compute_correction(NoCorrection(), trainer, engine, mask).metrics
     expected = torch.quantile((trainer - engine)[mask].exp(), torch.tensor([0.01, 0.5, 0.99], dtype=torch.float64))
     got = [metrics["offpolicy/ratio_p01"], metrics["offpolicy/ratio_p50"], metrics["offpolicy/ratio_p99"]]
     assert got == pytest.approx(expected.tolist(), rel=1e-12)
@@ -204,7 +238,7 @@ def test_weights_are_detached_and_at_least_float32():
     trainer = torch.full((2, 3), -1.0, dtype=torch.bfloat16, requires_grad=True)
     engine = torch.full((2, 3), -1.25, dtype=torch.bfloat16)
     for mode in MODES:
-        out = compute_correction(mode, trainer, engine, _all((2, 3)), **KNOBS)
+        out = compute_correction(mode, trainer, engine, _all((2, 3)))
         assert not out.weights.requires_grad
         assert out.weights.dtype == torch.float32
         assert out.mask.dtype == torch.bool
@@ -213,10 +247,10 @@ def test_weights_are_detached_and_at_least_float32():
 # --- edge cases ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_token_masked_gives_zero_weights_and_finite_metrics(mode: CorrectionMode):
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.type)
+def test_every_token_masked_gives_zero_weights_and_finite_metrics(mode: CorrectionConfig):
     trainer, engine = _pair([[3.0, -3.0], [0.0, 1.0]])
-    out = compute_correction(mode, trainer, engine, torch.zeros(2, 2, dtype=torch.bool), **KNOBS)
+    out = compute_correction(mode, trainer, engine, torch.zeros(2, 2, dtype=torch.bool))
     assert out.weights.tolist() == [[0.0, 0.0], [0.0, 0.0]]
     assert not out.mask.any()
     assert out.metrics["offpolicy/num_tokens"] == 0.0
@@ -224,24 +258,24 @@ def test_every_token_masked_gives_zero_weights_and_finite_metrics(mode: Correcti
     assert out.metrics["offpolicy/ess"] == 1.0
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_zero_length_rows(mode: CorrectionMode):
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.type)
+def test_zero_length_rows(mode: CorrectionConfig):
     empty = torch.zeros(3, 0)
-    out = compute_correction(mode, empty, empty, torch.zeros(3, 0, dtype=torch.bool), **KNOBS)
+    out = compute_correction(mode, empty, empty, torch.zeros(3, 0, dtype=torch.bool))
     assert out.weights.shape == (3, 0) and out.mask.shape == (3, 0)
     assert all(math.isfinite(v) for v in out.metrics.values())
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_extreme_ratios_stay_finite(mode: CorrectionMode):
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.type)
+def test_extreme_ratios_stay_finite(mode: CorrectionConfig):
     # ratio 1e30 (log 69, under the clamp), its inverse, and infinite trainer logprobs on valid tokens
     big = math.log(1e30)
     trainer = torch.tensor([[big, -big, float("-inf"), 0.0], [0.0, -1e4, float("-inf"), 0.0]], dtype=torch.float32)
     engine = torch.tensor([[0.0, 0.0, -1.0, -1e4], [-2e4, 0.0, -1.0, -1.0]], dtype=torch.float32)
-    out = compute_correction(mode, trainer, engine, _all((2, 4)), **KNOBS)
+    out = compute_correction(mode, trainer, engine, _all((2, 4)))
     assert torch.isfinite(out.weights).all()
     assert all(math.isfinite(v) for v in out.metrics.values()), out.metrics
-    if mode == "none":
+    if isinstance(mode, NoCorrection):
         assert out.metrics["offpolicy/ratio_p99"] == pytest.approx(math.exp(LOG_RATIO_LIMIT), rel=1e-6)
 
 
@@ -261,8 +295,13 @@ def test_invalid_arguments_raise_value_error():
         token_mask_is(trainer, engine, mask, low=2.0, high=0.5)
     with pytest.raises(ValueError, match="low <= high"):
         sequence_mask_is(trainer, engine, mask, low=-0.1, high=2.0)
-    with pytest.raises(ValueError, match="unknown off-policy correction"):
-        compute_correction("masked_icepop", trainer, engine, mask, **KNOBS)  # type: ignore[arg-type]
+
+
+def test_an_unknown_correction_type_is_refused_by_the_config():
+    # the registry takes only the union's sections; a name outside it never gets that far
+    with pytest.raises(ValidationError, match="masked_icepop"):
+        TypeAdapter(CorrectionConfig).validate_python({"type": "masked_icepop"})
+    assert isinstance(TypeAdapter(CorrectionConfig).validate_python({"type": "icepop"}), IcePopCorrection)
 
 
 # --- property: random logprobs, including large differences --------------------------------------------------------
@@ -278,27 +317,27 @@ _logprob = st.one_of(
 @given(
     data=st.data(),
     shape=st.tuples(st.integers(1, 4), st.integers(0, 6)),
-    mode=st.sampled_from(MODES),
+    section=st.sampled_from(SECTIONS),
     cap=st.floats(min_value=1.0, max_value=10.0),
     band=st.tuples(st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=1.0, max_value=10.0)),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
 )
-def test_property_weights_and_metrics_are_finite_and_consistent(data, shape, mode, cap, band, dtype):
+def test_property_weights_and_metrics_are_finite_and_consistent(data, shape, section, cap, band, dtype):
     size = shape[0] * shape[1]
     trainer = torch.tensor(data.draw(st.lists(_logprob, min_size=size, max_size=size)), dtype=dtype).view(shape)
     # The engine sampled these tokens, so its logprobs are finite.
     engine_values = st.floats(min_value=-1e4, max_value=0.0, allow_nan=False)
     engine = torch.tensor(data.draw(st.lists(engine_values, min_size=size, max_size=size)), dtype=dtype).view(shape)
     mask = torch.tensor(data.draw(st.lists(st.booleans(), min_size=size, max_size=size)), dtype=torch.bool).view(shape)
-    out = compute_correction(mode, trainer, engine, mask, cap=cap, low=band[0], high=band[1])
+    out = compute_correction(_section(section, cap=cap, low=band[0], high=band[1]), trainer, engine, mask)
 
     assert torch.isfinite(out.weights).all()
     assert (out.weights >= 0).all()
     assert not (out.mask & ~mask).any(), "kept tokens must be a subset of the input mask"
     assert (out.weights[~out.mask] == 0).all()
-    if mode in ("token_tis", "sequence_tis"):
+    if section in (TokenTISCorrection, SequenceTISCorrection):
         assert (out.weights <= cap * (1 + 1e-6)).all()
-    if mode in ("none", "token_mask", "sequence_mask"):
+    if section in (NoCorrection, TokenMaskCorrection, SequenceMaskCorrection):
         assert ((out.weights == 0) | (out.weights == 1)).all()
     metrics = out.metrics
     assert all(math.isfinite(v) for v in metrics.values()), metrics

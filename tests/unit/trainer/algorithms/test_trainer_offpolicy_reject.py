@@ -5,20 +5,18 @@ hand-computed in float64."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import pytest
 import torch
 
 from sharpen.config.algorithm import OffPolicyRejectConfig
+from sharpen.config.corrections import IcePopCorrection, NoCorrection, SequenceTISCorrection, TokenTISCorrection
 from sharpen.trainer.algorithms.offpolicy import (
     compute_correction,
     correction_metrics,
     keep_by_criterion,
     normalizer_terms,
 )
-
-KNOBS: dict[str, Any] = {"cap": 2.0, "low": 0.5, "high": 2.0}
 
 
 def _pair(log_ratios: list[list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,17 +106,17 @@ def test_sequence_criteria_on_empty_rows_and_zero_width():
 # row 1: the band drops its -0.9 and k3(-0.9) = e^-0.9 - 0.1 = 0.30657 > 0.3 drops the whole row.
 # row 2: every token inside the band, every k3 small: kept.
 _CHAIN = [[0.0, 0.3, 0.1], [0.1, -0.9, 0.0], [0.2, -0.1, 0.05]]
-_CRITERIA = (
+_CRITERIA = [
     OffPolicyRejectConfig(level="token", low=0.8, high=1.25),
     OffPolicyRejectConfig(level="sequence", statistic="max", divergence="k3", high=0.3),
-)
+]
 _CHAIN_KEPT = [[True, False, True], [False, False, False], [True, True, True]]
 
 
 def test_chained_criteria_keep_a_token_only_if_every_criterion_keeps_it():
     trainer, engine = _pair(_CHAIN)
     for criteria in (_CRITERIA, _CRITERIA[::-1]):  # the order does not matter
-        out = compute_correction("none", trainer, engine, _all((3, 3)), reject=criteria, **KNOBS)
+        out = compute_correction(NoCorrection(reject=criteria), trainer, engine, _all((3, 3)))
         assert out.mask.tolist() == _CHAIN_KEPT
         assert out.weights.tolist() == [[float(k) for k in row] for row in _CHAIN_KEPT]
         assert out.metrics["offpolicy/masked_fraction"] == pytest.approx(4 / 9, abs=1e-15)
@@ -136,7 +134,7 @@ def test_chained_criteria_keep_a_token_only_if_every_criterion_keeps_it():
 
 def test_rejection_combines_with_token_tis_weights():
     trainer, engine = _pair(_CHAIN)
-    out = compute_correction("token_tis", trainer, engine, _all((3, 3)), reject=_CRITERIA, cap=1.2, low=0.5, high=2.0)
+    out = compute_correction(TokenTISCorrection(cap=1.2, reject=_CRITERIA), trainer, engine, _all((3, 3)))
     # the kept tokens keep min(r, 1.2): e^0.2 = 1.2214 is capped
     expected = [[1.0, 0.0, math.exp(0.1)], [0.0, 0.0, 0.0], [1.2, math.exp(-0.1), math.exp(0.05)]]
     torch.testing.assert_close(out.weights, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
@@ -146,15 +144,15 @@ def test_rejection_combines_with_token_tis_weights():
     assert out.sums["weight_sq_sum"] == pytest.approx(sum(w * w for w in kept), abs=1e-12)
     assert out.maxima == {"weight_max": pytest.approx(1.2, abs=1e-12)}
     # the mode's own metrics are unchanged except masked_fraction, which now counts the rejected tokens
-    plain = compute_correction("token_tis", trainer, engine, _all((3, 3)), cap=1.2, low=0.5, high=2.0)
+    plain = compute_correction(TokenTISCorrection(cap=1.2), trainer, engine, _all((3, 3)))
     assert out.metrics == {**plain.metrics, "offpolicy/masked_fraction": pytest.approx(4 / 9)}
 
 
 def test_rejection_keeps_the_sequence_weight_of_the_whole_sequence():
     # sequence_tis weighs by the product over all valid tokens, the rejected one included: e^(0.1 + 0.5) = e^0.6
     trainer, engine = _pair([[0.1, 0.5], [0.05, -0.1]])
-    token_band = (OffPolicyRejectConfig(level="token", low=0.8, high=1.25),)
-    out = compute_correction("sequence_tis", trainer, engine, _all((2, 2)), reject=token_band, cap=3.0, low=0, high=1)
+    token_band = [OffPolicyRejectConfig(level="token", low=0.8, high=1.25)]
+    out = compute_correction(SequenceTISCorrection(cap=3.0, reject=token_band), trainer, engine, _all((2, 2)))
     expected = [[math.exp(0.6), 0.0], [math.exp(-0.05), math.exp(-0.05)]]
     torch.testing.assert_close(out.weights, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
 
@@ -162,8 +160,8 @@ def test_rejection_keeps_the_sequence_weight_of_the_whole_sequence():
 def test_rejection_narrows_icepop():
     # IcePop's band [0.5, 2] keeps 0.5 and -0.6; the sequence-mean k1 band [0.9, 1.1] then drops row 1 (mean 0.25)
     trainer, engine = _pair([[0.05, -0.05], [0.5, 0.0], [-0.6, 1.0]])
-    seq_mean = (OffPolicyRejectConfig(level="sequence", statistic="mean", low=0.9, high=1.1),)
-    out = compute_correction("icepop", trainer, engine, _all((3, 2)), reject=seq_mean, **KNOBS)
+    seq_mean = [OffPolicyRejectConfig(level="sequence", statistic="mean", low=0.9, high=1.1)]
+    out = compute_correction(IcePopCorrection(low=0.5, high=2.0, reject=seq_mean), trainer, engine, _all((3, 2)))
     # row 2: IcePop drops 1.0 (e > 2); the sequence mean 0.2 is outside [log 0.9, log 1.1] -> dropped as well
     expected = [[math.exp(0.05), math.exp(-0.05)], [0.0, 0.0], [0.0, 0.0]]
     torch.testing.assert_close(out.weights, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
@@ -173,7 +171,7 @@ def test_rejection_narrows_icepop():
 
 def test_without_criteria_or_normalizer_the_correction_is_the_mode_alone():
     trainer, engine = _pair(_CHAIN)
-    out = compute_correction("token_tis", trainer, engine, _all((3, 3)), **KNOBS)
+    out = compute_correction(TokenTISCorrection(cap=2.0), trainer, engine, _all((3, 3)))
     assert out.sums == {} and out.maxima == {}
 
 
@@ -183,22 +181,23 @@ def test_without_criteria_or_normalizer_the_correction_is_the_mode_alone():
 def test_normalizer_divides_the_kept_weights():
     trainer, engine = _pair(_CHAIN)
     args = (trainer, engine, _all((3, 3)))
-    plain = compute_correction("token_tis", *args, reject=_CRITERIA, cap=1.2, low=0.5, high=2.0)
-    scaled = compute_correction("token_tis", *args, reject=_CRITERIA, normalizer=1.6, cap=1.2, low=0.5, high=2.0)
+    tis = TokenTISCorrection(cap=1.2, reject=_CRITERIA)
+    plain = compute_correction(tis, *args)
+    scaled = compute_correction(tis, *args, normalizer=1.6)
     torch.testing.assert_close(scaled.weights, plain.weights / 1.6, rtol=0, atol=1e-15)
     assert scaled.mask.tolist() == plain.mask.tolist()
     assert scaled.sums["normalizer_tokens"] == pytest.approx(1.6 * 9)
     with pytest.raises(ValueError, match="normalizer must be positive"):
-        compute_correction("token_tis", *args, normalizer=0.0, **KNOBS)
+        compute_correction(TokenTISCorrection(cap=2.0), *args, normalizer=0.0)
 
 
 def test_normalizer_terms_per_token_and_per_sequence():
     trainer, engine = _pair(_CHAIN)
-    tis = compute_correction("token_tis", trainer, engine, _all((3, 3)), reject=_CRITERIA, cap=1.2, low=0.5, high=2.0)
+    tis = compute_correction(TokenTISCorrection(cap=1.2, reject=_CRITERIA), trainer, engine, _all((3, 3)))
     kept = [1.0, math.exp(0.1), 1.2, math.exp(-0.1), math.exp(0.05)]
     assert normalizer_terms(tis, per_sequence=False) == {"weight_sum": pytest.approx(sum(kept)), "count": 5.0}
     # per sequence: one weight per kept row; row 0's product e^0.4 and row 2's e^0.15 (row 1 rejected)
-    seq = compute_correction("sequence_tis", trainer, engine, _all((3, 3)), reject=_CRITERIA, cap=3.0, low=0, high=1)
+    seq = compute_correction(SequenceTISCorrection(cap=3.0, reject=_CRITERIA), trainer, engine, _all((3, 3)))
     terms = normalizer_terms(seq, per_sequence=True)
     assert terms == {"weight_sum": pytest.approx(math.exp(0.4) + math.exp(0.15), abs=1e-12), "count": 2.0}
 
@@ -208,12 +207,12 @@ def test_normalizer_terms_per_token_and_per_sequence():
 
 def test_correction_metrics_from_summed_parts():
     trainer, engine = _pair(_CHAIN)
-    kwargs = {"reject": _CRITERIA, "cap": 1.2, "low": 0.5, "high": 2.0}
+    tis = TokenTISCorrection(cap=1.2, reject=_CRITERIA)
     # two micro-batches (rows 0-1 and row 2) give the same step metrics as one
-    parts = [compute_correction("token_tis", trainer[s], engine[s], _all((len(s), 3)), **kwargs) for s in ([0, 1], [2])]
+    parts = [compute_correction(tis, trainer[s], engine[s], _all((len(s), 3))) for s in ([0, 1], [2])]
     sums = {name: parts[0].sums.get(name, 0.0) + parts[1].sums.get(name, 0.0) for name in parts[0].sums}
     metrics = correction_metrics(sums, {"weight_max": max(p.maxima["weight_max"] for p in parts)})
-    whole = compute_correction("token_tis", trainer, engine, _all((3, 3)), **kwargs)
+    whole = compute_correction(tis, trainer, engine, _all((3, 3)))
     assert metrics == pytest.approx(correction_metrics(whole.sums, whole.maxima), abs=1e-14)
     kept = [1.0, math.exp(0.1), 1.2, math.exp(-0.1), math.exp(0.05)]
     assert metrics == pytest.approx(
@@ -231,8 +230,8 @@ def test_correction_metrics_from_summed_parts():
 
 def test_correction_metrics_with_nothing_kept_and_with_a_normalizer():
     trainer, engine = _pair([[3.0, -3.0]])
-    band = (OffPolicyRejectConfig(level="token", low=0.5, high=2.0),)
-    out = compute_correction("token_tis", trainer, engine, _all((1, 2)), reject=band, normalizer=2.0, **KNOBS)
+    band = [OffPolicyRejectConfig(level="token", low=0.5, high=2.0)]
+    out = compute_correction(TokenTISCorrection(cap=2.0, reject=band), trainer, engine, _all((1, 2)), normalizer=2.0)
     assert not out.mask.any() and out.weights.tolist() == [[0.0, 0.0]]
     metrics = correction_metrics(out.sums, out.maxima)
     assert metrics["offpolicy/weight_mean"] == 0.0 and metrics["offpolicy/weight_max"] == 0.0
@@ -251,7 +250,8 @@ def test_extreme_ratios_stay_finite_under_every_divergence():
         OffPolicyRejectConfig(level="sequence", statistic="sum", divergence="k3", high=1e30),
         OffPolicyRejectConfig(level="sequence", statistic="max", divergence="k2", high=1e30),
     ]
-    out = compute_correction("token_tis", trainer, engine, _all((2, 4)), reject=criteria, normalizer=1.5, **KNOBS)
+    tis = TokenTISCorrection(cap=2.0, reject=criteria)
+    out = compute_correction(tis, trainer, engine, _all((2, 4)), normalizer=1.5)
     assert torch.isfinite(out.weights).all()
     assert all(math.isfinite(v) for v in [*out.sums.values(), *out.maxima.values()])
     assert not out.mask.any()  # every token's k3 is above 10 (and each row's k3 sum is ~5.5e34)

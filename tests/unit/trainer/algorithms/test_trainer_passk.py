@@ -9,7 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
+from sharpen.config.advantages import PassKAdvantage
 from sharpen.config.schema import SharpenConfig
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 from sharpen.trainer.algorithms.estimators import compute_advantages, compute_passk_advantages
@@ -92,38 +94,45 @@ def test_k_one_is_grpo_with_the_population_std(rows: list[list[float]]):
 
 def test_the_registry_passes_k():
     scores = _t([[0.0, 1.0, 0.0, 0.0]])
-    _assert_exact(compute_advantages("passk", scores, passk_k=2), [[-1 / 3, 1.0, -1 / 3, -1 / 3]])
+    _assert_exact(compute_advantages(PassKAdvantage(k=2), scores), [[-1 / 3, 1.0, -1 / 3, -1 / 3]])
     with pytest.raises(ValueError, match="k >= 1"):
         compute_passk_advantages(scores, k=0)
 
 
-def _config(passk_k: int, num_samples: int) -> SharpenConfig:
+def _config(k: int, num_samples: int) -> SharpenConfig:
     return SharpenConfig.model_validate(
         {
             "rollout": {"num_samples_per_prompt": num_samples, "prompts_per_step": 2},
-            "trainer": {"micro_batch_size": 2, "algorithm": {"advantage": "passk", "passk_k": passk_k}},
+            "trainer": {"micro_batch_size": 2, "algorithm": {"advantage": {"type": "passk", "k": k}}},
         }
     )
 
 
-@pytest.mark.parametrize("passk_k", [1, 4, 7])
-def test_config_accepts_k_below_the_group_size(passk_k: int):
-    assert _config(passk_k, 8).trainer.algorithm.passk_k == passk_k
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_config_accepts_k_below_the_group_size(k: int):
+    advantage = _config(k, 8).trainer.algorithm.advantage
+    assert isinstance(advantage, PassKAdvantage) and advantage.k == k
 
 
-@pytest.mark.parametrize("passk_k", [8, 9])
-def test_config_refuses_k_of_the_group_size_or_more(passk_k: int):
+@pytest.mark.parametrize("k", [8, 9])
+def test_config_refuses_k_of_the_group_size_or_more(k: int):
     with pytest.raises(
-        ValueError, match=r"passk_k = \d+ must be between 1 and 7 \(below rollout.num_samples_per_prompt"
+        ValueError, match=r"advantage.k = \d+ must be between 1 and 7 \(below rollout.num_samples_per_prompt"
     ):
-        _config(passk_k, 8)
+        _config(k, 8)
 
 
 def test_config_refuses_k_zero():
-    with pytest.raises(ValueError, match="passk_k"):
+    with pytest.raises(ValidationError, match=r"(?s)passk\.k.*Input should be greater than or equal to 1"):
         _config(0, 8)
 
 
-def test_passk_k_is_ignored_by_other_estimators():
-    config = SharpenConfig.model_validate({"trainer": {"algorithm": {"advantage": "grpo", "passk_k": 50}}})
-    assert config.trainer.algorithm.passk_k == 50
+def test_config_needs_k_for_passk():
+    with pytest.raises(ValidationError, match=r"(?s)passk\.k.*Field required"):
+        SharpenConfig.model_validate({"trainer": {"algorithm": {"advantage": "passk"}}})
+
+
+def test_k_belongs_to_passk_alone():
+    # the typed sections: another estimator has no k to ignore, so giving it one is an error, not a no-op
+    with pytest.raises(ValidationError, match=r"(?s)grpo\.k.*Extra inputs are not permitted"):
+        SharpenConfig.model_validate({"trainer": {"algorithm": {"advantage": {"type": "grpo", "k": 50}}}})

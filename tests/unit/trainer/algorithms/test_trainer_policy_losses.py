@@ -1,6 +1,7 @@
 """Per-token policy losses on hand-computed values and gradients: PPO-clip with dual-clip, GSPO, CISPO, REINFORCE;
 the contract every loss keeps (shape, masked tokens inert, no NaN from padding or empty rows); and the registry
-`compute_policy_loss`, which knows every loss name of the config and hands each loss exactly its arguments."""
+`compute_policy_loss`, which has a case for every section of the config's `PolicyLossConfig` and hands each loss
+exactly its section's knobs."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.policy_losses import PolicyLossConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.policy_losses import (
-    PolicyLoss,
     PolicyLossMetrics,
     cispo_per_token,
     clip_cov_per_token,
@@ -27,6 +27,7 @@ from sharpen.trainer.algorithms.policy_losses import (
     sapo_per_token,
     select_clip_cov_tokens,
     select_kl_cov_tokens,
+    select_tokens,
 )
 
 F64 = torch.float64
@@ -343,7 +344,9 @@ def test_invalid_clip_ranges_raise():
 
 # --- the registry ------------------------------------------------------------------------------------------------
 
-_CONFIG_LOSSES = typing.get_args(AlgorithmConfig.model_fields["policy_loss"].annotation)
+_SECTIONS: tuple[type[PolicyLossConfig], ...] = typing.get_args(typing.get_args(PolicyLossConfig)[0])
+# The knobs of the registry test; each section takes those it carries and keeps its paper's defaults for the rest.
+_REGISTRY_KNOBS = {"clip_eps_low": 0.1, "clip_eps_high": 0.3, "dual_clip_c": 3.0}
 # Ratios far outside [1 - eps_low, 1 + eps_high] and a negative advantage, so that every bound (dual-clip too) acts.
 _REGISTRY_LOGPROBS = [[-0.1, -3.0, -1.0], [-2.0, -0.5, -4.0]]
 _REGISTRY_OLD_LOGPROBS = [[-1.5, -1.0, -1.0], [-0.5, -2.5, -4.0]]
@@ -373,14 +376,33 @@ _DIRECT: dict[str, Callable[..., tuple[torch.Tensor, PolicyLossMetrics]]] = {
 }
 
 
-def test_the_registry_names_are_the_configs():
-    assert set(typing.get_args(PolicyLoss)) == set(_CONFIG_LOSSES)
+def _type(section: type[PolicyLossConfig]) -> str:
+    return typing.get_args(section.model_fields["type"].annotation)[0]
 
 
-@pytest.mark.parametrize("name", _CONFIG_LOSSES)
-def test_the_registry_gives_each_loss_exactly_its_arguments(name: PolicyLoss):
-    """Bit-identical to calling the loss directly with the config's values: the registry does no arithmetic."""
+@pytest.mark.parametrize("section", _SECTIONS, ids=_type)
+def test_every_section_of_the_union_has_a_case(section: type[PolicyLossConfig]):
+    """The registry knows every member of `PolicyLossConfig` with its paper's defaults (pyright's assert_never
+    checks it statically; this at run time), and `select_tokens` selects exactly for the losses that say so."""
+    inputs = (
+        _leaf(_REGISTRY_LOGPROBS),
+        _t(_REGISTRY_OLD_LOGPROBS),
+        _t(_REGISTRY_ADVANTAGES),
+        torch.tensor(_REGISTRY_MASK),
+    )
+    per_token, _ = compute_policy_loss(section(), *inputs)
+    assert per_token.shape == inputs[0].shape and torch.isfinite(per_token).all()
+    assert torch.isfinite(_grad(per_token, inputs[0])).all()
+    selected = select_tokens(section(), inputs[0].detach(), inputs[2], inputs[3])
+    assert (selected is not None) == section.selects_tokens
+
+
+@pytest.mark.parametrize("section", _SECTIONS, ids=_type)
+def test_the_registry_gives_each_loss_exactly_its_arguments(section: type[PolicyLossConfig]):
+    """Bit-identical to calling the loss directly with the section's values: the registry does no arithmetic."""
+    name = _type(section)
     assert name in _DIRECT, f"add the direct call of the new loss {name!r}"
+    loss = section.model_validate({k: v for k, v in _REGISTRY_KNOBS.items() if k in section.model_fields})
     inputs = (
         _leaf(_REGISTRY_LOGPROBS),
         _t(_REGISTRY_OLD_LOGPROBS),
@@ -388,7 +410,7 @@ def test_the_registry_gives_each_loss_exactly_its_arguments(name: PolicyLoss):
         torch.tensor(_REGISTRY_MASK),
     )
     direct_inputs = (_leaf(_REGISTRY_LOGPROBS), *inputs[1:])
-    per_token, metrics = compute_policy_loss(name, *inputs, clip_eps_low=0.1, clip_eps_high=0.3, dual_clip_c=3.0)
+    per_token, metrics = compute_policy_loss(loss, *inputs)
     expected, expected_metrics = _DIRECT[name](*direct_inputs)
     assert torch.equal(per_token, expected)
     assert torch.equal(_grad(per_token, inputs[0]), _grad(expected, direct_inputs[0]))

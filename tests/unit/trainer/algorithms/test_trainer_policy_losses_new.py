@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.policy_losses import AggregationMode, GMPOLoss, PolicyLossConfig, PPOClipLoss, SAPOLoss
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.algorithms.policy_losses import (
     compute_policy_loss,
@@ -155,26 +156,26 @@ def test_gmpo_token_form_equals_the_sequence_objective_on_random_inputs():
 def test_registry_passes_the_sapo_and_gmpo_keys():
     logprobs = torch.tensor([[0.6, -0.1]], dtype=F64)
     args = (logprobs, torch.zeros(1, 2, dtype=F64), torch.tensor([[-1.0]], dtype=F64), torch.ones(1, 2).bool())
-    got, _ = compute_policy_loss("sapo", *args, clip_eps_low=0.2, clip_eps_high=0.2, sapo_tau_neg=2.0)
+    got, _ = compute_policy_loss(SAPOLoss(tau_neg=2.0), *args)
     assert torch.equal(got, sapo_per_token(*args, tau_pos=1.0, tau_neg=2.0)[0])
-    got, _ = compute_policy_loss("gmpo", *args, clip_eps_low=0.2, clip_eps_high=0.2, gmpo_log_clip_low=0.05)
+    got, _ = compute_policy_loss(GMPOLoss(log_clip_low=0.05), *args)
     assert torch.equal(got, gmpo_per_token(*args, log_clip_low=0.05, log_clip_high=0.4)[0])
 
 
 @pytest.mark.parametrize("loss", ["gspo", "gmpo"])
 def test_sequence_objectives_refuse_a_non_paper_aggregation(loss: str):
-    AlgorithmConfig(policy_loss=loss, loss_aggregation="seq_mean_token_mean")  # type: ignore[arg-type]
+    AlgorithmConfig.model_validate({"policy_loss": loss, "loss_aggregation": "seq_mean_token_mean"})
     with pytest.raises(ValueError, match="seq_mean_token_mean"):
-        AlgorithmConfig(policy_loss=loss, loss_aggregation="token_mean")  # type: ignore[arg-type]
+        AlgorithmConfig.model_validate({"policy_loss": loss, "loss_aggregation": "token_mean"})
 
 
 # --- gradient split invariance -------------------------------------------------------------------------------------
 
-_SPLIT_LOSSES = {
-    "ppo_clip": ("token_mean", {}),
-    "sapo": ("seq_mean_token_mean", {"sapo_tau_pos": 1.0, "sapo_tau_neg": 1.05}),
-    "sapo_token_mean": ("token_mean", {"sapo_tau_pos": 0.5, "sapo_tau_neg": 2.0}),
-    "gmpo": ("seq_mean_token_mean", {"gmpo_log_clip_low": 0.1, "gmpo_log_clip_high": 0.2}),
+_SPLIT_LOSSES: dict[str, tuple[AggregationMode, PolicyLossConfig]] = {
+    "ppo_clip": ("token_mean", PPOClipLoss(clip_eps_low=0.2, clip_eps_high=0.2)),
+    "sapo": ("seq_mean_token_mean", SAPOLoss(tau_pos=1.0, tau_neg=1.05)),
+    "sapo_token_mean": ("token_mean", SAPOLoss(tau_pos=0.5, tau_neg=2.0)),
+    "gmpo": ("seq_mean_token_mean", GMPOLoss(log_clip_low=0.1, log_clip_high=0.2)),
 }
 
 
@@ -182,8 +183,7 @@ _SPLIT_LOSSES = {
 def test_new_objectives_gradient_is_invariant_to_the_micro_batch_split(case: str):
     """Summed over micro-batches (rows split 2+3 and 1+1+3, each padded to its own width), loss and gradient equal
     the whole batch's to 1e-12, with the normaliser of the whole mini-batch (ratios away from 1, some clipped)."""
-    name = case.removesuffix("_token_mean")
-    mode, knobs = _SPLIT_LOSSES[case]
+    mode, loss = _SPLIT_LOSSES[case]
     generator = torch.Generator().manual_seed(7)
     lengths = [5, 2, 7, 1, 4]
     width = max(lengths)
@@ -191,21 +191,14 @@ def test_new_objectives_gradient_is_invariant_to_the_micro_batch_split(case: str
     old = logprobs.detach() + torch.randn(5, width, generator=generator, dtype=F64) * 0.3
     advantages = torch.randn(5, 1, generator=generator, dtype=F64)
     mask = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-    normalizer = aggregation_normalizer(mode, mask)  # type: ignore[arg-type]
+    normalizer = aggregation_normalizer(mode, mask)
 
     def loss_of(rows: slice) -> torch.Tensor:
         own_width = max(lengths[rows])
         per_token, _ = compute_policy_loss(
-            name,  # type: ignore[arg-type]
-            logprobs[rows, :own_width],
-            old[rows, :own_width],
-            advantages[rows],
-            mask[rows, :own_width],
-            clip_eps_low=0.2,
-            clip_eps_high=0.2,
-            **knobs,
+            loss, logprobs[rows, :own_width], old[rows, :own_width], advantages[rows], mask[rows, :own_width]
         )
-        return aggregate_loss(per_token, mask[rows, :own_width], mode, normalizer=normalizer)  # type: ignore[arg-type]
+        return aggregate_loss(per_token, mask[rows, :own_width], mode, normalizer=normalizer)
 
     whole = loss_of(slice(0, 5))
     (whole_grad,) = torch.autograd.grad(whole, logprobs)

@@ -20,6 +20,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from sharpen.config.corrections import TokenTISCorrection
+from sharpen.config.policy_losses import PPOClipLoss
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
 from sharpen.trainer.backends import SingleDeviceBackend
@@ -400,7 +402,8 @@ def test_the_trainer_on_2_fsdp2_ranks_matches_one_device(model_dir, tmp_path):
     per_micro_batch = ("offpolicy/ess", "offpolicy/ratio_p")
     config = _trainer_config().algorithm
     # |A| * ratio * off-policy weight (ratio clipped at 1 + eps_high where it counts) plus the entropy bonus
-    weight_bound = (1 + config.clip_eps_high) * config.off_policy_cap
+    assert isinstance(config.policy_loss, PPOClipLoss) and isinstance(config.off_policy_correction, TokenTISCorrection)
+    weight_bound = (1 + config.policy_loss.clip_eps_high) * config.off_policy_correction.cap
     max_term = _max_loss_term(_rollouts(), weight_bound=weight_bound) + config.entropy_coef * math.log(VOCAB)
     updates_per_step = config.num_epochs * config.num_mini_batches
     for step, (got, expected) in enumerate(zip(got_metrics, metrics, strict=True)):
