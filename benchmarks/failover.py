@@ -75,15 +75,15 @@ def main() -> None:
     print(f"run without the kill: {len(reference)} episodes in {time.monotonic() - began:.1f} s")
     router.pop_metrics()
     victim = engines[1]
-    assert victim.process is not None
+    assert victim.server is not None
     killed_at: list[float] = []
 
     def kill_mid_run() -> None:
         while router.in_flight[1] == 0:
             time.sleep(0.005)
         time.sleep(args.kill_after)
-        assert victim.process is not None
-        os.killpg(victim.process.process.pid, signal.SIGKILL)
+        assert victim.server is not None
+        os.killpg(victim.server.process.pid, signal.SIGKILL)
         killed_at.append(time.monotonic())
 
     killer = threading.Thread(target=kill_mid_run, daemon=True)

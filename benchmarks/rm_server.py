@@ -1,18 +1,19 @@
-"""Load test of the reward-model server on loopback: N concurrent clients x M requests each.
+"""Load test of the reward-model service on loopback: N concurrent clients x M requests each.
 
 Run: .venv/bin/python benchmarks/rm_server.py [--clients 16] [--requests 25] [--model PATH]
 Starts `sharpen serve-rm` in its own process (so client threads do not share its GIL) on a free loopback port,
-with a tiny random Llama reward model and SmolLM2's tokenizer unless --model is given. Each client thread sends
+with a tiny random Llama reward model and SmolLM2's tokenizer unless --model is given, and a random token in
+SHARPEN_SERVICE_TOKEN for both sides. Each client thread sends
 its requests back to back through `RewardModelClient` (one (prompt, completion) pair per request) and the table
-shows requests/s, p50/p99 latency, the server's forwards (requests per forward = how much batching happened) and
-the requests that failed or were dropped, which must be 0.
+shows requests/s, p50/p99 latency, the server's forwards from /metrics (requests per forward = how much batching
+happened) and the requests that failed or were dropped, which must be 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -34,9 +35,11 @@ def _build_tiny_model(folder: Path) -> None:
     )
 
 
-def _health(url: str) -> dict:
-    with urllib.request.urlopen(f"{url}/health", timeout=5) as response:
-        return json.loads(response.read())
+def _metrics(url: str) -> dict[str, float]:
+    """The service's /metrics (Prometheus text) as name -> value."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return {name: float(value) for name, value in (line.split() for line in lines if not line.startswith("#"))}
 
 
 def _start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen[str], str]:
@@ -85,6 +88,7 @@ def main() -> None:
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--model", default=None, help="a reward model folder (default: a tiny random one)")
     args = parser.parse_args()
+    os.environ["SHARPEN_SERVICE_TOKEN"] = secrets.token_hex(16)  # the server's and the clients' shared secret
 
     with tempfile.TemporaryDirectory() as scratch:
         model = args.model
@@ -93,19 +97,18 @@ def main() -> None:
             _build_tiny_model(Path(scratch))
         server, url = _start_server(model, args)
         try:
-            _health(url)
             _run_load(url, num_clients=2, num_requests=2)  # warm-up: first forwards allocate
-            before = _health(url)
+            before = _metrics(url)
             latencies, num_failed, wall_s = _run_load(url, num_clients=args.clients, num_requests=args.requests)
-            after = _health(url)
+            after = _metrics(url)
         finally:
             server.terminate()
             server.wait(timeout=30)
 
     num_sent = args.clients * args.requests
     num_answered = len(latencies) - num_failed
-    num_forwards = after["num_forwards"] - before["num_forwards"]
-    num_scored = after["num_scored"] - before["num_scored"]
+    num_forwards = int(after["sharpen_rm_forwards"] - before["sharpen_rm_forwards"])
+    num_scored = int(after["sharpen_rm_inputs_scored"] - before["sharpen_rm_inputs_scored"])
     quantiles = statistics.quantiles(latencies, n=100)
     print(f"model: {args.model or 'tiny random Llama (2 layers, hidden 64)'}; cpus: {os.cpu_count()}")
     print(f"clients x requests: {args.clients} x {args.requests} = {num_sent}")
@@ -113,7 +116,8 @@ def main() -> None:
     print(f"requests/s:        {num_answered / wall_s:.1f}")
     print(f"latency p50 / p99: {quantiles[49] * 1000:.1f} ms / {quantiles[98] * 1000:.1f} ms")
     print(f"forwards:          {num_forwards} ({num_scored / max(num_forwards, 1):.1f} inputs per forward)")
-    print(f"503s (retried):    {after['num_rejected'] - before['num_rejected']}")
+    rejected = "sharpen_requests_rejected_total"
+    print(f"503s (retried):    {int(after[rejected] - before[rejected])}")
     print(f"failed/dropped:    {num_failed + (num_sent - len(latencies))}  (scored by server: {num_scored})")
 
 

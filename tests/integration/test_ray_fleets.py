@@ -23,7 +23,7 @@ from sharpen.config import ConfigError, SharpenConfig, load_config
 from sharpen.config.engines import ScriptedEngineConfig
 from sharpen.config.environments import PythonEnvironmentConfig
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.config.service import FleetConfig, RemoteConfig
+from sharpen.config.service import RemoteConfig, ServiceFleetConfig
 from sharpen.environments.sandbox import ExecutionStatus
 from sharpen.environments.sandbox.remote import RemoteSandbox, RemoteSandboxPool
 from sharpen.monitoring import read_jsonl
@@ -51,7 +51,7 @@ def token_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @contextlib.contextmanager
 def _fleet(num_replicas: int, **replica: object) -> Iterator[ServiceFleet]:
-    config = FleetConfig(num_replicas=num_replicas, num_cpus=0.25, max_restarts=2)
+    config = ServiceFleetConfig(num_replicas=num_replicas, num_cpus=0.25, max_restarts=2)
     served = SandboxConfig.model_validate({**REPLICA, **replica})
     fleet = ServiceFleet(
         functools.partial(serve_sandbox, served), config, token=TOKEN, what="sandbox", start_timeout_s=60
@@ -226,7 +226,7 @@ def test_environment_fleet_serves_episodes_and_moves_one_off_a_killed_replica() 
 
     fleet = ServiceFleet(
         functools.partial(serve_environment, section, SandboxConfig()),
-        FleetConfig(**fleet_settings),
+        ServiceFleetConfig(**fleet_settings),
         token=TOKEN,
         what="environment",
         start_timeout_s=60,

@@ -1,15 +1,18 @@
-"""A reward model as a pool of Ray actors (reward component backend = "ray"): the scores of a direct forward, batches
-spread over the actors, and a hung, failing or dead actor turning into abstentions that name it."""
+"""A reward model on a fleet of Ray actors (reward component backend = "ray"): the scores of a direct forward, batches
+spread over the replicas, a hung, failing or dead replica turning into abstentions that name it, and a replica
+restarted by Ray taking work again."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from sharpen.config.service import FleetConfig
 from sharpen.types import Example, Message, RewardStatus
 
 ray = pytest.importorskip("ray")
@@ -69,8 +72,7 @@ def test_a_ray_reward_model_scores_like_a_direct_forward_on_every_actor(tiny_rew
         "backend": "ray",
         "model_path": str(tiny_reward_model_path),
         "max_length": 256,
-        "num_actors": 2,
-        "cpus_per_actor": 0.5,
+        "fleet": {"num_replicas": 2, "num_cpus": 0.5},
         "batch_size": 2,
         "start_timeout_s": 120,
     }
@@ -97,10 +99,13 @@ def test_a_ray_reward_model_scores_like_a_direct_forward_on_every_actor(tiny_rew
 
 
 def test_hung_failing_and_dead_actors_abstain_naming_the_actor(caplog: pytest.LogCaptureFixture) -> None:
+    from sharpen.orchestration.ray.actor_fleet import ActorFleet
     from sharpen.orchestration.ray.reward_actors import RewardModelPool
 
-    actors = [ray.remote(FakeRewardModel).options(num_cpus=0.5, max_restarts=0).remote() for _ in range(2)]
-    pool = RewardModelPool(actors, names=["rm/0", "rm/1"], timeout_s=2.0, batch_size=2, start_timeout_s=60)
+    fleet_config = FleetConfig(num_replicas=2, num_cpus=0.5, max_restarts=0)
+    fleet = ActorFleet(FakeRewardModel, fleet_config, what="rm", start_timeout_s=60)
+    actors = list(fleet.actors)
+    pool = RewardModelPool(fleet, timeout_s=2.0, batch_size=2)
     try:
         pairs = [(_example(str(i)), "x" * i) for i in range(1, 5)]
         assert [r.score for r in pool.score_many(pairs)] == [1.0, 2.0, 3.0, 4.0]
@@ -124,7 +129,37 @@ def test_hung_failing_and_dead_actors_abstain_naming_the_actor(caplog: pytest.Lo
             pool(_example("q"), "abc")
             gone = pool(_example("q"), "abc")
         assert gone.score is None and gone.status is RewardStatus.INFRA_ERROR
-        assert "all 2 actors are dead" in caplog.text
+        assert "none of its 2 replicas is alive" in caplog.text
+    finally:
+        pool.close()
+    assert wait_for_free_cpus(2.0) == 2.0
+
+
+def test_a_replica_restarted_by_ray_takes_work_again(caplog: pytest.LogCaptureFixture) -> None:
+    from sharpen.orchestration.ray.actor_fleet import ActorFleet
+    from sharpen.orchestration.ray.reward_actors import RewardModelPool
+
+    fleet = ActorFleet(
+        FakeRewardModel, FleetConfig(num_replicas=2, num_cpus=0.5, max_restarts=1), what="rm", start_timeout_s=60
+    )
+    pool = RewardModelPool(fleet, timeout_s=30.0, batch_size=1)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as threads:
+            hung = threads.submit(pool, _example("q"), "hang")  # rm/0, killed mid-call
+            time.sleep(1.0)
+            ray.kill(fleet.actors[0], no_restart=False)  # Ray restarts it (max_restarts)
+            died = hung.result(timeout=30)
+        assert died.score is None and died.status is RewardStatus.INFRA_ERROR
+        assert pool.num_alive == 1, "out of the rotation while Ray restarts it"
+        deadline = time.monotonic() + 30
+        with caplog.at_level(logging.INFO, logger="sharpen.orchestration.ray.reward_actors"):
+            while pool.num_alive < 2 and time.monotonic() < deadline:
+                assert pool(_example("q"), "ab").score == 2.0  # rm/1 meanwhile
+                time.sleep(0.1)
+        assert pool.num_alive == 2 and "replica rm/0 is back" in caplog.text
+        calls_before = pool.num_calls[0]
+        assert [r.score for r in pool.score_many([(_example("q"), "abc")] * 4)] == [3.0] * 4
+        assert pool.num_calls[0] > calls_before, "the restarted replica takes work again"
     finally:
         pool.close()
     assert wait_for_free_cpus(2.0) == 2.0

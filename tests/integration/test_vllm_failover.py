@@ -37,7 +37,7 @@ def router(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     logs = tmp_path_factory.mktemp("engine-logs")
 
     def start(_: int) -> VllmServerEngine:
-        config = VllmServerEngineConfig(startup_timeout_s=600)
+        config = VllmServerEngineConfig(start_timeout_s=600)
         return VllmServerEngine(
             config, model_path=smollm2_path, dtype="float32", seed=0, request_timeout_s=300, log_dir=logs
         )
@@ -70,14 +70,14 @@ def test_a_killed_server_costs_no_episode_and_rejoins_after_a_weight_sync(router
     reference = run()
     router.pop_metrics()
     victim = router.engines[1]
-    assert victim.process is not None  # type: ignore[attr-defined]
+    assert victim.server is not None  # type: ignore[attr-defined]
     killed_at: list[float] = []
 
     def kill_mid_run() -> None:
         while router.in_flight[1] == 0:
             time.sleep(0.01)
         time.sleep(1.0)  # its requests are generating
-        os.killpg(victim.process.process.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        os.killpg(victim.server.process.pid, signal.SIGKILL)  # type: ignore[attr-defined]
         killed_at.append(time.monotonic())
 
     killer = threading.Thread(target=kill_mid_run, daemon=True)

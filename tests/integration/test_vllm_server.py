@@ -140,7 +140,7 @@ def test_a_second_engine_connects_by_url_and_the_wrong_model_is_refused(engine, 
     config = VllmServerEngineConfig(url=engine.url)
     other = VllmServerEngine(config, model_path=smollm2_path, dtype="float32", seed=0, request_timeout_s=60)
     try:
-        assert other.process is None  # connected, not started
+        assert other.server is None  # connected, not started
         assert other.generate([[1, 2, 3]], [SamplingParams(max_new_tokens=4, seed=1)])[0].token_ids
     finally:
         other.close()

@@ -1,11 +1,15 @@
-"""`sharpen serve-sandbox` and `sharpen serve-env`: build the component from the recipe, serve it until stopped.
+"""`sharpen serve-sandbox`, `sharpen serve-env` and `sharpen serve-rm`: build the component (from the recipe, or the
+reward model's folder), serve it until stopped.
 
 Owns the checks a user can fix before anything starts (the token variable, a recipe that would serve a remote
-component, a port that is taken), said in one line each. The services themselves are
-`sharpen.environments.sandbox.service` and `sharpen.environments.service`; heavy imports happen here, lazily.
+component, a missing model folder, a port that is taken), said in one line each. The services themselves are
+`sharpen.environments.sandbox.service`, `sharpen.environments.service` and `sharpen.rewards.rm_server`; heavy
+imports happen here, lazily.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from sharpen.config import ConfigError, SharpenConfig
 from sharpen.config.episodes import EpisodeLimitsSection
@@ -62,5 +66,33 @@ def serve_environment(config: SharpenConfig, *, host: str, port: int) -> int:
     except ValueError as error:
         raise ConfigError(f"serve-env: {error}") from None
     print(f"serving environment {environment.type!r} at {service.url}", flush=True)
+    service.serve_forever()
+    return 0
+
+
+def serve_reward_model(
+    model_path: Path, *, host: str, port: int, max_batch_size: int, max_wait_ms: float, max_length: int
+) -> int:
+    """Serve the sequence-classification reward model in ``model_path`` until interrupted."""
+    if not model_path.is_dir():
+        raise ConfigError(f"serve-rm: model path {str(model_path)!r} is not a folder")
+    service_config = ServiceConfig()
+    token = _token(service_config.token_env)
+    from sharpen.rewards.rm_server import RewardModelScorer, RewardModelService
+
+    scorer = RewardModelScorer.from_pretrained(model_path, max_length=max_length)
+    try:
+        service = RewardModelService(
+            scorer,
+            service=service_config,
+            token=token,
+            host=host,
+            port=port,
+            max_batch_size=max_batch_size,
+            max_wait_ms=max_wait_ms,
+        )
+    except OSError as error:
+        raise ConfigError(f"serve-rm: cannot listen on {host}:{port}: {error.strerror}") from None
+    print(f"serving {model_path} at {service.url}", flush=True)
     service.serve_forever()
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from sharpen.config.section import Section
-from sharpen.config.service import FleetConfig, RemoteConfig, ServiceConfig
+from sharpen.config.service import RemoteConfig, ServiceConfig, ServiceFleetConfig
 
 
 class EpisodeLimitsSection(Section):
@@ -28,7 +28,7 @@ class EpisodeLimitsSection(Section):
     episode's seed and actions on another; an episode that does not replay identically abstains."""
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     """How `sharpen serve-env` admits work and when it forgets idle episodes; read by the server."""
-    fleet: FleetConfig | None = None
+    fleet: ServiceFleetConfig | None = None
     """The run starts the replicas itself, as Ray actors that each serve this section (and the run's [sandbox], for
     environments that run code, with ``fleet.backend``), and runs its episodes on them: it fills ``remote.urls``
     (``remote``'s other settings, or their defaults, apply to the calls)."""

@@ -10,11 +10,13 @@ module only checks that a recipe asks for something coherent.
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, field_validator, model_validator
 
-from sharpen.config.section import Section
+from sharpen.config.section import DeprecatedKeyWarning, Section
+from sharpen.config.service import TOKEN_ENV, FleetConfig
 
 RESERVED_COMPONENT_NAMES = (
     "correct",
@@ -90,7 +92,7 @@ class JudgeComponentConfig(ComponentSection):
     timeout_s: float = Field(default=60.0, gt=0.0)
     """Longest wait for one judge request; past it (after max_retries retries) the rollout abstains."""
     max_retries: int = Field(default=3, ge=0)
-    """Retries of a request that failed on the connection, a timeout, 429 or 5xx."""
+    """Retries of a request that failed on the connection, a timeout, 408, 429 or 5xx (a 4xx is not retried)."""
     cache_path: str | None = None
     """JSONL file of verdicts, read at start and appended to (None: cache in memory only)."""
     canary_threshold: float = Field(default=0.3, ge=0.0, le=1.0)
@@ -109,34 +111,67 @@ class JudgeComponentConfig(ComponentSection):
         return self
 
 
+_MOVED_TO_FLEET = {"num_actors": "num_replicas", "cpus_per_actor": "num_cpus", "gpus_per_actor": "num_gpus"}
+"""The reward model's Ray keys before every Ray-hosted fleet had one vocabulary, and their names in ``fleet``."""
+
+
 class RewardModelComponentConfig(ComponentSection):
-    """A sequence-classification reward model scores each completion: over HTTP (`sharpen serve-rm`) or in a pool of
+    """A sequence-classification reward model scores each completion: over HTTP (`sharpen serve-rm`) or on a fleet of
     Ray actors that load it themselves. A failed request abstains."""
 
     type: Literal["reward_model"] = "reward_model"
     backend: Literal["http", "ray"] = "http"
-    """``http``: ask a running ``sharpen serve-rm`` at url. ``ray``: load model_path in num_actors Ray actors (on the
-    run's Ray cluster, or a local Ray instance started for them)."""
+    """``http``: ask a running ``sharpen serve-rm`` at url. ``ray``: load model_path in the replicas of ``fleet``
+    (Ray actors on the run's Ray cluster, or a local Ray instance started for them)."""
     url: str | None = None
     """backend = "http": the address of ``sharpen serve-rm``, e.g. ``http://127.0.0.1:8000``."""
+    token_env: str = TOKEN_ENV
+    """backend = "http": the environment variable that holds ``sharpen serve-rm``'s shared-secret token (the one it
+    was started with)."""
     timeout_s: float = Field(default=60.0, gt=0.0)
     """Longest wait for one request (http) or one call to an actor (ray); past it the rollouts abstain (timeout)."""
     batch_size: int = Field(default=32, ge=1)
     """Completions per request (http) or per actor call (ray)."""
     max_retries: int = Field(default=3, ge=0)
-    """backend = "http": retries of a request that failed on the connection, a timeout or a 5xx answer."""
+    """backend = "http": retries of a request that failed on the connection, a timeout, a full queue or a failed
+    forward (5xx); a 4xx is not retried."""
     model_path: str | None = None
     """backend = "ray": a local folder with the reward model (num_labels = 1) and its tokenizer."""
     max_length: int = Field(default=1024, ge=1)
     """backend = "ray": inputs are cut to their last N tokens (as ``sharpen serve-rm --max-length``)."""
-    num_actors: int = Field(default=1, ge=1)
-    """backend = "ray": actors that each hold a copy of the model; calls go to the least busy one."""
-    cpus_per_actor: float = Field(default=1.0, gt=0.0)
-    """backend = "ray": CPUs reserved for each actor (fractions allowed)."""
-    gpus_per_actor: float = Field(default=0.0, ge=0.0)
-    """backend = "ray": GPUs reserved for each actor; above 0 the model runs on CUDA. Not yet exercised on a GPU."""
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    """backend = "ray": the replicas that each hold a copy of the model (the scores are stateless: each call goes to
+    the least busy one); with ``num_gpus`` above 0 the model runs on CUDA. (``num_actors``, ``cpus_per_actor`` and
+    ``gpus_per_actor``, their names before, still load, with a deprecation line.)"""
     start_timeout_s: float = Field(default=600.0, gt=0.0)
-    """backend = "ray": longest wait for an actor to start and load the model."""
+    """backend = "ray": longest wait for a replica to start and load the model."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _move_actor_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        section = cast(dict[str, Any], data)
+        moved = {new: section[old] for old, new in _MOVED_TO_FLEET.items() if old in section}
+        if not moved:
+            return section
+        name = section.get("name") or "reward_model"
+        renamed = ", ".join(f"{old} is now fleet.{new}" for old, new in _MOVED_TO_FLEET.items() if old in section)
+        warnings.warn(
+            f"reward model {name!r}: {renamed}: write them in its fleet (e.g. fleet = {{num_replicas = 2}})",
+            DeprecatedKeyWarning,
+            stacklevel=2,
+        )
+        fleet = section.get("fleet", {})
+        if isinstance(fleet, FleetConfig):
+            fleet = fleet.model_dump(exclude_unset=True)
+        if not isinstance(fleet, dict):
+            return section  # not a section: the field's own validation says so
+        given = cast(dict[str, Any], fleet)
+        if clash := sorted(set(moved) & set(given)):
+            raise ValueError(f"reward model {name!r}: fleet.{clash[0]} is given twice (once by its old name)")
+        rest = {key: value for key, value in section.items() if key not in _MOVED_TO_FLEET}
+        return {**rest, "fleet": {**given, **moved}}
 
     @model_validator(mode="after")
     def _check_backend(self) -> RewardModelComponentConfig:

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from sharpen.config.section import Section, internal
-from sharpen.config.service import FleetConfig, RemoteConfig, ServiceConfig
+from sharpen.config.service import RemoteConfig, ServiceConfig, ServiceFleetConfig
 
 _SANDBOX_PATHS = ("/home/sandbox", "/tmp", "/proc", "/dev")
 
@@ -77,7 +77,7 @@ class SandboxConfig(Section):
     """The `sharpen serve-sandbox` replicas of ``backend = "remote"`` and how calls to them are retried."""
     service: ServiceConfig = Field(default_factory=ServiceConfig)
     """How `sharpen serve-sandbox` admits work (its queue, request limits, idle sessions); read by the server."""
-    fleet: FleetConfig | None = None
+    fleet: ServiceFleetConfig | None = None
     """With ``backend = "remote"``: the run starts the replicas itself, as Ray actors that serve this section with
     ``fleet.backend``, and fills ``remote.urls`` with their URLs."""
 

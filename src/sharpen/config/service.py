@@ -1,9 +1,11 @@
-"""Configuration of components served over HTTP (`sharpen serve-sandbox`, `sharpen serve-env`) and of their clients.
+"""Configuration of components served over HTTP (`sharpen serve-sandbox`, `sharpen serve-env`, `sharpen serve-rm`) and
+of their clients.
 
 Pydantic only. `ServiceConfig` is the server's side (queue, limits, expiry); `RemoteConfig` the client's (replica
-URLs, timeouts, retries); `FleetConfig` replicas that the run starts itself as Ray actors. Both sides read one
-shared-secret token from an environment variable, never from a file of the recipe. The sections are mounted by
-the sandbox and environment sections; this module does not know them.
+URLs, timeouts, retries); `FleetConfig` replicas that the run starts itself as Ray actors, in one vocabulary for
+every fleet (a reward model's with ``backend = "ray"`` too), and `ServiceFleetConfig` a fleet of a served component.
+Both sides read one shared-secret token from an environment variable, never from a file of the recipe. The sections
+are mounted by the sandbox, environment and reward-model sections; this module does not know them.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ class RemoteConfig(Section):
 
     urls: list[str] = Field(default_factory=list[str])
     """Base URLs of the replicas (``http://host:port``); calls are spread over them, least busy first."""
-    token_env: str = TOKEN_ENV
-    """The environment variable that holds the servers' shared-secret token."""
+    token_env: str | None = TOKEN_ENV
+    """The environment variable that holds the servers' shared-secret token (None: send no token, for a server that
+    takes none)."""
     connect_timeout_s: float = Field(default=2.0, gt=0.0)
     """How long to wait for a connection to a replica before trying another."""
     timeout_s: float = Field(default=120.0, gt=0.0)
@@ -76,22 +79,36 @@ class RemoteConfig(Section):
 
 
 class FleetConfig(Section):
-    """A fleet: the replicas of a served component started by the run itself, one Ray actor each, on the run's Ray
-    cluster (``runtime.address``, or a local instance sized by ``runtime.num_cpus``; in either runtime, like reward
-    models with ``backend = "ray"``). The run's client then calls the actors' URLs (the fleet fills
-    ``remote.urls``)."""
+    """A fleet: the replicas of a component started by the run itself, one Ray actor each, on the run's Ray cluster
+    (``runtime.address``, or a local instance sized by ``runtime.ray_cpus``; in either runtime). Every Ray-hosted
+    fleet (sandbox, environment, reward model) is set with these keys."""
 
     type: Literal["ray"] = "ray"
-    """"ray": each replica is a Ray actor serving the component on its node's IP."""
+    """"ray": each replica is a Ray actor."""
+    num_replicas: int = Field(default=1, ge=1)
+    """Replicas started with the run."""
+    num_cpus: float = Field(default=1.0, gt=0.0)
+    """CPUs each replica reserves (fractions allowed). Ray's autoscaler sees the fleet as this demand."""
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs each replica reserves (fractions allowed; Ray sets its CUDA_VISIBLE_DEVICES). Not yet exercised on a
+    GPU."""
+    memory_mb: int | None = Field(default=None, ge=1)
+    """Memory each replica reserves in Ray's scheduling, in MiB (None: no reservation)."""
+    max_restarts: int = Field(default=3, ge=-1)
+    """How often Ray restarts a dead replica (-1: always). A replica whose calls failed is sent no work until it
+    answers again; one dead for good leaves the fleet."""
+
+
+class ServiceFleetConfig(FleetConfig):
+    """A fleet of a served component (``sandbox.fleet``, ``environment.fleet``): each replica serves the component
+    over HTTP on its node's IP, and the run's client calls their URLs (the fleet fills ``remote.urls``). A sandbox
+    session or an environment episode stays on the replica that opened it. Restarted on the same node, a replica
+    comes back at its URL (its port is derived from its actor id) and the run's client sends it work again."""
+
     num_replicas: int = Field(default=2, ge=1)
     """Replicas started with the run."""
+    num_cpus: float = Field(default=0.5, gt=0.0)
+    """CPUs each replica reserves (fractions allowed). Ray's autoscaler sees the fleet as this demand."""
     backend: Literal["auto", "bwrap", "unshare", "process"] = "auto"
     """The isolation of the replicas' sandbox: a sandbox fleet's replicas serve the [sandbox] section with this
     backend, an environment fleet's replicas run their environment's code (python tools) in it."""
-    num_cpus: float = Field(default=0.5, gt=0.0)
-    """CPUs each replica actor reserves (fractions allowed). Ray's autoscaler sees the fleet as this demand."""
-    memory_mb: int | None = Field(default=None, ge=1)
-    """Memory each replica actor reserves in Ray's scheduling, in MiB (None: no reservation)."""
-    max_restarts: int = Field(default=3, ge=-1)
-    """How often Ray restarts a dead replica (-1: always). Restarted on the same node, a replica comes back at its
-    URL (its port is derived from its actor id) and the run's client sends it work again."""

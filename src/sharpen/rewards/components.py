@@ -110,7 +110,11 @@ def build_component(config: RewardComponentConfig, *, count_tokens: Callable[[st
                 )
             assert config.url is not None  # the config checks that http has a url
             return RewardModelClient(
-                config.url, timeout_s=config.timeout_s, max_retries=config.max_retries, batch_size=config.batch_size
+                config.url,
+                token_env=config.token_env,
+                timeout_s=config.timeout_s,
+                max_retries=config.max_retries,
+                batch_size=config.batch_size,
             )
         case LengthComponentConfig(unit="chars"):
             return LengthReward(config, count=len)
@@ -129,17 +133,14 @@ def build_component(config: RewardComponentConfig, *, count_tokens: Callable[[st
 def build_judge(config: JudgeComponentConfig) -> Judge:
     """A `Judge` on ``config.base_url``; the API key is read from ``config.api_key_env`` now, so a missing one is
     an error at start rather than 401s in every step."""
-    api_key = None
-    if config.api_key_env is not None:
-        api_key = os.environ.get(config.api_key_env)
-        if not api_key:
-            raise ValueError(
-                f"judge {config.name!r}: api_key_env = {config.api_key_env!r}, but that environment variable is not set"
-            )
+    if config.api_key_env is not None and not os.environ.get(config.api_key_env, "").strip():
+        raise ValueError(
+            f"judge {config.name!r}: api_key_env = {config.api_key_env!r}, but that environment variable is not set"
+        )
     client = OpenAICompatibleClient(
         config.base_url,
         model=config.model,
-        api_key=api_key,
+        api_key_env=config.api_key_env,
         timeout_s=config.timeout_s,
         max_retries=config.max_retries,
     )

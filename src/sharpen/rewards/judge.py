@@ -1,9 +1,9 @@
 """LLM-as-judge: a `RewardFn` that asks a chat model (any OpenAI-compatible server) to grade a completion.
 
-Owns the HTTP client (`OpenAICompatibleClient`: stdlib ``urllib``, retries with backoff on connection errors, 429
-and 5xx), the verdict cache (in memory, optionally appended to a JSONL file), token accounting, pairwise
-comparison in both orders (so position bias cancels), canaries (known-bad responses that a sound judge must score
-low) and the gate they drive, and what each outcome scores:
+Owns the chat client (`OpenAICompatibleClient`, over the services' one HTTP client: retries with backoff on
+connection errors, timeouts, 408, 429 and 5xx), the verdict cache (in memory, optionally appended to a JSONL file),
+token accounting, pairwise comparison in both orders (so position bias cancels), canaries (known-bad responses
+that a sound judge must score low) and the gate they drive, and what each outcome scores:
 - a candidate with injection structure (`judge_guard`, run on the normalised text first) is never sent: it scores
   the bottom of the scale, ``wrong``, flagged ``judge_injection``;
 - a reply that ends in a verdict not bound to this call (no or a wrong nonce, or a copy of the candidate's object)
@@ -23,21 +23,18 @@ import json
 import logging
 import secrets
 import threading
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+from sharpen.config.service import RemoteConfig
 from sharpen.rewards.base import RewardContractError
 from sharpen.rewards.judge_guard import ScreenedCandidate, screen_candidate
 from sharpen.rewards.judge_prompts import CANARIES, CANARY_EXAMPLE, RubricPrompt, Verdict, read_verdict
+from sharpen.serving import ReplicaClient, ServiceRequestError, ServiceUnavailable, new_key
 from sharpen.types import Example, RewardResult, RewardStatus
 
 logger = logging.getLogger(__name__)
-
-_RETRIED_HTTP = {408, 429, 500, 502, 503, 504}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -72,49 +69,43 @@ class ChatClient(Protocol):
 
 
 class OpenAICompatibleClient:
-    """POSTs ``/v1/chat/completions`` (vLLM's ``vllm serve``, SGLang, hosted APIs) with greedy decoding."""
+    """POSTs ``/v1/chat/completions`` (vLLM's ``vllm serve``, SGLang, hosted APIs) with greedy decoding, through the
+    services' one client (`sharpen.serving.ReplicaClient`: retries with backoff, timeouts, the API key as a bearer
+    token read from ``api_key_env`` now, None for no key)."""
 
     def __init__(
         self,
         base_url: str,
         *,
         model: str,
-        api_key: str | None = None,
+        api_key_env: str | None = None,
         timeout_s: float = 60.0,
         max_retries: int = 3,
         backoff_s: float = 1.0,
         max_tokens: int = 1024,
     ) -> None:
-        self.url = base_url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"  # either form of base URL
+        server = base_url.rstrip("/").removesuffix("/v1")  # either form of base URL
+        remote = RemoteConfig(
+            urls=[server], token_env=api_key_env, timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s
+        )
         self.model = model
-        self._api_key = api_key
-        self.timeout_s = timeout_s
-        self.max_retries = max_retries
-        self.backoff_s = backoff_s
         self.max_tokens = max_tokens
+        self.client = ReplicaClient(remote, what="judge")
 
     def chat(self, messages: list[dict[str, str]]) -> ChatReply:
-        """One completion; raises `JudgeTransportError` once ``max_retries`` retries are spent."""
+        """One completion; raises `JudgeTransportError` once ``max_retries`` retries are spent (or at once for a
+        4xx). Each call carries an Idempotency-Key, which makes a retry after a timeout or a 5xx allowed: a chat
+        completion has no effect but its reply."""
         body = {"model": self.model, "messages": messages, "temperature": 0.0, "max_tokens": self.max_tokens}
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        payload = json.dumps(body).encode()
-        for attempt in range(self.max_retries + 1):
-            try:
-                request = urllib.request.Request(self.url, data=payload, headers=headers, method="POST")
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    return _read_reply(json.loads(response.read()))
-            except urllib.error.HTTPError as error:  # must precede URLError, its base class
-                if error.code not in _RETRIED_HTTP or attempt == self.max_retries:
-                    raise JudgeTransportError(f"judge HTTP {error.code} from {self.url}", is_timeout=False) from error
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as error:
-                if attempt == self.max_retries:
-                    reason = getattr(error, "reason", error)  # a connect timeout arrives wrapped, a read timeout bare
-                    message = f"judge unreachable at {self.url}: {error}"
-                    raise JudgeTransportError(message, is_timeout=isinstance(reason, TimeoutError)) from error
-            time.sleep(self.backoff_s * 2**attempt)
-        raise AssertionError("unreachable: the last attempt returns or raises")
+        try:
+            _, answer = self.client.call("POST", "/v1/chat/completions", body, key=new_key())
+        except (ServiceUnavailable, ServiceRequestError) as error:
+            is_timeout = isinstance(error, ServiceUnavailable) and error.is_timeout
+            raise JudgeTransportError(str(error), is_timeout=is_timeout) from error
+        return _read_reply(answer)
+
+    def close(self) -> None:
+        self.client.close()
 
 
 def _read_reply(body: dict) -> ChatReply:

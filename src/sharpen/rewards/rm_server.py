@@ -1,30 +1,33 @@
-"""A batched HTTP server for a sequence-classification reward model (`sharpen serve-rm`).
+"""The reward-model service (`sharpen serve-rm`): a sequence-classification reward model on the service shell.
 
-Owns: rendering (prompt, completion) pairs as a chat, truncating to ``max_length`` tokens, one batcher thread that
-gathers requests arriving within ``max_wait_ms`` (up to ``max_batch_size`` inputs) into one padded forward, and
-the wire format: ``POST /score`` ``{"inputs": [{"prompt": [{"role", "content"}...], "completion": "..."}]}`` ->
-``{"scores": [...], "truncated": [...], "num_truncated": n}``; ``GET /health``. A full queue answers 503 with
-Retry-After (the client backs off); nothing is dropped silently. Does not load the model (`sharpen serve-rm`
-does), retry or time out a wedged forward (the client does). Standard library HTTP only.
+Owns: rendering (prompt, completion) pairs as a chat and truncating them to ``max_length`` tokens
+(`RewardModelScorer`, also what the Ray reward-model actors load), one batcher thread that gathers the requests
+arriving within ``max_wait_ms`` (up to ``max_batch_size`` inputs) into one padded forward, and the route
+``POST /score`` ``{"inputs": [{"prompt": [{"role", "content"}...], "completion": "..."}]}`` -> ``{"scores": [...],
+"truncated": [...], "num_truncated": n}``. The shell (`sharpen.serving.shell`) gives what every served component
+has: the bearer token (checked before the body is read), the body limit, admission (``2 * max_batch_size``
+requests with the batcher, ``service.max_queue_size`` waiting for a place, then 503 with Retry-After), answers kept
+by Idempotency-Key, ``GET /healthz``, ``/readyz`` and ``/metrics``. A failed forward is answered 503: nothing was
+scored, so the client may ask again. Does not load the model (`sharpen serve-rm` does) nor retry (the client,
+`rm_client`, does).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from sharpen.config.service import ServiceConfig
+from sharpen.serving.shell import Request, Route, ServedComponent, ServiceError, ServiceShell
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
+logger = logging.getLogger(__name__)
 
 
 class RewardModelScorer:
@@ -97,8 +100,8 @@ class RewardModelScorer:
 
 
 @dataclass(kw_only=True, slots=True)
-class _Request:
-    """One HTTP request's inputs, waiting for the batcher to fill ``scores`` (or ``error``) and set ``done``."""
+class _Job:
+    """One request's inputs, waiting for the batcher to fill ``scores`` (or ``error``) and set ``done``."""
 
     ids: list[list[int]]
     scores: list[float] = field(default_factory=list[float])
@@ -106,121 +109,113 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class _BadRequest(ValueError):
-    """The client sent something the server cannot score: answered 400 with this message."""
-
-
-def parse_inputs(body: bytes) -> list[tuple[list[dict[str, str]], str]]:
-    """The (prompt messages, completion) pairs of a ``/score`` body; raises `_BadRequest` naming what is wrong."""
-    try:
-        payload = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise _BadRequest(f"body is not valid JSON: {error}") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("inputs"), list):
-        raise _BadRequest('expected an object {"inputs": [{"prompt": [...], "completion": "..."}, ...]}')
+def parse_inputs(body: Mapping[str, Any]) -> list[tuple[list[dict[str, str]], str]]:
+    """The (prompt messages, completion) pairs of a ``/score`` body; a `ServiceError` (400) names what is wrong."""
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list):
+        raise ServiceError(400, 'expected an object {"inputs": [{"prompt": [...], "completion": "..."}, ...]}')
     pairs = []
-    for index, item in enumerate(payload["inputs"]):
+    for index, item in enumerate(inputs):
         where = f"inputs[{index}]"
         if not isinstance(item, dict) or not isinstance(item.get("completion"), str):
-            raise _BadRequest(f"{where}: expected an object with a string 'completion'")
+            raise ServiceError(400, f"{where}: expected an object with a string 'completion'")
         prompt = item.get("prompt")
         if not isinstance(prompt, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
         ):
-            raise _BadRequest(f"{where}.prompt: expected a list of {{'role': str, 'content': str}} messages")
+            raise ServiceError(400, f"{where}.prompt: expected a list of {{'role': str, 'content': str}} messages")
         pairs.append(([{"role": m["role"], "content": m["content"]} for m in prompt], item["completion"]))
     return pairs
 
 
-class RewardModelServer:
-    """Serves a `RewardModelScorer` over HTTP. ``start()`` runs it in background threads (tests, benchmarks);
-    ``serve_forever()`` blocks (the CLI). ``num_forwards`` and ``num_rejected`` count batches and 503s."""
+class RewardModelService(ServedComponent):
+    """Serves ``scorer`` behind a `ServiceShell` (``start()`` in background threads, ``serve_forever()`` for the
+    CLI). ``num_forwards`` and ``num_scored`` count forwards and inputs scored (also in /metrics)."""
 
     def __init__(
         self,
         scorer: RewardModelScorer,
         *,
+        service: ServiceConfig,
+        token: str,
         host: str = "127.0.0.1",
-        port: int = 8000,
+        port: int = 0,
         max_batch_size: int = 32,
         max_wait_ms: float = 5.0,
-        max_queue_size: int = 256,
-        retry_after_s: int = 1,
     ) -> None:
-        if max_batch_size < 1 or max_queue_size < 1 or max_wait_ms < 0:
-            raise ValueError("reward model server: max_batch_size and max_queue_size must be >= 1, max_wait_ms >= 0")
+        if max_batch_size < 1 or max_wait_ms < 0:
+            raise ValueError("reward model service: max_batch_size must be >= 1, max_wait_ms >= 0")
         self.scorer = scorer
+        self.service = service
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
-        self.retry_after_s = retry_after_s
         self.num_forwards = 0
         self.num_scored = 0
-        self.num_rejected = 0
-        self._count_lock = threading.Lock()  # num_rejected is bumped from many handler threads
-        self._queue: queue.Queue[_Request] = queue.Queue(maxsize=max_queue_size)
-        self._carry: _Request | None = None  # taken from the queue but did not fit the last batch
+        self._queue: queue.Queue[_Job] = queue.Queue()  # bounded by the shell's admission
+        self._carry: _Job | None = None  # taken from the queue but did not fit the last batch
+        self._lock = threading.Lock()  # no job is queued after close() has answered the queued ones
         self._stopping = threading.Event()
-        self._http = _HTTPServer((host, port), _make_handler(self))
-        self.url = "http://{}:{}".format(*self._http.server_address[:2])  # the bound port when ``port`` is 0
-        self._threads: list[threading.Thread] = []
+        self._threads = [threading.Thread(target=self._run_batcher, daemon=True, name="rm-service-batcher")]
+        route = Route(method="POST", pattern="/score", handler=self._score, is_queued=True, is_idempotent=True)
+        self.shell = ServiceShell(
+            service,
+            routes=[route],
+            token=token,
+            # One batch in a forward while the next one gathers (for requests of one input each).
+            max_running=2 * max_batch_size,
+            host=host,
+            port=port,
+            is_ready=self._threads[0].is_alive,
+            gauges=lambda: {
+                "sharpen_rm_forwards": self.num_forwards,
+                "sharpen_rm_inputs_scored": self.num_scored,
+                "sharpen_rm_waiting_for_forward": self.num_waiting,
+            },
+        )
+        self.url = self.shell.url
 
     @property
-    def queue_depth(self) -> int:
+    def num_waiting(self) -> int:
+        """Requests with the batcher that no forward has taken yet."""
         return self._queue.qsize()
 
-    def start(self) -> RewardModelServer:
-        self._threads = [
-            threading.Thread(target=self._run_batcher, daemon=True, name="rm-server-batcher"),
-            # A short poll interval makes close() quick (shutdown waits for the serving loop's next poll).
-            threading.Thread(target=self._http.serve_forever, args=(0.05,), daemon=True, name="rm-server-http"),
-        ]
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def serve_forever(self) -> None:
-        """Serve until interrupted (Ctrl-C, SIGTERM raising SystemExit) or closed."""
-        self.start()
-        try:
-            self._stopping.wait()
-        finally:
-            self.close()
-
     def close(self) -> None:
-        self._stopping.set()
-        if self._threads:
-            self._http.shutdown()
-        self._http.server_close()
+        """Stop serving; what the batcher never took is answered 503 (another replica may score it)."""
+        with self._lock:
+            self._stopping.set()
+        self.shell.close()
         for thread in self._threads:
-            thread.join(timeout=5)
-        self._threads = []  # a second close() (serve_forever's, then the caller's) has nothing to stop
-        # Whatever the batcher never took is answered, not left waiting forever.
-        for request in [r for r in (self._carry, *self._queue.queue) if r is not None]:
-            request.error = "server shut down before scoring"
-            request.done.set()
+            if thread.is_alive():
+                thread.join(timeout=5)
+        for job in [j for j in (self._carry, *self._queue.queue) if j is not None]:
+            job.error = "the server shut down before scoring"
+            job.done.set()
 
-    def __enter__(self) -> RewardModelServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def submit(self, ids: list[list[int]]) -> _Request | None:
-        """Queue one request's inputs for the batcher; None when the queue is full (the caller answers 503)."""
-        request = _Request(ids=ids)
-        if self._stopping.is_set():  # close() has answered what was queued; nothing would answer this one
-            return None
+    def _score(self, request: Request) -> dict[str, Any]:
+        pairs = parse_inputs(request.body)
         try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            with self._count_lock:
-                self.num_rejected += 1
-            return None
-        return request
+            encoded = [self.scorer.encode(*pair) for pair in pairs]
+        except Exception as error:  # a chat template that rejects the messages
+            raise ServiceError(400, f"cannot render the inputs: {type(error).__name__}: {error}") from None
+        if any(not ids for ids, _ in encoded):
+            raise ServiceError(400, "an input renders to no tokens")
+        truncated = [is_truncated for _, is_truncated in encoded]
+        job = _Job(ids=[ids for ids, _ in encoded])
+        with self._lock:
+            if self._stopping.is_set():  # close() has answered what was queued; nothing would answer this one
+                raise ServiceError(503, "the server is shutting down", retry_after=0)
+            if job.ids:
+                self._queue.put(job)
+            else:
+                job.done.set()
+        job.done.wait()  # always set: by the batcher (scores or error) or by close()
+        if job.error:
+            raise ServiceError(503, job.error, retry_after=self.service.retry_after_s)
+        return {"scores": job.scores, "truncated": truncated, "num_truncated": sum(truncated)}
 
-    def _next_batch(self) -> list[_Request]:
-        """The requests of the next forward: the first waiting one, then whatever arrives within ``max_wait_ms``
-        while the inputs fit ``max_batch_size`` (a request bigger than that alone is split by `_run_batch`)."""
+    def _next_batch(self) -> list[_Job]:
+        """The jobs of the next forward: the first waiting one, then whatever arrives within ``max_wait_ms`` while
+        the inputs fit ``max_batch_size`` (a job bigger than that alone is split by `_run_batch`)."""
         first, self._carry = self._carry, None
         while first is None and not self._stopping.is_set():
             with contextlib.suppress(queue.Empty):  # wake up now and then to notice close()
@@ -231,14 +226,14 @@ class RewardModelServer:
         deadline = time.monotonic() + self.max_wait_s
         while num_inputs < self.max_batch_size:
             try:
-                request = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                job = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
-            if num_inputs + len(request.ids) > self.max_batch_size:
-                self._carry = request
+            if num_inputs + len(job.ids) > self.max_batch_size:
+                self._carry = job
                 break
-            batch.append(request)
-            num_inputs += len(request.ids)
+            batch.append(job)
+            num_inputs += len(job.ids)
         return batch
 
     def _run_batcher(self) -> None:
@@ -246,8 +241,8 @@ class RewardModelServer:
             if batch := self._next_batch():
                 self._run_batch(batch)
 
-    def _run_batch(self, batch: list[_Request]) -> None:
-        flat = [ids for request in batch for ids in request.ids]
+    def _run_batch(self, batch: list[_Job]) -> None:
+        flat = [ids for job in batch for ids in job.ids]
         scores: list[float] = []
         error = ""
         try:
@@ -259,62 +254,7 @@ class RewardModelServer:
             logger.exception("reward model forward failed")
             error = f"forward failed: {type(failure).__name__}: {failure}"
         offset = 0
-        for request in batch:
-            request.scores, request.error = scores[offset : offset + len(request.ids)], error
-            offset += len(request.ids)
-            request.done.set()
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # The default listen backlog of 5 drops connections under a burst of clients; they then wait out a 1 s SYN
-    # retransmit, which showed as a 1.3 s p99 in benchmarks/rm_server.py.
-    request_queue_size = 1024
-
-
-def _make_handler(server: RewardModelServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path != "/health":
-                return self._answer(404, {"error": f"unknown path {self.path!r}; use POST /score or GET /health"})
-            counts = {name: getattr(server, name) for name in ("num_forwards", "num_scored", "num_rejected")}
-            self._answer(200, {"status": "ok", "queue_depth": server.queue_depth, **counts})
-
-        def do_POST(self) -> None:
-            if self.path != "/score":
-                return self._answer(404, {"error": f"unknown path {self.path!r}; use POST /score"})
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length > MAX_BODY_BYTES:
-                    raise _BadRequest(f"a body of {length} bytes is over the limit of {MAX_BODY_BYTES}")
-                encoded = [server.scorer.encode(*pair) for pair in parse_inputs(self.rfile.read(length))]
-            except Exception as error:  # also a bad Content-Length, or a chat template that rejects the messages
-                why = str(error) if isinstance(error, _BadRequest) else f"{type(error).__name__}: {error}"
-                return self._answer(400, {"error": f"cannot read or render the inputs: {why}"})
-            if any(not ids for ids, _ in encoded):
-                return self._answer(400, {"error": "an input renders to no tokens"})
-            truncated = [is_truncated for _, is_truncated in encoded]
-            request = server.submit([ids for ids, _ in encoded])
-            if request is None:
-                return self._answer(503, {"error": "queue full, retry later"}, retry_after=server.retry_after_s)
-            request.done.wait()  # always set: by the batcher (scores or error) or by close()
-            if request.error:
-                return self._answer(500, {"error": request.error})
-            self._answer(200, {"scores": request.scores, "truncated": truncated, "num_truncated": sum(truncated)})
-
-        def _answer(self, status: int, payload: dict[str, Any], *, retry_after: int | None = None) -> None:
-            body = json.dumps(payload).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            if retry_after is not None:
-                self.send_header("Retry-After", str(retry_after))
-            self.end_headers()
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
-                self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            # One line per request on stderr would swamp a training run's logs; keep it at debug.
-            logger.debug("%s " + format, self.address_string(), *args)
-
-    return Handler
+        for job in batch:
+            job.scores, job.error = scores[offset : offset + len(job.ids)], error
+            offset += len(job.ids)
+            job.done.set()

@@ -1,7 +1,9 @@
 """Serving components over HTTP: the service shell (shell.py: token, limits, bounded queue, probes, idempotency)
-and the replica client (replicas.py: load spread over N URLs, safe retries). Components' own service modules
-(`sharpen.environments.sandbox.service`, `sharpen.environments.service`) give the routes; this package knows none
-of them. Standard library HTTP on the server, httpx on the client.
+and the one HTTP client (replicas.py: load spread over N URLs, retries with backoff, timeouts, the token, what each
+failure means), which every client of a served component uses (sandbox, environment, reward model, LLM judge).
+Components' own service modules (`sharpen.environments.sandbox.service`, `sharpen.environments.service`,
+`sharpen.rewards.rm_server`) give the routes; this package knows none of them. Standard library HTTP on the
+server, httpx on the client.
 """
 
 from sharpen.serving.replicas import ReplicaClient, ReplicaLost, ServiceRequestError, ServiceUnavailable, new_key

@@ -1,16 +1,22 @@
-"""The client side of a served component: calls spread over N replica URLs, retried where that is safe.
+"""The one HTTP client of sharpen's services: calls spread over N replica URLs (one for a single server), retried where
+that is safe. The sandbox and environment clients, the reward-model client and the LLM judge's client use it.
 
 Owns choosing a replica (the one with the fewest calls in flight from here; a replica that refused a connection
-rests for ``replica_cooldown_s``), the retry rules, the token and Idempotency-Key headers, and timeouts:
+rests for ``replica_cooldown_s``), the token and Idempotency-Key headers, timeouts, backoff (``backoff_s`` doubled
+per round over all replicas, at most 2 s, or the server's Retry-After) and what each failure means:
 
-- not reached (connection refused, connect timeout), or full (503): another replica, same key; safe, nothing ran.
+- not reached (connection refused, connect timeout), or not taken (503 full, 429 rate-limited, 408): another
+  replica, same key; safe, nothing ran.
 - the connection dropped mid-call (the replica died): another replica, same key. Only for calls whose work dies
   with the replica (a sandbox execution: its processes end with the replica); a call pinned to one replica (a
   session's or an episode's) raises `ReplicaLost` instead, and its caller decides (the environment client replays).
-- no answer in ``timeout_s`` (the replica lives but is slow): the same replica again with the same key, which
-  waits for the first attempt's answer instead of running it twice.
+- no answer in ``timeout_s`` (the replica lives but is slow), or 500, 502, 504 (it or a gateway failed; the call
+  may have run): retried only when the call carries an Idempotency-Key, which makes a repeat safe: a server that
+  keeps answers by key (`ServiceShell`) answers it with the first attempt's answer instead of running it twice; a
+  pure call (a score, a chat completion) may simply run again. A timeout asks the same replica again.
 - any other answer: final. 4xx is `ServiceRequestError` (a bug or a wrong token, not load), 5xx
-  `ServiceUnavailable`. When attempts run out, `ServiceUnavailable`: an infrastructure fault, never the policy's.
+  `ServiceUnavailable`. When attempts run out, `ServiceUnavailable` (``is_timeout`` when the last attempt got no
+  answer in time or a 504): an infrastructure fault, never the policy's.
 
 Synchronous (httpx, thread-safe); ``in_thread`` runs calls in the client's own threads for asyncio callers, so one
 client serves any number of event loops. Does not know what the routes mean.
@@ -19,6 +25,7 @@ client serves any number of event loops. Does not know what the routes mean.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
@@ -34,10 +41,19 @@ from sharpen.serving.shell import read_token
 
 T = TypeVar("T")
 _MAX_BACKOFF_S = 2.0
+_NOT_TAKEN = frozenset({408, 429, 503})
+"""Answers that say the call did not run (timed out arriving, rate-limited, full): always retried."""
+_FAILED = frozenset({500, 502, 504})
+"""Answers of a call that may have run and failed (or whose gateway gave up): retried only with an Idempotency-Key."""
 
 
 class ServiceUnavailable(RuntimeError):
-    """No replica answered the call (all dead, full or failing): an infrastructure fault."""
+    """No replica answered the call (all dead, full or failing): an infrastructure fault. ``is_timeout``: the last
+    attempt got no answer in time (or a 504), rather than no connection or an error."""
+
+    def __init__(self, message: str, *, is_timeout: bool = False) -> None:
+        super().__init__(message)
+        self.is_timeout = is_timeout
 
 
 class ReplicaLost(ServiceUnavailable):
@@ -71,12 +87,14 @@ class _Attempts:
         self.round = 0
         self.retry_after = 0.0
         self.last_error = "no replica configured"
+        self.is_timeout = False
 
     def next(self) -> tuple[Replica, float]:
         """The replica to call and how long to wait first; `ServiceUnavailable` when attempts ran out."""
         if self.num_left <= 0:
             raise ServiceUnavailable(
-                f"no replica answered after {self.client.config.max_retries + 1} attempts: {self.last_error}"
+                f"no replica answered after {self.client.config.max_retries + 1} attempts: {self.last_error}",
+                is_timeout=self.is_timeout,
             )
         self.num_left -= 1
         if self.pin is not None:
@@ -93,14 +111,16 @@ class _Attempts:
         soonest = min(self.client.replicas, key=lambda r: r.resting_until)  # all rest: the first back
         return self.client.pick(avoid=self.tried) or soonest, wait
 
-    def failed(self, replica: Replica, error: str, *, retry_after: float = 0.0) -> None:
+    def failed(self, replica: Replica, error: str, *, retry_after: float = 0.0, is_timeout: bool = False) -> None:
         self.tried.add(replica.url)
         self.retry_after = max(self.retry_after, retry_after)
         self.last_error = f"{replica.url}: {error}"
+        self.is_timeout = is_timeout
 
 
 class ReplicaClient:
-    """``call(method, path, payload, key=..., pin=...)`` -> the JSON answer of one replica (see the module doc)."""
+    """``call(method, path, payload, key=..., pin=...)`` -> the JSON answer of one replica (see the module doc). The
+    token is read from ``config.token_env`` now (a missing one fails here); with ``token_env`` None none is sent."""
 
     def __init__(self, config: RemoteConfig, *, what: str) -> None:
         if not config.urls:
@@ -109,10 +129,10 @@ class ReplicaClient:
         self.what = what
         self.replicas = [Replica(url=url) for url in config.urls]
         self._by_url = {r.url: r for r in self.replicas}
-        token = read_token(config.token_env)
+        headers = {} if config.token_env is None else {"Authorization": f"Bearer {read_token(config.token_env)}"}
         max_in_flight = config.max_in_flight
         self._http = httpx.Client(
-            headers={"Authorization": f"Bearer {token}"},
+            headers=headers,
             limits=httpx.Limits(max_connections=max_in_flight * 2, max_keepalive_connections=max_in_flight),
         )
         self._lock = threading.Lock()
@@ -184,34 +204,37 @@ class ReplicaClient:
                 continue
             except httpx.TimeoutException:
                 if not key:
-                    raise ServiceUnavailable(f"{self.what} replica {replica.url}: no answer in {timeout}") from None
-                attempts.failed(replica, "no answer in time")
+                    message = f"{self.what} replica {replica.url}: no answer in {timeout}"
+                    raise ServiceUnavailable(message, is_timeout=True) from None
+                attempts.failed(replica, "no answer in time", is_timeout=True)
                 attempts.stick = replica  # the same key there waits for the first attempt instead of rerunning
                 continue
             finally:
                 with self._lock:
                     replica.num_in_flight -= 1
-            if response.status_code == 503:
-                attempts.failed(replica, "full (503)", retry_after=_retry_after(response))
+            status = response.status_code
+            if status in _NOT_TAKEN or (key and status in _FAILED):
+                retry_after = _retry_after(response)
+                attempts.failed(replica, _describe(response), retry_after=retry_after, is_timeout=status == 504)
                 continue
             return replica.url, self._answer(replica, response, pin=pin)
 
     def _answer(self, replica: Replica, response: httpx.Response, *, pin: str | None) -> dict[str, Any]:
-        try:
-            body = response.json()
-        except ValueError:
-            body = {"error": response.text[:200]}
-        if response.status_code == 200 and isinstance(body, dict):
-            return body  # pyright: ignore[reportUnknownVariableType]
-        error = body.get("error", body) if isinstance(body, dict) else body  # pyright: ignore[reportUnknownMemberType]
-        where = f"{self.what} replica {replica.url}: HTTP {response.status_code}: {error}"
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError):
+                body = response.json()
+                if isinstance(body, dict):
+                    return body  # pyright: ignore[reportUnknownVariableType]
+        where = f"{self.what} replica {replica.url}: {_describe(response)}"
         if response.status_code == 404 and pin is not None:
             raise ReplicaLost(where)
         if response.status_code == 401:
+            if self.config.token_env is None:
+                raise ServiceRequestError(f"{where} (this client sends no token)")
             raise ServiceRequestError(f"{where} (set {self.config.token_env} to the servers' token)")
         if response.status_code < 500:
             raise ServiceRequestError(where)
-        raise ServiceUnavailable(where)
+        raise ServiceUnavailable(where, is_timeout=response.status_code == 504)
 
     async def in_thread(self, job: Callable[[], T]) -> T:
         """Run ``job`` (blocking calls of this client) in the client's threads, for asyncio callers."""
@@ -223,6 +246,16 @@ class ReplicaClient:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._http.close()
+
+
+def _describe(response: httpx.Response) -> str:
+    """``HTTP <status>: <the answer's error>``, for messages."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = {"error": response.text[:200]}
+    error = body.get("error", body) if isinstance(body, dict) else body  # pyright: ignore[reportUnknownMemberType]
+    return f"HTTP {response.status_code}: {str(error)[:500]}"  # pyright: ignore[reportUnknownArgumentType]
 
 
 def _retry_after(response: httpx.Response) -> float:

@@ -9,6 +9,7 @@ import pytest
 
 from sharpen.config import ConfigError, dump_config, load_config
 from sharpen.config.rewards import JudgeComponentConfig, LengthComponentConfig, RewardModelComponentConfig
+from sharpen.config.section import DeprecatedKeyWarning
 
 RECIPE = """
 [reward]
@@ -27,8 +28,7 @@ type = "reward_model"
 name = "rm"
 backend = "ray"
 model_path = "/models/rm"
-num_actors = 2
-cpus_per_actor = 0.5
+fleet = { num_replicas = 2, num_cpus = 0.5 }
 weight = 0.0
 
 [[reward.components]]
@@ -52,7 +52,7 @@ def test_a_recipe_with_components_loads_and_round_trips(tmp_path):
     config = load_config(recipe)
     judge, model, length = config.reward.components
     assert isinstance(judge, JudgeComponentConfig) and judge.name == "judge" and judge.weight == 0.5
-    assert isinstance(model, RewardModelComponentConfig) and model.name == "rm" and model.num_actors == 2
+    assert isinstance(model, RewardModelComponentConfig) and model.name == "rm" and model.fleet.num_replicas == 2
     assert isinstance(length, LengthComponentConfig) and length.name == "length" and length.unit == "tokens"
     assert config.reward.judge_canary_every == 10
     dumped = tmp_path / "dumped.toml"
@@ -132,10 +132,24 @@ def test_an_error_inside_a_typed_section_names_the_section():
         load_config(None, ["environment.type=calculator", "environment.max_turns=0"])
 
 
-def test_the_components_example_of_docs_rewards_md_is_a_valid_recipe(tmp_path):
+def test_the_toml_examples_of_docs_rewards_md_are_valid_recipes(tmp_path):
     docs = Path(__file__).resolve().parents[3] / "docs" / "rewards.md"
-    (block,) = re.findall(r"```toml\n(.*?)```", docs.read_text(), flags=re.DOTALL)
+    components, served = re.findall(r"```toml\n(.*?)```", docs.read_text(), flags=re.DOTALL)
     recipe = tmp_path / "r.toml"
-    recipe.write_text(block)
+    recipe.write_text(components)
     config = load_config(recipe)
     assert [c.type for c in config.reward.components] == ["judge", "reward_model", "length", "custom"]
+    recipe.write_text(served)  # serving a reward model
+    (model,) = load_config(recipe).reward.components
+    assert model.type == "reward_model" and (model.backend, model.url) == ("http", "http://rm-host:8300")
+
+
+def test_the_reward_models_old_actor_keys_load_into_its_fleet_with_a_deprecation():
+    old = '{type="reward_model", backend="ray", model_path="/m", num_actors=2, cpus_per_actor=0.5, gpus_per_actor=1}'
+    with pytest.warns(DeprecatedKeyWarning, match=r"'reward_model': num_actors is now fleet\.num_replicas"):
+        (model,) = load_config(None, [f"reward.components=[{old}]"]).reward.components
+    assert isinstance(model, RewardModelComponentConfig)
+    assert (model.fleet.num_replicas, model.fleet.num_cpus, model.fleet.num_gpus) == (2, 0.5, 1.0)
+    both = '{type="reward_model", backend="ray", model_path="/m", num_actors=2, fleet={num_replicas=3}}'
+    with pytest.warns(DeprecatedKeyWarning):
+        assert "fleet.num_replicas is given twice (once by its old name)" in _error(both)

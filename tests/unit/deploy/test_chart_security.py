@@ -105,7 +105,7 @@ def test_services_use_their_servers_real_health_routes(all_components: list[dict
 
     assert probe_paths("sandbox") == ("/healthz", "/readyz")
     assert probe_paths("environment") == ("/healthz", "/readyz")
-    assert probe_paths("reward-model") == ("/health", "/health")  # sharpen serve-rm
+    assert probe_paths("reward-model") == ("/healthz", "/readyz")  # sharpen serve-rm, on the same service shell
     assert probe_paths("judge") == ("/health", "/health")  # vllm serve
 
 

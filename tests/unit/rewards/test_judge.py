@@ -86,7 +86,7 @@ class FakeServer:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
 
     def judge(self, **kwargs: Any) -> Judge:
-        client_kwargs = {k: kwargs.pop(k) for k in ("timeout_s", "max_retries", "api_key") if k in kwargs}
+        client_kwargs = {k: kwargs.pop(k) for k in ("timeout_s", "max_retries", "api_key_env") if k in kwargs}
         client = OpenAICompatibleClient(self.url, model="m", backoff_s=0.0, **{"timeout_s": 5.0, **client_kwargs})
         return Judge(client, **kwargs)
 
@@ -101,8 +101,9 @@ def server() -> Iterator[FakeServer]:
     fake.httpd.server_close()
 
 
-def test_good_verdict_is_normalised_and_labelled(server: FakeServer) -> None:
-    judge = server.judge(api_key="k")
+def test_good_verdict_is_normalised_and_labelled(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SHARPEN_TEST_JUDGE_KEY", "k")
+    judge = server.judge(api_key_env="SHARPEN_TEST_JUDGE_KEY")
     assert isinstance(judge, RewardFn)
     result = judge(EXAMPLE, "4")
     assert result.score == pytest.approx(0.7) and result.status == RewardStatus.OK
@@ -110,6 +111,8 @@ def test_good_verdict_is_normalised_and_labelled(server: FakeServer) -> None:
     assert result.cache_key and result.hack_flags == []
     assert server.requests[0]["model"] == "m" and server.requests[0]["temperature"] == 0.0
     assert server.headers[0]["Authorization"] == "Bearer k"
+    server.judge()(EXAMPLE, "5")
+    assert "Authorization" not in server.headers[1], "no api_key_env: no token is sent"
 
 
 def test_the_last_verdict_wins_over_an_earlier_fake_one(server: FakeServer) -> None:
@@ -358,7 +361,20 @@ def test_server_errors_are_retried_then_succeed(server: FakeServer) -> None:
     assert result.score == pytest.approx(0.9) and len(server.requests) == 3
 
 
-def test_client_errors_are_not_retried(server: FakeServer) -> None:
+def test_rate_limits_and_gateway_errors_are_retried(server: FakeServer) -> None:
+    statuses = [429, 502, 504, 503]
+    server.respond = lambda request: (
+        (statuses[len(server.requests) - 1], {"error": "later"})
+        if len(server.requests) <= len(statuses)
+        else verdict(8)
+    )
+    result = server.judge(max_retries=4)(EXAMPLE, "4")
+    assert result.score == pytest.approx(0.8) and len(server.requests) == 5
+
+
+def test_client_errors_are_not_retried(server: FakeServer, caplog: pytest.LogCaptureFixture) -> None:
     server.respond = lambda request: (400, {"error": "bad request"})
     result = server.judge(max_retries=3)(EXAMPLE, "4")
     assert result.status == RewardStatus.INFRA_ERROR and len(server.requests) == 1
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.endswith(f"abstaining: judge replica {server.url}: HTTP 400: bad request")

@@ -173,7 +173,8 @@ def test_length_in_tokens_needs_the_tokenizer():
     assert reward(EXAMPLE, "one two three").score == pytest.approx(-0.5)
 
 
-def test_components_are_built_from_config():
+def test_components_are_built_from_config(monkeypatch):
+    monkeypatch.setenv("SHARPEN_SERVICE_TOKEN", "t")  # the reward model client reads serve-rm's token at start
     rubric = Rubric(
         _config({"type": "judge", **JUDGE, "max_score": 5.0}, {"type": "reward_model", "url": "http://h:1"})
     )
@@ -190,7 +191,7 @@ def test_judge_api_key_is_read_from_the_named_environment_variable(monkeypatch, 
         build_judge(config)
     monkeypatch.setenv("SHARPEN_TEST_JUDGE_KEY", "secret")
     judge = build_judge(config)
-    assert judge.client._api_key == "secret"  # type: ignore[attr-defined]
+    assert judge.client.client.config.token_env == "SHARPEN_TEST_JUDGE_KEY"  # type: ignore[attr-defined]
     assert (tmp_path / "c").is_dir(), "the cache's folder is made at start"
 
 

@@ -227,6 +227,47 @@ def test_the_client_names_what_is_not_load(
     unreachable.close()
 
 
+class Script:
+    """A route that answers the scripted statuses in turn (then 200), counting its runs."""
+
+    def __init__(self, *statuses: int) -> None:
+        self.statuses = list(statuses)
+        self.num_runs = 0
+
+    def handle(self, request: Request) -> dict[str, Any]:
+        self.num_runs += 1
+        if self.statuses:
+            status = self.statuses.pop(0)
+            raise ServiceError(status, f"scripted {status}", retry_after=0 if status in (429, 503) else None)
+        return {"ok": True}
+
+
+def test_the_client_retries_transient_answers_and_gives_up_on_a_4xx_with_one_error(token_env: None) -> None:
+    script = Script()
+    route = Route(method="POST", pattern="/v1/script", handler=script.handle)
+    shell = ServiceShell(ServiceConfig(), routes=[route], token=TOKEN, max_running=1).start()
+    client = ReplicaClient(RemoteConfig(urls=[shell.url], max_retries=6, backoff_s=0.0), what="test")
+    try:
+        script.statuses = [408, 429, 503, 500, 502, 504]  # with a key, each may be asked again
+        assert client.call("POST", "/v1/script", {}, key="k1") == (shell.url, {"ok": True})
+        assert script.num_runs == 7
+        script.statuses, script.num_runs = [503, 500], 0  # without a key, a call that may have run is not repeated
+        with pytest.raises(ServiceUnavailable, match="HTTP 500: scripted 500") as failed:
+            client.call("POST", "/v1/script", {})
+        assert script.num_runs == 2 and not failed.value.is_timeout
+        script.statuses, script.num_runs = [504] * 7, 0
+        with pytest.raises(ServiceUnavailable, match=r"after 7 attempts: .*HTTP 504") as failed:
+            client.call("POST", "/v1/script", {}, key="k2")
+        assert script.num_runs == 7 and failed.value.is_timeout
+        script.statuses, script.num_runs = [422], 0
+        with pytest.raises(ServiceRequestError) as refused:
+            client.call("POST", "/v1/script", {}, key="k3")
+        assert script.num_runs == 1 and str(refused.value) == f"test replica {shell.url}: HTTP 422: scripted 422"
+    finally:
+        client.close()
+        shell.close()
+
+
 def test_a_slow_replica_is_asked_again_with_the_same_key_and_runs_once(
     token_env: None, shell: ServiceShell, work: Work
 ) -> None:

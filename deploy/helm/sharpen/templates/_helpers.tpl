@@ -296,6 +296,12 @@ sharpen-ray-cluster: {{ .Release.Name }}
     secretKeyRef:
       name: {{ include "sharpen.authSecret" . }}
       key: ray-token
+# The bearer token the run's clients present to the sandbox, environment and reward-model servers.
+- name: SHARPEN_SERVICE_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "sharpen.authSecret" . }}
+      key: service-token
 {{- with .Values.ray.env }}
 {{ toYaml . }}
 {{- end }}

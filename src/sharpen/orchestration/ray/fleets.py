@@ -1,17 +1,19 @@
-"""Fleets: the replicas of a served component as Ray actors, for runs (and users) that already have a Ray cluster.
+"""Service fleets: the replicas of a served component as Ray actors, for runs (and users) that already have a Ray
+cluster.
 
-A `ServiceFleet` is N `ServiceReplica` actors, each running the very same service as ``sharpen serve-sandbox`` or
-``sharpen serve-env`` (any `Serve` function: it builds and starts a service object that has a ``url``) on its
-node's IP, with the driver's shared-secret token (an actor argument, so it is held by Ray like any other). The
-driver only gets URLs: it hands them to the existing replica clients (`sharpen.serving.ReplicaClient`), so to the
-loop a Ray fleet is a set of replica URLs like any other.
+A `ServiceFleet` is an `ActorFleet` (the replica mechanism every Ray-hosted fleet shares: placement, restarts,
+scaling, autoscaler requests) of `ServiceReplica` actors, each running the very same service as
+``sharpen serve-sandbox`` or ``sharpen serve-env`` (any `Serve` function: it builds and starts a service object that
+has a ``url``) on its node's IP, with the driver's shared-secret token (an actor argument, so it is held by Ray like
+any other). Its replicas are addressed by URL: the driver hands the URLs to the existing replica clients
+(`sharpen.serving.ReplicaClient`), which pin a sandbox session or an environment episode to the replica that opened
+it, so to the loop a Ray fleet is a set of replica URLs like any other.
 
-Owns the actors' lifetime and the hints an autoscaler acts on: each actor reserves ``FleetConfig``'s resources,
-`scale` grows or shrinks the fleet, `queue_depths` reads every replica's /metrics, and `request_resources` asks
-Ray's autoscaler for room for N replicas. A dead actor is restarted by Ray (``max_restarts``), on the same port
-when it can (then its clients need not know); `refresh` re-reads the URLs (after a restart on another node or
-port, a replica dead for good, a `scale`) and hands them to the clients that `follow` the fleet. Does not decide
-when to scale, and does not retry calls (the replica client does).
+Adds to the mechanism what URLs need: a restarted actor comes back on the same port when it can (then its clients
+need not know); `refresh` re-reads the URLs (after a restart on another node or port, a replica dead for good, a
+`scale`) and hands them to the clients that `follow` the fleet; `queue_depths` reads every replica's /metrics; a
+replica's service is stopped before its actor ends. Does not decide when to scale, and does not retry calls (the
+replica client does).
 """
 
 from __future__ import annotations
@@ -19,20 +21,18 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import httpx
 import ray
-from ray.autoscaler.sdk import request_resources
-from ray.exceptions import GetTimeoutError, RayActorError
 
 from sharpen.config import ConfigError, SharpenConfig
 from sharpen.config.environments import EnvironmentConfig
 from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.config.service import FleetConfig, RemoteConfig
+from sharpen.config.service import RemoteConfig, ServiceFleetConfig
+from sharpen.orchestration.ray.actor_fleet import ActorFleet
 from sharpen.orchestration.ray.cluster import start_ray
 from sharpen.serving import read_token
 
@@ -42,8 +42,6 @@ _PORT_BASE, _NUM_PORTS = 20000, 10000
 """A replica's preferred port lies in [20000, 30000): below Linux's ephemeral ports, above Ray's worker ports."""
 _CLOSE_TIMEOUT_S = 10.0
 """How long replicas may take to stop their services before their actors are killed."""
-_MAX_URL_ATTEMPTS = 3
-"""Calls for a replica's URL before it counts as dead for good (one meets the death, the next the restart)."""
 
 
 class Served(Protocol):
@@ -86,85 +84,33 @@ class ServiceReplica:
         self._stack.close()
 
 
-class ServiceFleet:
+class ServiceFleet(ActorFleet):
     """``config.num_replicas`` `ServiceReplica` actors serving ``serve``; ``urls`` are the live replicas' URLs.
     ``what`` names the fleet in errors; every wait on an actor is bounded by ``start_timeout_s``."""
 
-    def __init__(self, serve: Serve, config: FleetConfig, *, token: str, what: str, start_timeout_s: float) -> None:
+    ready_method = "url"
+
+    def __init__(
+        self, serve: Serve, config: ServiceFleetConfig, *, token: str, what: str, start_timeout_s: float
+    ) -> None:
         if not token:
             raise ValueError(f"{what} fleet: the replicas need a non-empty shared-secret token")
-        self.config, self.what, self.start_timeout_s = config, what, start_timeout_s
-        memory = {} if config.memory_mb is None else {"memory": config.memory_mb << 20}
-        self._actor_class = ray.remote(ServiceReplica).options(
-            num_cpus=config.num_cpus, max_restarts=config.max_restarts, **memory
-        )
-        self._serve, self._token = serve, token
-        self.actors: list[Any] = []
         self.urls: list[str] = []
         self._followers: list[UrlFollower] = []
-        self._last_error = ""
-        try:
-            self.scale(config.num_replicas)
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def bundle(self) -> dict[str, float]:
-        """One replica's resources, as Ray's scheduler and autoscaler count them."""
-        memory = {} if self.config.memory_mb is None else {"memory": float(self.config.memory_mb * (1 << 20))}
-        return {"CPU": self.config.num_cpus, **memory}
+        super().__init__(ServiceReplica, config, what=what, start_timeout_s=start_timeout_s, args=(serve, token))
 
     def scale(self, num_replicas: int) -> list[str]:
         """Grow (new actors, waited for) or shrink (the newest actors end, after the followers left them) to
         ``num_replicas``; the new URLs."""
-        if num_replicas < 1:
-            raise ValueError(f"{self.what} fleet: num_replicas must be >= 1, got {num_replicas}")
-        leaving = self.actors[num_replicas:]
-        del self.actors[num_replicas:]
-        self.actors += [
-            self._actor_class.remote(self._serve, self._token) for _ in range(num_replicas - len(self.actors))
-        ]
-        try:
-            return self.refresh()
-        finally:
-            _end(leaving)
+        return super().scale(num_replicas)
 
     def refresh(self) -> list[str]:
         """Ask every actor for its URL (waiting for one that Ray is restarting), drop those that died for good,
         and point the followers at the result."""
-        deadline = time.monotonic() + self.start_timeout_s
-        urls: list[str] = []
-        for actor in list(self.actors):
-            url = self._url_of(actor, deadline)
-            if url is None:
-                self.actors.remove(actor)
-            else:
-                urls.append(url)
-        if not urls:
-            raise RuntimeError(f"{self.what} fleet: no replica is alive; the last one failed with: {self._last_error}")
-        self.urls = urls
+        self.urls = super().refresh()
         for follower in self._followers:
-            follower.set_urls(urls)
-        return urls
-
-    def _url_of(self, actor: Any, deadline: float) -> str | None:
-        """The actor's URL; None when it died for good. A call that met the actor dying fails, and the next call
-        waits for Ray's restart; an actor that Ray does not restart fails every call at once."""
-        for attempt in range(_MAX_URL_ATTEMPTS):
-            try:
-                return ray.get(actor.url.remote(), timeout=max(deadline - time.monotonic(), 0.0))
-            except GetTimeoutError:
-                raise RuntimeError(
-                    f"{self.what} fleet: a replica did not start within {self.start_timeout_s:g} s; the cluster "
-                    f"has {ray.available_resources()} available for replicas of {self.bundle}"
-                ) from None
-            except RayActorError as error:
-                self._last_error = str(error).strip().splitlines()[-1]  # a constructor's own error ends it
-                if attempt == _MAX_URL_ATTEMPTS - 1:
-                    logger.warning("%s fleet: a replica died for good and leaves the fleet: %s", self.what, error)
-                time.sleep(0.1 * (attempt + 1))
-        return None
+            follower.set_urls(self.urls)
+        return self.urls
 
     def follow(self, client: UrlFollower) -> None:
         """Point ``client`` at the fleet's URLs now and after every `scale` or `refresh`."""
@@ -180,23 +126,17 @@ class ServiceFleet:
                 depths[url] = gauge(httpx.get(f"{url}/metrics", timeout=2.0).text, "sharpen_queue_depth")
         return depths
 
-    def request_resources(self, num_replicas: int) -> None:
-        """Ask Ray's autoscaler for room for ``num_replicas`` replicas (before `scale`, on an autoscaling cluster)."""
-        request_resources(bundles=[self.bundle] * num_replicas)
-
     def close(self) -> None:
         """End every replica; safe to repeat."""
-        _end(self.actors)
-        self.actors, self.urls = [], []
+        super().close()
+        self.urls = []
 
-
-def _end(actors: list[Any]) -> None:
-    """Stop the replicas' services (their sandboxes' sessions end, their ports close), then the actors; a replica
-    that does not stop in time is killed anyway."""
-    closing = [actor.close.remote() for actor in actors]
-    ray.wait(closing, num_returns=len(closing), timeout=_CLOSE_TIMEOUT_S)
-    for actor in actors:
-        ray.kill(actor, no_restart=True)
+    def _end(self, actors: list[Any]) -> None:
+        """Stop the replicas' services (their sandboxes' sessions end, their ports close), then the actors; a replica
+        that does not stop in time is killed anyway."""
+        closing = [actor.close.remote() for actor in actors]
+        ray.wait(closing, num_returns=len(closing), timeout=_CLOSE_TIMEOUT_S)
+        super()._end(actors)
 
 
 def gauge(metrics: str, name: str) -> float:
@@ -268,7 +208,13 @@ def start_environment_fleet(config: SharpenConfig, *, stack: contextlib.ExitStac
 
 
 def _start_fleet(
-    config: SharpenConfig, serve: Serve, fleet: FleetConfig, *, token_env: str, what: str, stack: contextlib.ExitStack
+    config: SharpenConfig,
+    serve: Serve,
+    fleet: ServiceFleetConfig,
+    *,
+    token_env: str,
+    what: str,
+    stack: contextlib.ExitStack,
 ) -> list[str]:
     """Start one fleet on the run's Ray (starting Ray if the run must), closed with ``stack``; its URLs."""
     try:

@@ -1,6 +1,8 @@
-"""Inference engines behind one protocol: vLLM (real), transformers (fallback, tests), scripted (unit tests).
-The registry is `build_engine` (one ``case`` per engine config; pyright checks it is exhaustive). Heavy engines are
-imported lazily there, so importing this package costs nothing."""
+"""Inference engines behind one protocol: vLLM in process (`vllm.py`; `vllm_async.py`, AsyncLLM), vLLM and SGLang
+servers (`vllm_server.py`, `sglang.py`, on the server life cycle of `server.py`), transformers (`hf.py`: fallback,
+tests), scripted (unit tests), and `EngineRouter` over replicas (`router.py`, with `failover.py`). The registry is
+`build_engine` (one ``case`` per engine config; pyright checks it is exhaustive). Heavy engines are imported lazily
+there, so importing this package costs nothing."""
 
 from __future__ import annotations
 

@@ -218,6 +218,17 @@ class EngineUnavailable(EngineError):
     restart. Alone, with nowhere else to send the request, it stops the run like any `EngineError`."""
 
 
+def device_free_bytes() -> int:
+    """Free memory of this process's current CUDA device (0 without CUDA): an engine's workers or server are other
+    processes, so what a `SleepableEngine` frees shows only device-wide (its ``colocate/freed_bytes``)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
 def sleepable(engine: object, *, name: str = "the engine") -> SleepableEngine:
     """``engine`` as a `SleepableEngine`, or an `EngineError` saying that it cannot sleep."""
     if not isinstance(engine, SleepableEngine):

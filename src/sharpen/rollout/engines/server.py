@@ -15,6 +15,10 @@ servers' APIs on top of it.
 - `ServerProcess`: starts a command in its own process group with its output in a log file, refuses a port that
   is taken (before starting anything), waits for a readiness route while checking the process is still alive (the
   error quotes the end of the log), and stops the whole group on `close` (or at once on `kill`, before a restart).
+- `ServerEngine`: the life of an engine behind a server, the same for every server: start its command (or take the
+  URL of a running one) and connect, `restart` a failed one on the same port (or wait until the URL answers
+  again), `close` the connections and the server. An engine gives its command line, its health route and its
+  checks on connecting; its routes (generation, weight updates) are its own.
 """
 
 from __future__ import annotations
@@ -22,22 +26,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import httpx
 
+from sharpen.config.engines import EngineServerFields
 from sharpen.rollout.engines.base import EngineError, EngineUnavailable
-from sharpen.types import Completion, SamplingParams
+from sharpen.types import Completion, PolicyVersion, SamplingParams
 
 T = TypeVar("T")
+C = TypeVar("C", bound=EngineServerFields)
 
 
 class EventLoopThread:
@@ -195,6 +203,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def connect_host(host: str) -> str:
+    """Where to reach a server listening on ``host`` from this machine (an IPv6 address in brackets)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host else host
+
+
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     """Whether something listens on ``port`` (connections of a server that just died, left in TIME_WAIT, do not
     count: servers bind with SO_REUSEADDR, so a restart may take the port again)."""
@@ -318,3 +335,124 @@ class RequestLevelEngine:
             return list(await asyncio.gather(*(self._generate_one(p, q) for p, q in zip(prompts, params, strict=True))))
 
         return self._loop.run(all_of())
+
+
+class ServerEngine(RequestLevelEngine, Generic[C]):
+    """Base of engines behind an HTTP server: the server at ``config.url``, or one sharpen starts (``url`` None) on
+    ``config.host:config.port`` (0: any free port) with its output in ``log_dir/{log_name}-{port}.log`` (no
+    ``log_dir``: a temporary folder, removed again if the port is taken).
+
+    A subclass sets its own fields, then calls `_open`; it gives `_server_command` (raising before anything starts
+    when the server cannot be started here), `_connect` (its checks on connecting, which `restart` runs again) and
+    `_forget_server_state` (what a new server does not remember), and sets `health_route`, `log_name` and
+    `server_env`. `close` may be called at any point of `_open`: it closes what exists."""
+
+    health_route: ClassVar[str] = "/health"
+    """Answers 200 once the server is ready."""
+    log_name: ClassVar[str] = "server"
+    """Start of the name of a started server's log file (and of its temporary log folder)."""
+    server_env: ClassVar[Mapping[str, str]] = {}
+    """Environment variables a started server gets on top of this process's."""
+
+    def __init__(self, config: C) -> None:
+        super().__init__()
+        self.config = config
+        self.url = config.url.rstrip("/") if config.url is not None else ""
+        self.server: ServerProcess | None = None
+        """The server sharpen started (None: a server at ``config.url``)."""
+        self.policy_version: PolicyVersion = 0
+        self.startup_seconds = 0.0
+        self._client: JsonClient | None = None
+        self._launch_settings: tuple[list[str], int, Path] | None = None  # command, port, log file
+        self._life = threading.Lock()  # `restart` and `close` of the server process, one at a time
+        self._closed = False
+
+    def _server_command(self, *, port: int, model_path: Path, dtype: str, seed: int) -> list[str]:
+        raise NotImplementedError
+
+    def _connect(self) -> None:
+        """Check that the server is the right kind, serving this run's model, and label its weights version 0."""
+        raise NotImplementedError
+
+    def _forget_server_state(self) -> None:
+        """Reset what the engine knew about a server that `restart` replaced (the version is reset already)."""
+
+    @property
+    def client(self) -> JsonClient:
+        if self._client is None:
+            raise EngineError(f"{self.name}: not connected")
+        return self._client
+
+    def _open(
+        self, *, model_path: Path, dtype: str, seed: int, request_timeout_s: float | None, log_dir: Path | None
+    ) -> None:
+        """Start the server (``config.url`` None) and connect; on any failure, close what was started."""
+        started = time.monotonic()
+        try:
+            if self.config.url is None:
+                self.url = self._start(model_path=model_path, dtype=dtype, seed=seed, log_dir=log_dir)
+            self._client = JsonClient(self.url, name=f"{self.name} at {self.url}", timeout_s=request_timeout_s)
+            self._connect()
+        except BaseException:
+            self.close()
+            raise
+        self.startup_seconds = time.monotonic() - started
+
+    def _start(self, *, model_path: Path, dtype: str, seed: int, log_dir: Path | None) -> str:
+        config = self.config
+        port = config.port or free_port(config.host)
+        command = self._server_command(port=port, model_path=model_path, dtype=dtype, seed=seed)
+        folder = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix=f"sharpen-{self.log_name}-"))
+        self._launch_settings = (command, port, folder / f"{self.log_name}-{port}.log")
+        try:
+            server = self._launch()
+        except EngineError:  # the port is taken: nothing was started or logged
+            if log_dir is None:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+        url = f"http://{connect_host(config.host)}:{port}"
+        server.wait_ready(f"{url}{self.health_route}", startup_timeout_s=config.start_timeout_s)
+        return url
+
+    def _launch(self) -> ServerProcess:
+        assert self._launch_settings is not None, "_launch before _start"
+        command, port, log_path = self._launch_settings
+        self.server = ServerProcess(
+            command, name=self.name, port=port, host=self.config.host, log_path=log_path, env=self.server_env
+        )
+        return self.server
+
+    def restart(self) -> None:
+        """A new server on the same port (a server at a URL: wait until it answers again), connected as at the
+        start; then version 0 until the next sync (`RestartableEngine`)."""
+        started = time.monotonic()
+        limit = self.config.start_timeout_s
+        with self._life:
+            if self._closed:
+                raise EngineError(f"{self.name} at {self.url} is closed")
+            server = self.server
+            if server is not None:
+                server.kill()
+                server = self._launch()
+        if server is None:
+            self._loop.run(wait_answering(self.client, self.health_route, timeout_s=limit), timeout=limit + 30)
+        else:
+            server.wait_ready(f"{self.url}{self.health_route}", startup_timeout_s=limit)
+        self.policy_version = 0
+        self._forget_server_state()
+        self._connect()
+        self.startup_seconds = time.monotonic() - started
+
+    def close(self) -> None:
+        """Close the connections and stop a server sharpen started (its process group); once."""
+        with self._life:  # a restart in progress launches nothing after this
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            if self._client is not None:
+                self._loop.run(self._client.aclose(), timeout=5.0)
+        finally:
+            self._loop.close()
+            if self.server is not None:
+                self.server.close()

@@ -2,9 +2,9 @@
 either at ``config.url`` or started by sharpen (where the ``sglang`` package is installed: CUDA machines).
 
 Owns the SGLang side of a server engine: the routes, their request and response fields, and what they mean for
-sharpen. Transport, timeouts and the server process are `server.py`'s. Written against SGLang 0.5.23 (its
-``srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``, ``srt/sampling/sampling_params.py`` and the
-JSON contract ``api/v1/api_types.py``).
+sharpen. Transport, timeouts and the server's life (starting, restarting, closing: `ServerEngine`) are
+`server.py`'s. Written against SGLang 0.5.23 (its ``srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``,
+``srt/sampling/sampling_params.py`` and the JSON contract ``api/v1/api_types.py``).
 
 - Starting: ``python -m sglang.launch_server --model-path --host --port --dtype --random-seed --tp-size
   --weight-version 0`` (+ --mem-fraction-static, --served-model-name, --enable-memory-saver,
@@ -37,15 +37,16 @@ JSON contract ``api/v1/api_types.py``).
   output tokens) give each token's policy version, so a request that spans a weight update has tokens of two.
 - Scoring: ``/generate`` with ``max_new_tokens`` 0, temperature 1, ``logprob_start_len`` 0: the prompt's
   ``meta_info.input_token_logprobs``, the first of which is ``[null, token, null]``.
-- Weight sync: the tensors are written as a safetensors snapshot into ``config.weights_dir`` (a folder the server
-  reads at the same path: same host or shared storage; default: a temporary folder on this host), then
-  ``POST /pause_generation`` (mode "retract": running requests go back to the queue, so the cache can be
-  flushed, and are recomputed with the new weights afterwards), ``POST /update_weights_from_disk``
-  (``model_path`` the snapshot, ``load_format`` "safetensors", ``weight_version`` the policy version,
-  ``flush_cache``), ``POST /continue_generation``, and the version is read back from /get_model_info. (A server
-  too old for the ``mode`` field pauses in abort mode; its aborted requests are sent again.) The snapshot of the
-  previous sync is deleted. (/update_weights_from_tensor and /update_weights_from_distributed
-  need CUDA IPC handles or an NCCL group; a snapshot works for any server that can read the folder.)
+- Weight sync: the tensors are written as a safetensors snapshot (`weight_files.write_safetensors`: shards of up to
+  `SHARD_BYTES` and their index) into ``config.weights_dir`` (a folder the server reads at the same path: same host
+  or shared storage; default: a temporary folder on this host), then ``POST /pause_generation`` (mode "retract":
+  running requests go back to the queue, so the cache can be flushed, and are recomputed with the new weights
+  afterwards), ``POST /update_weights_from_disk`` (``model_path`` the snapshot, ``load_format`` "safetensors",
+  ``weight_version`` the policy version, ``flush_cache``), ``POST /continue_generation``, and the version is read
+  back from /get_model_info. (A server too old for the ``mode`` field pauses in abort mode; its aborted requests are
+  sent again.) The snapshot of the previous sync is deleted. (/update_weights_from_tensor and
+  /update_weights_from_distributed need CUDA IPC handles or an NCCL group; a snapshot works for any server that can
+  read the folder.)
 - Sleep (``runtime.colocate``): ``/release_memory_occupation`` of the KV cache, weights and CUDA graphs, then
   ``/resume_memory_occupation`` of the weights on `wake_up` and of the rest after the next `load_weights`,
   which must replace every weight (SGLang keeps no copy unless started with --enable-weights-cpu-backup). Needs
@@ -69,7 +70,6 @@ import logging
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterable
@@ -77,9 +77,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sharpen.config.engines import SglangEngineConfig
-from sharpen.rollout.engines.base import EngineError
-from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port, wait_answering
+from sharpen.rollout.engines.base import EngineError, device_free_bytes
+from sharpen.rollout.engines.server import ServerEngine
+from sharpen.rollout.weight_sync.buckets import engine_sync_dtype
 from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.weight_files import write_safetensors
 
 if TYPE_CHECKING:
     import torch
@@ -104,8 +106,9 @@ def _sglang_installed() -> bool:
     return importlib.util.find_spec("sglang") is not None
 
 
-class SglangEngine(RequestLevelEngine):
+class SglangEngine(ServerEngine[SglangEngineConfig]):
     name = "sglang engine"
+    log_name = "sglang"
     launcher: tuple[str, ...] = ("-m", "sglang.launch_server")
     """What follows the Python interpreter in the command of a server sharpen starts."""
 
@@ -119,12 +122,9 @@ class SglangEngine(RequestLevelEngine):
         request_timeout_s: float | None = None,
         log_dir: Path | None = None,
     ) -> None:
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.model_path = model_path
         self.dtype = dtype
-        self.policy_version: PolicyVersion = 0
-        self.server: ServerProcess | None = None
         self.server_version: str | None = None
         """SGLang's version, as /get_server_info reports it."""
         self.is_asleep = False
@@ -133,25 +133,14 @@ class SglangEngine(RequestLevelEngine):
         self._deterministic: bool | None = None
         self._warned_top_p = False
         self._warned_seed = False
-        self._closed = False
-        self._life = threading.Lock()  # `restart` and `close` of the server process, one at a time
         self._weights_root: Path | None = None
         self._own_weights_root = False
         self._snapshot: Path | None = None
-        self._client: JsonClient | None = None
-        self.url = ""
-        try:
-            url = config.url if config.url is not None else self._start(model_path, dtype, seed, log_dir)
-            self.url = url.rstrip("/")
-            self._client = JsonClient(self.url, name=self.name, timeout_s=request_timeout_s)
-            self._connect()
-        except BaseException:
-            self.close()
-            raise
+        self._open(model_path=model_path, dtype=dtype, seed=seed, request_timeout_s=request_timeout_s, log_dir=log_dir)
 
     # --- starting and connecting -----------------------------------------------------------------------------
 
-    def _start(self, model_path: Path, dtype: str, seed: int, log_dir: Path | None) -> str:
+    def _server_command(self, *, port: int, model_path: Path, dtype: str, seed: int) -> list[str]:
         if not _sglang_installed():
             raise EngineError(
                 f"{self.name}: starting an SGLang server needs the `sglang` package, which is not installed in this "
@@ -159,7 +148,6 @@ class SglangEngine(RequestLevelEngine):
                 "server (python -m sglang.launch_server)"
             )
         config = self.config
-        port = config.port or free_port(config.host)
         command = [
             sys.executable,
             *self.launcher,
@@ -186,42 +174,10 @@ class SglangEngine(RequestLevelEngine):
             command.append("--enable-memory-saver")
         if config.deterministic_inference:
             command.append("--enable-deterministic-inference")
-        command += config.extra_args
-        folder = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix="sharpen-sglang-"))
-        self._command, self._port, self._log_path = command, port, folder / f"sglang-{port}.log"
-        try:
-            server = self._launch()
-        except EngineError:  # the port is taken: nothing was started or logged
-            if log_dir is None:
-                shutil.rmtree(folder, ignore_errors=True)
-            raise
-        url = f"http://{_connect_host(config.host)}:{port}"
-        server.wait_ready(f"{url}/health", startup_timeout_s=config.startup_timeout_s)
-        return url
+        return command + config.extra_args
 
-    def _launch(self) -> ServerProcess:
-        host = self.config.host
-        self.server = ServerProcess(self._command, name=self.name, port=self._port, host=host, log_path=self._log_path)
-        return self.server
-
-    def restart(self) -> None:
-        """A new server on the same port (or, at a URL: wait until it answers), connected as at the start; then
-        version 0 until the next sync (`RestartableEngine`)."""
-        limit = self.config.startup_timeout_s
-        with self._life:
-            if self._closed:
-                raise EngineError(f"{self.name}: the engine of {self.url} is closed")
-            server = self.server
-            if server is not None:
-                server.kill()
-                server = self._launch()
-        if server is None:
-            self._loop.run(wait_answering(self.client, "/health", timeout_s=limit), timeout=limit + 30)
-        else:
-            server.wait_ready(f"{self.url}/health", startup_timeout_s=limit)
-        self.policy_version = 0
+    def _forget_server_state(self) -> None:
         self.is_asleep = self._memory_released = False
-        self._connect()
 
     def _connect(self) -> None:
         """Check that the server is SGLang serving this run's model, and set its weight version to 0."""
@@ -271,12 +227,6 @@ class SglangEngine(RequestLevelEngine):
         return any(name == expected or _same_path(name, self.model_path) for name in reported)
 
     # --- requests ----------------------------------------------------------------------------------------------
-
-    @property
-    def client(self) -> JsonClient:
-        if self._client is None:
-            raise EngineError(f"{self.name}: not connected")
-        return self._client
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self._loop.run(coroutine)
@@ -414,7 +364,14 @@ class SglangEngine(RequestLevelEngine):
         started = time.perf_counter()
         folder = self._weights_folder() / f"v{version}-{uuid.uuid4().hex[:8]}"
         try:
-            num_tensors, num_bytes = self._write_snapshot(weights, folder)
+            snapshot = write_safetensors(
+                weights, folder, max_shard_bytes=SHARD_BYTES, dtype=engine_sync_dtype(self.dtype)
+            )
+            if not snapshot.num_tensors:
+                raise EngineError(f"{self.name}: load_weights() got no tensors")
+        except ValueError as error:  # a weight given twice
+            shutil.rmtree(folder, ignore_errors=True)
+            raise EngineError(f"{self.name}: {error}") from None
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -458,8 +415,8 @@ class SglangEngine(RequestLevelEngine):
             "sync/snapshot_seconds": written - started,
             "sync/load_seconds": loaded - paused,
             "sync/paused_seconds": continued - written,
-            "sync/bytes": float(num_bytes),
-            "sync/num_tensors": float(num_tensors),
+            "sync/bytes": float(snapshot.num_bytes),
+            "sync/num_tensors": float(snapshot.num_tensors),
         }
 
     def _weights_folder(self) -> Path:
@@ -472,47 +429,6 @@ class SglangEngine(RequestLevelEngine):
                 self._own_weights_root = True
         return self._weights_root
 
-    def _write_snapshot(self, weights: Iterable[tuple[str, torch.Tensor]], folder: Path) -> tuple[int, int]:
-        """Write the tensors into ``folder`` in safetensors files of up to `SHARD_BYTES`: (tensors, bytes)."""
-        import torch
-        from safetensors.torch import save_file
-
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.dtype)
-        folder.mkdir(parents=True)
-        shard: dict[str, torch.Tensor] = {}
-        shard_bytes = num_bytes = num_shards = 0
-        names: set[str] = set()
-
-        def flush() -> None:
-            nonlocal shard, shard_bytes, num_shards
-            if shard:
-                num_shards += 1
-                save_file(shard, str(folder / f"model-{num_shards:05d}.safetensors"))
-                shard, shard_bytes = {}, 0
-
-        for name, tensor in weights:
-            if name in names:
-                raise EngineError(f"{self.name}: weight {name!r} given twice")
-            names.add(name)
-            cpu = tensor.detach().to("cpu")
-            if dtype is not None and cpu.is_floating_point():
-                cpu = cpu.to(dtype)
-            cpu = cpu.contiguous()
-            if (
-                cpu.data_ptr() == tensor.data_ptr()
-            ):  # not copied: may share storage (tied weights), which safetensors refuses
-                cpu = cpu.clone()
-            size = cpu.numel() * cpu.element_size()
-            if shard and shard_bytes + size > SHARD_BYTES:
-                flush()
-            shard[name] = cpu
-            shard_bytes += size
-            num_bytes += size
-        flush()
-        if not names:
-            raise EngineError(f"{self.name}: load_weights() got no tensors")
-        return len(names), num_bytes
-
     # --- sleep -------------------------------------------------------------------------------------------------
 
     def sleep(self) -> dict[str, float]:
@@ -524,11 +440,11 @@ class SglangEngine(RequestLevelEngine):
                 f"{self.name}: {self.url} was started without --enable-memory-saver, so it cannot give its memory "
                 "back (rollout.engine.enable_memory_saver for a server sharpen starts)"
             )
-        before = _device_free_bytes()
+        before = device_free_bytes()
         self._control("POST", "/release_memory_occupation", {"tags": _MEMORY_TAGS}, timeout_s=UPDATE_TIMEOUT_S)
         self.is_asleep = True
         self._memory_released = True
-        return {"colocate/freed_bytes": float(max(_device_free_bytes() - before, 0))}
+        return {"colocate/freed_bytes": float(max(device_free_bytes() - before, 0))}
 
     def wake_up(self) -> dict[str, float]:
         """Take back the weights' memory; the KV cache and CUDA graphs follow the next `load_weights`."""
@@ -541,20 +457,13 @@ class SglangEngine(RequestLevelEngine):
 
     def close(self) -> None:
         """Close the connections, stop a server sharpen started and delete the snapshots it wrote."""
-        with self._life:  # a restart in progress launches nothing after this
-            if self._closed:
-                return
-            self._closed = True
-        if self._client is not None:
-            with contextlib.suppress(Exception):
-                self._loop.run(self._client.aclose(), timeout=5.0)
-        self._loop.close()
-        if self.server is not None:
-            self.server.close()
-        if self._snapshot is not None:
-            shutil.rmtree(self._snapshot, ignore_errors=True)
-        if self._own_weights_root and self._weights_root is not None:
-            shutil.rmtree(self._weights_root, ignore_errors=True)
+        try:
+            super().close()
+        finally:
+            if self._snapshot is not None:
+                shutil.rmtree(self._snapshot, ignore_errors=True)
+            if self._own_weights_root and self._weights_root is not None:
+                shutil.rmtree(self._weights_root, ignore_errors=True)
 
 
 def _logprob(entry: object, name: str) -> float:
@@ -574,22 +483,3 @@ def _same_path(name: str, path: Path) -> bool:
         return Path(name).resolve() == path.resolve()
     except (OSError, ValueError):
         return False
-
-
-def _connect_host(host: str) -> str:
-    """Where to reach a server listening on ``host`` from this machine."""
-    if host in ("0.0.0.0", ""):
-        return "127.0.0.1"
-    if host == "::":
-        return "[::1]"
-    return f"[{host}]" if ":" in host else host
-
-
-def _device_free_bytes() -> int:
-    """Free memory of this host's current CUDA device (0 without CUDA): what the server frees shows only there."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    free, _ = torch.cuda.mem_get_info()
-    return int(free)

@@ -33,7 +33,7 @@ from sharpen.data.vision import (
     placeholders_without_images,
     text_only_error,
 )
-from sharpen.rollout.engines.base import EngineError
+from sharpen.rollout.engines.base import EngineError, device_free_bytes
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
     from sharpen.rollout.weight_sync.adapter import AdapterFolders
 
-_RECEIVER = "sharpen.rollout.weight_sync.vllm_receiver.VllmWeightReceiver"
+WORKER_EXTENSION = "sharpen.rollout.weight_sync.vllm_receiver.VllmWeightReceiver"
 
 
 _BIND = "VLLM_CPU_OMP_THREADS_BIND"
@@ -57,8 +57,9 @@ _bound_by_us: str | None = None
 
 
 def prepare_cpu_environment(tensor_parallel_size: int = 1) -> None:
-    """Settings the CPU build needs (see MACHINE.md); a user's own values win. vLLM's CPU workers each bind their
-    OpenMP threads to a set of cores, one set per tensor-parallel rank ("0-1" for one rank, "0|1" for two)."""
+    """Settings vLLM's CPU build needs (the cores its workers bind to, a 2 GiB KV cache); a user's own values win.
+    vLLM's CPU workers each bind their OpenMP threads to a set of cores, one set per tensor-parallel rank ("0-1" for
+    one rank, "0|1" for two)."""
     global _bound_by_us
     import torch
 
@@ -136,7 +137,7 @@ def engine_arguments(
         "enforce_eager": config.enforce_eager,
         "gpu_memory_utilization": config.gpu_memory_utilization,
         "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": _RECEIVER,
+        "worker_extension_cls": WORKER_EXTENSION,
         "enable_sleep_mode": sleep_mode,
         "tensor_parallel_size": config.tensor_parallel_size,
     }
@@ -444,17 +445,6 @@ class VllmEngine:
         if callable(shutdown):
             shutdown()
         del self.llm
-
-
-def device_free_bytes() -> int:
-    """Free memory of this process's current accelerator (0 without CUDA): the engine's workers are other processes,
-    so what they free shows only device-wide."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return 0
-    free, _total = torch.cuda.mem_get_info()
-    return free
 
 
 class RpcBucketTarget:

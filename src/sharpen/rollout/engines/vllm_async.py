@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sharpen.config.engines import VllmEngineConfig
-from sharpen.rollout.engines.base import EngineError
+from sharpen.rollout.engines.base import EngineError, device_free_bytes
 from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.rollout.engines.vllm import (
     RpcBucketTarget,
@@ -37,7 +37,6 @@ from sharpen.rollout.engines.vllm import (
     check_broadcast,
     check_joined,
     check_sleep_mode,
-    device_free_bytes,
     engine_arguments,
     prepare_cpu_environment,
     probe_logprobs,

@@ -29,22 +29,30 @@ whose prefill is split kills the engine core).
 started and starts the same command on the same port, or waits until a server at ``url`` answers again; either way
 the connection checks run again and the engine reports version 0 until its next weight sync. A server whose workers
 joined the broadcast weight group is not restarted: that group has a fixed size, and a new process cannot join it.
+Starting, restarting and closing are `ServerEngine`'s (`server.py`), as for SGLang; this module gives the command
+line and the checks on connecting.
 """
 
 from __future__ import annotations
 
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sharpen.config.engines import VllmServerEngineConfig
 from sharpen.rollout.engines.base import EngineError, EngineUnavailable
-from sharpen.rollout.engines.server import JsonClient, RequestLevelEngine, ServerProcess, free_port, wait_answering
-from sharpen.rollout.engines.vllm import RpcBucketTarget, cpu_scheduling_arguments, prepare_cpu_environment
+from sharpen.rollout.engines.server import ServerEngine
+from sharpen.rollout.engines.vllm import (
+    WORKER_EXTENSION,
+    RpcBucketTarget,
+    broadcast_metrics,
+    check_broadcast,
+    check_joined,
+    cpu_scheduling_arguments,
+    prepare_cpu_environment,
+)
 from sharpen.rollout.weight_sync.buckets import BucketError, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, PolicyVersion, SamplingParams
@@ -52,12 +60,13 @@ from sharpen.types import Completion, PolicyVersion, SamplingParams
 if TYPE_CHECKING:
     import torch
 
-_RECEIVER = "sharpen.rollout.weight_sync.vllm_receiver.VllmWeightReceiver"
 _GENERATE = "/inference/v1/generate"
 
 
-class VllmServerEngine(RequestLevelEngine):
+class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
     name = "vllm_server engine"
+    log_name = "vllm-server"
+    server_env: ClassVar[Mapping[str, str]] = {"VLLM_SERVER_DEV_MODE": "1"}  # pause, collective_rpc, weight versions
 
     def __init__(
         self,
@@ -70,37 +79,19 @@ class VllmServerEngine(RequestLevelEngine):
         request_timeout_s: float | None = None,
         log_dir: Path | None = None,
     ) -> None:
-        super().__init__()
-        self.config = config
-        self.process: ServerProcess | None = None
-        self.policy_version: PolicyVersion = 0
+        super().__init__(config)
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype  # floating-point weights are synced in it (`engine_sync_dtype`)
         self.sender: BucketedSender | None = None
         self._refusal: str | None = None  # set while a failed sync leaves half-loaded weights behind
         self._in_weight_group = False
-        self._life = threading.Lock()  # `restart` and `close` of the server process, one at a time
-        self._closed = False
         self.served_model = config.served_model_name or str(model_path)
-        started = time.perf_counter()
-        try:
-            if config.url is None:
-                self.url = self._start(model_path=model_path, dtype=dtype, seed=seed, log_dir=log_dir)
-            else:
-                self.url = config.url.rstrip("/")
-            self.client = JsonClient(self.url, name=f"{self.name} at {self.url}", timeout_s=request_timeout_s)
-            self._loop.run(self._check_server())
-        except BaseException:
-            self.close()
-            raise
-        self.startup_seconds = time.perf_counter() - started
+        self._open(model_path=model_path, dtype=dtype, seed=seed, request_timeout_s=request_timeout_s, log_dir=log_dir)
 
-    def _start(self, *, model_path: Path, dtype: str, seed: int, log_dir: Path | None) -> str:
+    def _server_command(self, *, port: int, model_path: Path, dtype: str, seed: int) -> list[str]:
         config = self.config
         prepare_cpu_environment(config.tensor_parallel_size)
-        port = config.port or free_port(config.host)
-        folder = log_dir if log_dir is not None else Path(tempfile.mkdtemp(prefix="sharpen-vllm-server-"))
-        command = [
+        return [
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -125,53 +116,27 @@ class VllmServerEngine(RequestLevelEngine):
             "--logprobs-mode",
             "processed_logprobs",
             "--worker-extension-cls",
-            _RECEIVER,
+            WORKER_EXTENSION,
             "--enable-scale-out",
             *(["--enforce-eager"] if config.enforce_eager else []),
             *_cpu_scheduling_flags(config.max_model_len),
             *config.extra_args,
         ]
-        self._command, self._port, self._log_path = command, port, folder / f"vllm-server-{port}.log"
-        url = f"http://{config.host}:{port}"
-        self._launch().wait_ready(f"{url}/health", startup_timeout_s=config.startup_timeout_s)
-        return url
-
-    def _launch(self) -> ServerProcess:
-        self.process = ServerProcess(
-            self._command,
-            name=f"{self.name} (vllm serve on port {self._port})",
-            port=self._port,
-            host=self.config.host,
-            log_path=self._log_path,
-            env={"VLLM_SERVER_DEV_MODE": "1"},
-        )
-        return self.process
 
     def restart(self) -> None:
-        """A new server on the same port (or, at a URL: wait until it answers), checked as on connecting; then
-        version 0 until the next sync (`RestartableEngine`)."""
+        """As `ServerEngine.restart`, unless the server's workers joined the broadcast weight group."""
         if self._in_weight_group:
             raise EngineError(
                 f"{self.name} at {self.url} cannot be restarted: its workers joined the broadcast weight group, "
                 "whose fixed size a new server cannot rejoin (weight_sync.transport = 'broadcast')"
             )
-        started = time.monotonic()
-        limit = self.config.startup_timeout_s
-        with self._life:
-            if self._closed:
-                raise EngineError(f"{self.name} at {self.url} is closed")
-            process = self.process
-            if process is not None:
-                process.kill()
-                process = self._launch()
-        if process is None:
-            self._loop.run(wait_answering(self.client, "/health", timeout_s=limit), timeout=limit + 30)
-        else:
-            process.wait_ready(f"{self.url}/health", startup_timeout_s=limit)
-        self.policy_version = 0
+        super().restart()
+
+    def _forget_server_state(self) -> None:
         self._refusal = None
+
+    def _connect(self) -> None:
         self._loop.run(self._check_server())
-        self.startup_seconds = time.monotonic() - started
 
     async def _check_server(self) -> None:
         where = f"{self.name}: {self.url}"
@@ -206,7 +171,7 @@ class VllmServerEngine(RequestLevelEngine):
         except EngineError as error:
             raise EngineError(
                 f"{where} (vLLM {version}) did not run sharpen's weight receiver ({error}): start it with "
-                f"--worker-extension-cls {_RECEIVER}"
+                f"--worker-extension-cls {WORKER_EXTENSION}"
             ) from None
 
     # generation
@@ -225,10 +190,11 @@ class VllmServerEngine(RequestLevelEngine):
 
     async def _generate_one(self, prompt: list[int], params: SamplingParams) -> Completion:
         self._check_whole()
-        if self.process is not None and not self.process.is_running:
+        server = self.server
+        if server is not None and not server.is_running:
             raise EngineUnavailable(
-                f"{self.name} at {self.url}: the server exited with code {self.process.process.returncode} "
-                f"(log: {self.process.log_path})"
+                f"{self.name} at {self.url}: the server exited with code {server.process.returncode} "
+                f"(log: {server.log_path})"
             )
         reply = await self.client.post(_GENERATE, self._body(prompt, params))
         try:
@@ -344,44 +310,27 @@ class VllmServerEngine(RequestLevelEngine):
         """Every server worker joins the weight group (`vllm_receiver.py`), so broadcasts land in the workers."""
         args = (master_addr, master_port, first_rank, world_size, backend)
         self._in_weight_group = True
-        for worker, reply in enumerate(self._loop.run(self._rpc("sharpen_join_weight_group", *args), timeout=None)):
-            if not reply.get("ok"):
-                raise EngineError(f"{self.name} worker {worker} could not join the weight group: {reply.get('error')}")
+        check_joined(self._loop.run(self._rpc("sharpen_join_weight_group", *args), timeout=None))
 
     def receive_broadcast(self, *, version: PolicyVersion) -> dict[str, float]:
         started = time.perf_counter()
         self._loop.run(self.client.post("/pause", params={"mode": "keep"}))
         replies = self._loop.run(self._rpc("sharpen_receive_broadcast", version))
-        for worker, reply in enumerate(replies):
-            if not reply.get("ok"):
-                self._refusal = f"weights version {version} failed to load ({reply.get('error')})"
-                raise EngineError(
-                    f"{self.name} worker {worker} rejected weights version {version}: {reply.get('error')}"
-                )
+        try:
+            check_broadcast(replies, version=version)
+        except EngineError as error:
+            self._refusal = f"weights version {version} failed to load ({error})"
+            raise
         self._after_load(version)
-        slowest = max(replies, key=lambda reply: reply.get("load_seconds", 0.0))
-        return {
-            "sync/seconds": time.perf_counter() - started,
-            "sync/load_seconds": float(slowest.get("load_seconds", 0.0)),
-            "sync/num_tensors": float(slowest.get("num_tensors", 0)),
-            "sync/num_workers": float(len(replies)),
-        }
+        return broadcast_metrics(replies, started=started)
 
     def close(self) -> None:
-        with self._life:  # a restart in progress launches nothing after this
-            self._closed = True
         try:
+            super().close()
+        finally:
             if self.sender is not None:
                 self.sender.close()
                 self.sender = None
-            client = getattr(self, "client", None)
-            if client is not None:
-                self._loop.run(client.aclose(), timeout=5)
-        finally:
-            self._loop.close()
-            if self.process is not None:
-                self.process.close()
-                self.process = None
 
 
 def _cpu_scheduling_flags(max_model_len: int) -> list[str]:

@@ -332,7 +332,7 @@ def test_a_server_sharpen_starts_runs_until_close_and_comes_back_after_a_kill(
     `restart` starts a new one on the same port, at version 0, giving the same tokens."""
     monkeypatch.setattr(sglang_module, "_sglang_installed", lambda: True)
     monkeypatch.setattr(SglangEngine, "launcher", (str(STANDIN),))
-    config = SglangEngineConfig(startup_timeout_s=120, enable_memory_saver=True, deterministic_inference=True)
+    config = SglangEngineConfig(start_timeout_s=120, enable_memory_saver=True, deterministic_inference=True)
     engine = SglangEngine(config, model_path=tiny_model_path, dtype="float32", seed=3, log_dir=tmp_path)
     try:
         assert engine.server is not None and engine.server.is_running
@@ -395,7 +395,7 @@ def test_a_real_sglang_server(smollm2_path: Path, tmp_path: Path) -> None:
     url = os.environ.get("SHARPEN_SGLANG_URL")
     if url is None and (importlib.util.find_spec("sglang") is None or not torch.cuda.is_available()):
         pytest.skip("needs SHARPEN_SGLANG_URL, or sglang and a CUDA device")
-    config = SglangEngineConfig(url=url, startup_timeout_s=900, mem_fraction_static=0.3)
+    config = SglangEngineConfig(url=url, start_timeout_s=900, mem_fraction_static=0.3)
     engine = SglangEngine(
         config, model_path=smollm2_path, dtype="bfloat16", seed=0, request_timeout_s=300, log_dir=tmp_path
     )
