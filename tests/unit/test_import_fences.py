@@ -1,5 +1,5 @@
 """Fences import-linter cannot express (it rejects subpackages of external packages in contracts): FSDP and
-DTensor are imported only by trainer backends and the weight-sync halves (ARCHITECTURE.md)."""
+DTensor are imported only by trainer backends and the weight-sync halves (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -4,10 +4,13 @@ Format (`buckets`): tensors packed into shared-memory buckets with a manifest an
 Protocol (`streaming`): `BucketedSender` streams buckets (filling the next while the receiver loads the current);
 `BucketReceiver` verifies them (checksum, order, count) and hands the tensors to an engine's loader.
 vLLM's half (`vllm_receiver.VllmWeightReceiver`): a worker extension that loads buckets in one layerwise reload.
+Between Ray actors (`broadcast`): a `torch.distributed` weight group (gloo or NCCL) over which trainer rank 0
+broadcasts checksummed buckets to every engine at once. LoRA (`adapter`): adapter-only syncs as checked peft folders.
 Verification (`verify.verify_probe`): engine and trainer logprobs on a fixed probe must agree after every sync,
 and a sync that left the engine unchanged while the trainer changed fails loudly; `verify.ProbeTolerance` is the
 bound, fixed in float32 and measured at the first sync with bfloat16.
-Not built yet: Ray object store and torch.distributed broadcast transports for engines on other nodes.
+The Ray object-store transport is not here: the Ray runtime (`orchestration/ray/`) puts a dict of full tensors
+into the object store and hands it to the engine's `load_weights`.
 """
 
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
