@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sharpen.config import SharpenConfig, load_config
+from sharpen.config.advantages import PassKAdvantage
 from sharpen.data.chat import ImageInputError
 from sharpen.monitoring import read_jsonl
 from sharpen.orchestration.build import load_run_examples
@@ -71,7 +72,7 @@ def test_recipe_runs_with_the_tiny_model(
         # A random tiny model never emits EOS: every completion is truncated and overlong filtering would leave
         # nothing to train on (tests/unit/orchestration covers the filter itself).
         overrides.append("trainer.algorithm.mask_truncated=false")
-    is_passk = 'advantage = "passk"' in recipe.read_text()
+    is_passk = isinstance(load_config(recipe).trainer.algorithm.advantage, PassKAdvantage)
     if is_passk:
         # only a group with 1 to n - k right samples trains: 8 groups make one all but certain in each step
         overrides.append("rollout.prompts_per_step=8")
