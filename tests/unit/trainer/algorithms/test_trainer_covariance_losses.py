@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
-from sharpen.trainer.algorithms.policy_losses import (
-    clip_cov_per_token,
-    kl_cov_per_token,
-    ppo_clip_per_token,
-    select_clip_cov_tokens,
-    select_kl_cov_tokens,
-    token_covariance,
-)
+from sharpen.trainer.algorithms.covariance import select_clip_cov_tokens, select_kl_cov_tokens, token_covariance
+from sharpen.trainer.algorithms.policy_losses import clip_cov_per_token, kl_cov_per_token, ppo_clip_per_token
 
 F64 = torch.float64
 

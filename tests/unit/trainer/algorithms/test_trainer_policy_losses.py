@@ -14,6 +14,7 @@ import torch
 
 from sharpen.config.policy_losses import PolicyLossConfig
 from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_normalizer
+from sharpen.trainer.algorithms.covariance import select_clip_cov_tokens, select_kl_cov_tokens
 from sharpen.trainer.algorithms.policy_losses import (
     PolicyLossMetrics,
     cispo_per_token,
@@ -25,8 +26,6 @@ from sharpen.trainer.algorithms.policy_losses import (
     pg_per_token,
     ppo_clip_per_token,
     sapo_per_token,
-    select_clip_cov_tokens,
-    select_kl_cov_tokens,
     select_tokens,
 )
 
