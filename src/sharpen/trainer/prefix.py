@@ -25,7 +25,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from sharpen.trainer.backends.base import TokenScores
-from sharpen.trainer.backends.chunked_logits import score_hidden
+from sharpen.trainer.backends.chunked_logits import score_on_grid
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -141,26 +141,20 @@ def score_shared_prompts(
 
     Arguments as for `score_tokens`, plus ``prompt_lengths`` (each row's prompt tokens; rows whose first
     ``prompt_length`` ids are equal share one prompt pass). ``target_mask`` may select completion tokens only.
-    The LM head is `score_tokens`' own (`score_hidden`)."""
+    The LM head is `score_tokens`' own (`chunked_logits.score_on_grid`)."""
     layout = build_layout(input_ids, attention_mask, target_mask, prompt_lengths=prompt_lengths)
     hidden = shared_prompt_hidden(model, layout)  # [batch, max_completion_len, hidden]
     selected = hidden[layout.target_mask]  # [num_targets, hidden], in the row-major order of target_mask's
-    target_logprobs, target_entropy = score_hidden(
+    return score_on_grid(
         cast(nn.Module, model.get_output_embeddings()),
         selected,
         layout.targets[layout.target_mask],
+        target_mask,
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
         chunk_tokens=logits_chunk_tokens,
     )
-    logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-    logprobs[target_mask] = target_logprobs
-    entropy = None
-    if target_entropy is not None:
-        entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-        entropy[target_mask] = target_entropy
-    return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
 def shared_prompt_hidden(model: PreTrainedModel, layout: SharedPromptLayout) -> torch.Tensor:

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sharpen.trainer.algorithms.kl import entropy_from_log_probs
+from sharpen.trainer.backends.base import TokenScores
 
 
 def score_hidden(
@@ -56,6 +57,39 @@ def score_hidden(
         if chunk_entropy is not None:
             entropies.append(chunk_entropy)
     return torch.cat(logprobs), torch.cat(entropies) if with_entropy else None
+
+
+def score_on_grid(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    target_mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    chunk_tokens: int,
+) -> TokenScores:
+    """`score_hidden` of the targets ``target_mask`` selects, placed on its ``[batch, seq - 1]`` grid (0 elsewhere):
+    ``hidden`` [num_targets, hidden] and ``targets`` [num_targets] in the row-major order of ``target_mask``'s true
+    entries. The one place both scoring passes (`scoring.score_tokens`, `prefix.score_shared_prompts`) put values
+    back on the token grid."""
+    target_logprobs, target_entropy = score_hidden(
+        lm_head,
+        hidden,
+        targets,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        chunk_tokens=chunk_tokens,
+    )
+    logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=hidden.device)
+    logprobs[target_mask] = target_logprobs
+    entropy = None
+    if target_entropy is not None:
+        entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=hidden.device)
+        entropy[target_mask] = target_entropy
+    return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
 def _score_chunk(

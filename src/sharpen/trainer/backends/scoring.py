@@ -18,7 +18,7 @@ from torch import nn
 
 from sharpen.data.vision import text_only_error
 from sharpen.trainer.backends.base import TokenScores
-from sharpen.trainer.backends.chunked_logits import score_hidden
+from sharpen.trainer.backends.chunked_logits import score_on_grid
 from sharpen.types import ImagePart
 
 if TYPE_CHECKING:
@@ -69,22 +69,16 @@ def score_tokens(
     selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
     lm_head = cast(nn.Module, model.get_output_embeddings())  # a causal LM always has one
     targets = input_ids[:, 1:][target_mask]  # [num_targets]
-    target_logprobs, target_entropy = score_hidden(
+    return score_on_grid(
         lm_head,
         selected,
         targets,
+        target_mask,
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
         chunk_tokens=logits_chunk_tokens,
     )
-    logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-    logprobs[target_mask] = target_logprobs
-    entropy = None
-    if target_entropy is not None:
-        entropy = torch.zeros(target_mask.shape, dtype=torch.float32, device=input_ids.device)
-        entropy[target_mask] = target_entropy
-    return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
 def score_top_k(
