@@ -18,6 +18,7 @@ from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfi
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.lora import LoraConfig
+from sharpen.config.parallel import ParallelConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.config.sandbox import SandboxConfig
@@ -225,6 +226,9 @@ class TrainerConfig(Section):
     """The value model (PPO with a critic); ignored unless algorithm.advantage = "gae"."""
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     """On-policy distillation toward a frozen teacher (off by default)."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """How the trainer's ranks (runtime.trainer_ranks) split the model beside FSDP2's data shards: tensor
+    parallelism and HSDP replicas (docs/parallelism.md)."""
     learning_rate: float = Field(default=1e-6, gt=0.0)
     """AdamW learning rate."""
     weight_decay: float = Field(default=0.0, ge=0.0)
@@ -469,6 +473,18 @@ class SharpenConfig(Section):
     def _check_scale_out(self) -> None:
         """What the runtime's placement, the engines and the weight transport cannot do together."""
         runtime, engine = self.runtime, self.rollout.engine
+        parallel = self.trainer.parallel
+        if runtime.trainer_ranks > 1 and runtime.type != "ray":
+            raise ValueError(
+                f"runtime.trainer_ranks = {runtime.trainer_ranks} runs one Ray actor per trainer rank: it needs "
+                'runtime.type = "ray" (the embedded runtime trains on one device)'
+            )
+        if runtime.trainer_ranks % parallel.ranks_per_shard:
+            raise ValueError(
+                f"trainer.parallel spans {parallel.ranks_per_shard} ranks per data shard (tp {parallel.tp} x "
+                f"dp_replicate {parallel.dp_replicate} x pp {parallel.pp} x cp {parallel.cp}), which does not divide "
+                f"runtime.trainer_ranks = {runtime.trainer_ranks}: make trainer_ranks a multiple of it"
+            )
         if runtime.trainer_ranks > 1 and self.trainer.algorithm.advantage.needs_critic:
             raise ValueError(
                 f"runtime.trainer_ranks = {runtime.trainer_ranks} shards the policy with FSDP2, but advantage = "

@@ -15,10 +15,15 @@ into a torch `DeviceMesh`; applying the axes to a model (DTensor plans, FSDP2, p
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from sharpen.config.parallel import ParallelConfig
 
 Axis = Literal["pp", "dp_replicate", "dp_shard", "cp", "tp"]
 AXES: tuple[Axis, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -43,6 +48,11 @@ class ModelShape:
     intermediate_size: int
     num_experts: int = 0
     """Routed experts per MoE layer (0: a dense model)."""
+
+    @classmethod
+    def from_model_folder(cls, folder: Path) -> ModelShape:
+        """From the ``config.json`` of a HF model folder."""
+        return cls.from_hf_config(json.loads((Path(folder) / "config.json").read_text()))
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
@@ -92,6 +102,13 @@ class ParallelLayout:
             named = " x ".join(f"{axis} {sizes.get(axis, 1)}" for axis in AXES if axis != "dp_shard")
             raise LayoutError(f"{named} = {others} ranks does not divide the world of {world_size} ranks")
         return cls(dp_shard=world_size // others, **sizes)
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelLayout:
+        """The layout ``[trainer.parallel]`` asks for on ``world_size`` ranks (``dp_shard`` takes the rest)."""
+        return cls.filling(
+            world_size, tp=parallel.tp, dp_replicate=parallel.dp_replicate, pp=parallel.pp, cp=parallel.cp
+        )
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -164,6 +181,15 @@ class ParallelLayout:
             self._check_model(model)
         if self.pp > 1 and num_micro_batches is not None:
             self._check_micro_batches(num_micro_batches)
+
+    def check_built(self) -> None:
+        """Raise `LayoutError` for an axis whose trainer is not built yet (pipeline, context and expert
+        parallelism); data and tensor parallelism are."""
+        if self.pp > 1 or self.cp > 1 or self.ep > 1:
+            raise LayoutError(
+                f"the trainer runs data and tensor parallelism (dp_replicate, dp_shard, tp); {self.describe()} asks "
+                "for pipeline, context or expert parallelism, which are not built yet (docs/parallelism.md)"
+            )
 
     def _check_model(self, model: ModelShape) -> None:
         tp, cp = self.tp, self.cp

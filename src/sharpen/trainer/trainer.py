@@ -445,7 +445,7 @@ class Trainer:
         self.backend.save(folder)
         if self.critic is not None:
             self.critic.save(folder / "critic")
-        if self.backend.rank == 0:
+        if self.backend.is_writer:
             (folder / "trainer.json").write_text(json.dumps(self.objective.state()))
 
     def load_checkpoint(self, folder: Path) -> None:

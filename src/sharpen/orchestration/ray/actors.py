@@ -74,8 +74,10 @@ class TrainerActor(SpanRecordingActor):
         return ray.util.get_node_ip_address(), port
 
     def join(self, master_addr: str, master_port: int) -> None:
-        """Join the process group (blocks until every rank has joined) and build this rank's FSDP2 trainer."""
+        """Join the process group (blocks until every rank has joined) and build this rank's FSDP2 trainer, split as
+        ``trainer.parallel`` says."""
         from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+        from sharpen.trainer.layout import ParallelLayout
 
         os.environ.update(
             RANK=str(self.rank),
@@ -87,7 +89,11 @@ class TrainerActor(SpanRecordingActor):
         init_distributed()
         model_path = resolve_model_path(self.config.model.path)
         backend = FSDP2Backend(
-            self.config.trainer, model_path=model_path, dtype=self.config.model.master_dtype, seed=self.config.run.seed
+            self.config.trainer,
+            model_path=model_path,
+            dtype=self.config.model.master_dtype,
+            layout=ParallelLayout.from_config(self.config.trainer.parallel, self.world_size),
+            seed=self.config.run.seed,
         )
         self.trainer = build_trainer(
             self.config, model_path=model_path, tokenizer=load_tokenizer(model_path), backend=backend

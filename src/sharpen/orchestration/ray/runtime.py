@@ -42,6 +42,7 @@ from sharpen.orchestration.session import run_session
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.engines.router import EngineRouter
+from sharpen.trainer.layout import ModelShape, ParallelLayout
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +102,8 @@ def _actor_options(*, num_cpus: float, num_gpus: float, group: PlacementGroup, b
 
 
 def start_trainer(config: SharpenConfig, group: PlacementGroup, plan: Placement) -> TrainerProxy:
-    """The trainer: one actor, or ``runtime.trainer_ranks`` FSDP2 rank actors joined into one process group."""
+    """The trainer: one actor, or ``runtime.trainer_ranks`` FSDP2 rank actors joined into one process group, split as
+    ``trainer.parallel`` says (`check_trainer_layout` first)."""
     runtime = config.runtime
     num_ranks = runtime.trainer_ranks
     ranks = []
@@ -121,6 +123,15 @@ def start_trainer(config: SharpenConfig, group: PlacementGroup, plan: Placement)
     trainer.call("join", master_addr, master_port)  # every rank loads the model and takes its shard
     trainer.timeout_s = runtime.call_timeout_s
     return trainer
+
+
+def check_trainer_layout(config: SharpenConfig) -> None:
+    """Raise `LayoutError` (one line) unless ``trainer.parallel`` on ``runtime.trainer_ranks`` ranks fits the model
+    (its heads, sizes, vocabulary and layers) and asks only for axes that are built."""
+    layout = ParallelLayout.from_config(config.trainer.parallel, config.runtime.trainer_ranks)
+    layout.check_built()
+    model = ModelShape.from_model_folder(resolve_model_path(config.model.path))
+    layout.check(world_size=config.runtime.trainer_ranks, model=model)
 
 
 def start_engines(config: SharpenConfig, group: PlacementGroup, plan: Placement) -> list[EngineProxy]:
@@ -146,6 +157,7 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
     The actors are stopped at the end (after a graceful close when the run succeeded, at once when it failed, so
     a hung actor cannot hold the error back); Ray is shut down only if this call started it."""
     resolve_model_path(config.model.path)  # user errors, before any actor exists
+    check_trainer_layout(config)
     runtime = config.runtime
     started = start_ray(runtime)
     proxies: list[TrainerProxy | EngineProxy] = []

@@ -38,7 +38,12 @@ class TokenScores:
 class TrainerBackend(Protocol):
     device: torch.device
     rank: int
+    """This process's data-parallel rank: which share of a batch it trains on (ranks that split one model with
+    tensor parallelism share it)."""
     num_ranks: int
+    """Data-parallel ranks: the shares a batch is split into."""
+    is_writer: bool
+    """Whether this process writes the files one process writes for all (global rank 0)."""
 
     def score_tokens(
         self,

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from sharpen.trainer.algorithms.kl import entropy_from_log_probs
 from sharpen.trainer.backends.base import TokenScores
+from sharpen.trainer.backends.vocab_parallel import VocabShard, vocab_parallel_scores
 
 
 def score_hidden(
@@ -32,23 +33,26 @@ def score_hidden(
     with_entropy: bool,
     entropy_requires_grad: bool,
     chunk_tokens: int,
+    vocab: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of each target under ``lm_head(hidden) / temperature`` and, with ``with_entropy``, the entropy of
     that distribution: ``hidden`` [num_targets, hidden], ``targets`` [num_targets] -> ([num_targets] float32,
     [num_targets] float32 or None). The entropy carries a gradient only with ``entropy_requires_grad``.
-    ``chunk_tokens``: targets per LM-head call (0: all at once)."""
+    ``chunk_tokens``: targets per LM-head call (0: all at once). ``vocab``: with tensor parallelism, the slice of
+    the vocabulary ``lm_head`` returns on this rank (`vocab_parallel`; collective over its group, every rank of
+    which passes the same ``hidden`` and ``targets``)."""
     if chunk_tokens < 0:
         raise ValueError(f"chunk_tokens must be >= 0 (0: no chunking), got {chunk_tokens}")
     num_targets = hidden.shape[0]
     if chunk_tokens == 0 or num_targets <= chunk_tokens:
-        return _score_chunk(lm_head, hidden, targets, temperature, with_entropy, entropy_requires_grad)
+        return _score_chunk(lm_head, hidden, targets, temperature, with_entropy, entropy_requires_grad, vocab)
     needs_backward = torch.is_grad_enabled() and (
         hidden.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
     logprobs, entropies = [], []
     for start in range(0, num_targets, chunk_tokens):
         rows = slice(start, start + chunk_tokens)
-        args = (lm_head, hidden[rows], targets[rows], temperature, with_entropy, entropy_requires_grad)
+        args = (lm_head, hidden[rows], targets[rows], temperature, with_entropy, entropy_requires_grad, vocab)
         if needs_backward:
             chunk_logprobs, chunk_entropy = checkpoint(_score_chunk, *args, use_reentrant=False)
         else:
@@ -69,6 +73,7 @@ def score_on_grid(
     with_entropy: bool,
     entropy_requires_grad: bool,
     chunk_tokens: int,
+    vocab: VocabShard | None = None,
 ) -> TokenScores:
     """`score_hidden` of the targets ``target_mask`` selects, placed on its ``[batch, seq - 1]`` grid (0 elsewhere):
     ``hidden`` [num_targets, hidden] and ``targets`` [num_targets] in the row-major order of ``target_mask``'s true
@@ -82,6 +87,7 @@ def score_on_grid(
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
         chunk_tokens=chunk_tokens,
+        vocab=vocab,
     )
     logprobs = torch.zeros(target_mask.shape, dtype=torch.float32, device=hidden.device)
     logprobs[target_mask] = target_logprobs
@@ -92,6 +98,13 @@ def score_on_grid(
     return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (a tensor-parallel LM head's vocabulary slice); a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def _score_chunk(
     lm_head: nn.Module,
     hidden: torch.Tensor,
@@ -99,10 +112,20 @@ def _score_chunk(
     temperature: float,
     with_entropy: bool,
     entropy_requires_grad: bool,
+    vocab: VocabShard | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = lm_head(hidden)  # [chunk, vocab], bfloat16 under autocast
+    logits = lm_head(hidden)  # [chunk, vocab] (or this rank's [chunk, vocab / tp]), bfloat16 under autocast
     if temperature != 1.0:  # dividing by 1 would only cost a pass over the logits (and a copy of them)
         logits = logits.float() / temperature
+    if vocab is not None:
+        return vocab_parallel_scores(
+            local_tensor(logits),
+            targets,
+            vocab_start=vocab.start,
+            group=vocab.group,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+        )
     # One float32 log-softmax (a bfloat16 input is cast inside, no float32 copy of the logits is kept) serves the
     # targets' logprobs and the entropy: the same values and gradient as cross_entropy (its log-softmax and gather).
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [chunk, vocab]

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -36,7 +35,11 @@ from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
 from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
+from sharpen.trainer.backends.mesh import build_device_mesh
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
+from sharpen.trainer.backends.tensor_parallel import TensorParallelModel, apply_tensor_parallel
+from sharpen.trainer.backends.vocab_parallel import VocabShard
+from sharpen.trainer.layout import LayoutError, ModelShape, ParallelLayout
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
@@ -110,6 +113,7 @@ class _ScoringRoot(nn.Module):
         position_ids: torch.Tensor | None,
         logits_chunk_tokens: int,
         image_inputs: dict[str, torch.Tensor] | None,
+        vocab: VocabShard | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scores = score_tokens(
             self.model,
@@ -122,6 +126,7 @@ class _ScoringRoot(nn.Module):
             position_ids=position_ids,
             logits_chunk_tokens=logits_chunk_tokens,
             image_inputs=image_inputs,
+            vocab=vocab,
         )
         logprobs = scores.logprobs
         if image_inputs is None and self.image_side:
@@ -162,7 +167,13 @@ class FSDP2Backend(ScoresTokenLogprobs):
     """
 
     def __init__(
-        self, config: TrainerConfig, *, model_path: Path, dtype: str, mesh: DeviceMesh | None = None, seed: int = 0
+        self,
+        config: TrainerConfig,
+        *,
+        model_path: Path,
+        dtype: str,
+        layout: ParallelLayout | None = None,
+        seed: int = 0,
     ) -> None:
 
         if not dist.is_initialized():
@@ -176,12 +187,20 @@ class FSDP2Backend(ScoresTokenLogprobs):
         expected = "nccl" if self.device.type == "cuda" else "gloo"
         if dist.get_backend() != expected:
             raise ValueError(f"device {self.device} needs a {expected} process group, not {dist.get_backend()}")
+        self.layout = layout or ParallelLayout(dp_shard=dist.get_world_size())
+        _check_layout(self.layout, self.model_path, lora=config.lora.enabled)
         self.precision: PrecisionChoice = _agreed_precision(
             resolve_precision(config.precision, self.device, num_threads=config.resolved_num_threads), self.device
         )
-        self.mesh = mesh or init_device_mesh(self.device.type, (dist.get_world_size(),))
-        self._group = self.mesh.get_group()  # the data-parallel ranks (a 1-D mesh)
-        self.rank, self.num_ranks = self.mesh.get_local_rank(), self.mesh.size()
+        mesh = build_device_mesh(self.layout, device_type=self.device.type)
+        # FSDP2 shards over dp_shard (HSDP: replicated over dp_replicate too); the trainer splits data over both
+        self.fsdp_mesh = mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else mesh["dp_shard"]
+        data_mesh = (
+            mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.layout.dp_replicate > 1 else mesh["dp_shard"]
+        )
+        self._group = data_mesh.get_group()  # the data-parallel ranks: metrics and lockstep counts are summed here
+        self.rank, self.num_ranks = data_mesh.get_local_rank(), data_mesh.size()
+        self.is_writer = dist.get_rank() == 0  # tensor-parallel ranks share a data-parallel rank: one writes
         torch.manual_seed(seed)
         self.model: PreTrainedModel = model_class(self.model_path).from_pretrained(
             self.model_path, dtype=getattr(torch, dtype)
@@ -192,6 +211,10 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
             self.lora = apply_lora(self.model, config.lora)
+        self.tensor_parallel: TensorParallelModel | None = None
+        """What tensor parallelism split (tp > 1): its mesh and the LM head's vocabulary slice."""
+        if self.layout.tp > 1:
+            self.tensor_parallel = apply_tensor_parallel(self.model, mesh["tp"], plan=config.parallel.tp_plan)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -199,9 +222,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
             param_dtype=torch.bfloat16 if self.precision.is_bf16 else None, reduce_dtype=torch.float32
         )
         for layer in cast(nn.ModuleList, self.model.get_decoder().layers):
-            fully_shard(layer, mesh=self.mesh, mp_policy=policy)
+            fully_shard(layer, mesh=self.fsdp_mesh, mp_policy=policy)
         self._root = _ScoringRoot(self.model, is_vision_model=self.vision is not None)
-        self._fsdp_root = fully_shard(self._root, mesh=self.mesh, mp_policy=policy)  # the same object
+        self._fsdp_root = fully_shard(self._root, mesh=self.fsdp_mesh, mp_policy=policy)  # the same object
         for module in self._root.modules():
             if isinstance(module, FSDPModule):
                 # Sum, not mean: each rank's loss is already divided by the whole step's normaliser. Forcing
@@ -247,15 +270,14 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 position_ids,
                 self.config.logits_chunk_tokens,
                 image_inputs,
+                None if self.tensor_parallel is None else self.tensor_parallel.vocab,
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)
 
     def clip_and_step(self) -> float:
         """Clip to the global gradient norm (over all shards), step, clear gradients; returns the pre-clip norm."""
         parameters = [p for p in self.model.parameters() if p.grad is not None]
-        total_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters if p.grad is not None])
-        if isinstance(total_norm, DTensor):
-            total_norm = total_norm.full_tensor()  # the per-shard partial norms, reduced over the ranks
+        total_norm = _global_grad_norm([p.grad for p in parameters if p.grad is not None])
         if torch.isfinite(total_norm):  # the global norm: every rank skips a non-finite step together
             torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, total_norm)
             self.optimizer.step()
@@ -332,7 +354,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         from the gathered weights, one safetensors shard (at most ``max_shard_bytes``) in memory at a time;
         collective. Several shards get HF's ``model.safetensors.index.json`` (`weight_files.write_safetensors`)."""
         folder = Path(folder)
-        is_writer = self.rank == 0
+        is_writer = self.is_writer
         if self.lora is not None:  # the merged model and the adapter (`lora.export_merged`), in one piece
             self._fsdp_root.reshard()
             export_merged(self.lora, folder, full=_full_tensor, is_writer=is_writer)
@@ -352,6 +374,33 @@ class FSDP2Backend(ScoresTokenLogprobs):
         for name in (*PROCESSOR_FILES, "generation_config.json"):
             if (self.model_path / name).is_file():
                 shutil.copy2(self.model_path / name, folder / name)
+
+
+def _global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all the gradients together, reduced over the ranks that hold their shards (collective). With
+    tensor parallelism, gradients live on different meshes (FSDP's alone, or FSDP's x tp) and placements; the norm
+    of each such group is reduced on its own mesh, then the groups' norms are combined."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _check_layout(layout: ParallelLayout, model_path: Path, *, lora: bool) -> None:
+    """Refuse, in one line, a layout that this backend does not run or that the model's sizes do not fit."""
+    layout.check_built()
+    if layout.tp > 1 and lora:
+        raise LayoutError("trainer.lora with tensor parallelism (tp > 1) is not supported: use tp = 1 with LoRA")
+    if layout.tp > 1 and is_vision_model(model_path):
+        raise LayoutError("tensor parallelism (tp > 1) splits text decoders only; a vision-language model needs tp = 1")
+    layout.check(world_size=dist.get_world_size(), model=ModelShape.from_model_folder(model_path))
 
 
 def _full_tensor(tensor: torch.Tensor) -> torch.Tensor:

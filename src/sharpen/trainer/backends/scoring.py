@@ -19,6 +19,7 @@ from torch import nn
 from sharpen.data.vision import text_only_error
 from sharpen.trainer.backends.base import TokenScores
 from sharpen.trainer.backends.chunked_logits import score_on_grid
+from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.types import ImagePart
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ def score_tokens(
     position_ids: torch.Tensor | None = None,
     logits_chunk_tokens: int = 0,
     image_inputs: dict[str, torch.Tensor] | None = None,
+    vocab: VocabShard | None = None,
 ) -> TokenScores:
     """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
     The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
@@ -54,6 +56,9 @@ def score_tokens(
 
     ``image_inputs`` (`VisionProcessor.model_inputs` of the rows' images; right-padded rows only): a vision-language
     model's base model embeds the images at their placeholders and derives its 3-D positions itself.
+
+    ``vocab``: a tensor-parallel model's LM head returns this rank's vocabulary slice (`tensor_parallel`), scored
+    without gathering the vocabulary (`vocab_parallel`).
     """
     if position_ids is not None and attention_mask is not None:
         raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
@@ -78,6 +83,7 @@ def score_tokens(
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
         chunk_tokens=logits_chunk_tokens,
+        vocab=vocab,
     )
 
 

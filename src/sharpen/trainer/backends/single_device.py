@@ -48,6 +48,7 @@ def resolve_device(name: str) -> torch.device:
 class SingleDeviceBackend(ScoresTokenLogprobs):
     rank = 0  # one process: the data-parallel collectives are identities
     num_ranks = 1
+    is_writer = True
 
     def __init__(self, config: TrainerConfig, *, model_path: Path, dtype: str) -> None:
         torch.set_num_threads(config.resolved_num_threads)

@@ -15,10 +15,21 @@ caller's: divide the logits before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True, slots=True)
+class VocabShard:
+    """This rank's slice of the vocabulary: the LM head's output columns ``[start, start + size)``; ``group``: the
+    ranks that hold the other slices (the ``tp`` group)."""
+
+    start: int
+    size: int
+    group: dist.ProcessGroup
 
 
 class _SumOverShards(torch.autograd.Function):
@@ -46,10 +57,12 @@ def vocab_parallel_scores(
     vocab_start: int = 0,
     group: dist.ProcessGroup | None = None,
     with_entropy: bool = False,
+    entropy_requires_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``logits`` [tokens, local_vocab] (this rank's vocabulary slice, from ``vocab_start``), ``targets`` [tokens]
     (ids in the whole vocabulary) -> (logprob of each target [tokens], entropy [tokens] or None), in at least
-    float32. ``group``: the ranks that hold the other slices (None: ``logits`` is the whole vocabulary)."""
+    float32. ``group``: the ranks that hold the other slices (None: ``logits`` is the whole vocabulary). The entropy
+    carries no gradient without ``entropy_requires_grad`` (a metric)."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(
             f"need logits [tokens, vocab] and targets [tokens], got {list(logits.shape)}, {list(targets.shape)}"
@@ -70,5 +83,7 @@ def vocab_parallel_scores(
     logprobs = target_shifted - log_total
     if not with_entropy:
         return logprobs, None
+    if not entropy_requires_grad:
+        exp, shifted, total, log_total = exp.detach(), shifted.detach(), total.detach(), log_total.detach()
     weighted = _sum((exp * shifted).sum(dim=-1), group)  # [tokens]: sum_v exp(z_v - m) (z_v - m)
     return logprobs, log_total - weighted / total

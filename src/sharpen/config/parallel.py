@@ -1,0 +1,41 @@
+"""The ``[trainer.parallel]`` section: how the trainer's ranks split the model beside FSDP2's data shards.
+
+Pydantic only (no torch): `sharpen.trainer.layout.ParallelLayout` is the layout these sizes make once the number of
+ranks is known (``dp_shard`` takes the ranks that the other axes leave), and it checks them against the model before
+any process starts (docs/parallelism.md).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from sharpen.config.section import Section
+
+
+class ParallelConfig(Section):
+    """The size of each parallel axis other than ``dp_shard`` (FSDP2's shards), which takes the rest of
+    ``runtime.trainer_ranks``. Built today: ``tp`` and ``dp_replicate``; ``pp`` and ``cp`` are refused at start until
+    their schedules are built (docs/parallelism.md)."""
+
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel ranks: each decoder layer's projections, the embedding and the LM head are split over them
+    (neighbouring ranks: on a GPU cluster, ranks of one node). Must divide the model's heads, key/value heads, hidden
+    and intermediate sizes and vocabulary."""
+    tp_plan: Literal["gather", "rowwise"] = "gather"
+    """How the layers the model's plan calls row-wise (attention output, MLP down projection) split: ``gather``
+    all-gathers their input so that no sum crosses ranks and a token's logprobs do not depend on ``tp`` (the default;
+    closest to the engine); ``rowwise`` is Megatron's split with an all-reduce of partial sums (fewer bytes moved)."""
+    dp_replicate: int = Field(default=1, ge=1)
+    """Replicas of the sharded model (HSDP): FSDP2 shards over ``dp_shard`` ranks inside each replica and the
+    replicas all-reduce gradients; data is split over both."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline stages (not built yet: more than 1 is refused at start)."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel ranks (not built yet: more than 1 is refused at start)."""
+
+    @property
+    def ranks_per_shard(self) -> int:
+        """The ranks one data shard spans on the other axes (``runtime.trainer_ranks`` must be a multiple)."""
+        return self.tp * self.dp_replicate * self.pp * self.cp

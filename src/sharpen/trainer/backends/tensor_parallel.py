@@ -1,0 +1,163 @@
+"""Tensor parallelism: a HF decoder's linear layers split over the ``tp`` ranks of a device mesh with DTensor.
+
+Owns the plans (`TensorParallelPlan`), `apply_tensor_parallel` (which turns a model's parameters into DTensors on
+the ``tp`` mesh) and the `TensorParallelModel` it returns (this rank's `vocab_parallel.VocabShard`, the slice of the
+LM head's vocabulary that `vocab_parallel.vocab_parallel_scores` scores). It neither shards data (FSDP2 does, on the
+other mesh axes) nor runs steps.
+
+Which layers split how comes from the model's own plan: transformers' ``base_model_tp_plan`` (Llama, Qwen2, Qwen3,
+Mistral and the families that copy them) names each projection ``colwise`` or ``rowwise``; a model without one is
+refused in one line. Two plans differ in the layers the model calls ``rowwise`` (the attention's output and the MLP's
+down projection):
+
+* ``"gather"`` (the default): those layers split by output column too. Their input (heads or intermediate features,
+  split over ranks) is all-gathered first, and every output element is one whole dot product computed on one rank,
+  as on one device; the output is all-gathered. Nothing is summed across ranks in the forward pass, so a token's
+  logprobs do not depend on the TP degree (the engine computes them unsplit, or with its own TP). It moves
+  ``intermediate_size / hidden_size`` times more bytes for the MLP than the rowwise plan.
+* ``"rowwise"`` (Megatron's): those layers split by input row; each rank's partial output is all-reduced. Fewer bytes
+  moved; the sum over ranks rounds differently from one device's dot product, which published RL work names as one
+  source of engine/trainer logprob mismatch (`docs/parallelism.md` gives the measured difference).
+
+Both plans split the embedding and the LM head over the vocabulary (the embedding's all-reduce adds one row to
+zeros: exact). The LM head's output stays split: each rank scores its vocabulary slice (`VocabShard`), and nothing
+gathers ``[tokens, vocab]``. Every other parameter (the norms') becomes a DTensor replicated over the ``tp`` ranks, so
+that all parameters live on one mesh (FSDP2 then shards each over the data-parallel axes, and the gradient norm and
+the optimizer see one kind of tensor). A per-head norm (Qwen3's ``q_norm``/``k_norm``, ``replicated_with_grad_
+allreduce`` in the model's plan) sees only the rank's heads: its input is marked split over heads, so DTensor adds its
+weight's gradient over the ``tp`` ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, cast
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from sharpen.trainer.backends.vocab_parallel import VocabShard
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+TensorParallelPlan = Literal["gather", "rowwise"]
+TENSOR_PARALLEL_PLANS: tuple[TensorParallelPlan, ...] = ("gather", "rowwise")
+
+_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+"""The entries of a model's ``base_model_tp_plan`` that this module applies; any other is refused."""
+
+
+class TensorParallelError(ValueError):
+    """A model that the tensor-parallel plans cannot split; one line for the user."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallelModel:
+    """What `apply_tensor_parallel` did to a model: the ``tp`` mesh and this rank's slice of the vocabulary."""
+
+    vocab: VocabShard
+    mesh: DeviceMesh
+
+
+def model_tp_plan(model: PreTrainedModel) -> dict[str, str]:
+    """The decoder layers' plan the model's config declares (``base_model_tp_plan``, its ``layers.*`` entries), keys
+    relative to the decoder (``layers.*.self_attn.q_proj``); raises `TensorParallelError` when the family has none.
+    The embedding's entry (``embed_tokens``) is left out: `apply_tensor_parallel` splits the embedding and the LM
+    head over the vocabulary itself."""
+    declared = cast(dict[str, str] | None, getattr(model.config, "base_model_tp_plan", None)) or {}
+    plan = {pattern: style for pattern, style in declared.items() if pattern.startswith("layers.")}
+    family = type(model.config).__name__
+    if not plan:
+        raise TensorParallelError(
+            f"{family} declares no tensor-parallel plan (transformers' base_model_tp_plan): this model family "
+            "cannot run with trainer.parallel.tp > 1"
+        )
+    unknown = sorted({style for style in plan.values() if style not in _STYLES})
+    if unknown:
+        raise TensorParallelError(
+            f"{family}'s tensor-parallel plan uses {', '.join(unknown)}, which sharpen does not apply (it applies "
+            f"{', '.join(_STYLES)}): this model family cannot run with trainer.parallel.tp > 1"
+        )
+    return plan
+
+
+def _style(name: str, plan: TensorParallelPlan) -> ParallelStyle | None:
+    if name == "colwise":
+        return ColwiseParallel()
+    if name == "rowwise" and plan == "rowwise":
+        return RowwiseParallel()
+    if name == "rowwise":  # "gather": all-gather the split input, split the output columns, all-gather them
+        return ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+    return None  # replicated_with_grad_allreduce: the weight stays whole; its gradient is all-reduced
+
+
+def apply_tensor_parallel(
+    model: PreTrainedModel, mesh: DeviceMesh, *, plan: TensorParallelPlan = "gather"
+) -> TensorParallelModel:
+    """Split ``model``'s decoder layers, embedding and LM head over ``mesh`` (the 1-D ``tp`` mesh), in place, before
+    FSDP2 shards the result over the data-parallel axes. A tied LM head stays tied to the (vocabulary-split)
+    embedding."""
+    if plan not in TENSOR_PARALLEL_PLANS:
+        raise TensorParallelError(f"unknown tensor-parallel plan {plan!r}; choose one of {TENSOR_PARALLEL_PLANS}")
+    layer_plan = model_tp_plan(model)
+    decoder = model.get_decoder()
+    styles: dict[str, ParallelStyle] = {}
+    per_head: list[str] = []  # modules whose input holds the rank's heads (replicated_with_grad_allreduce)
+    for pattern, name in layer_plan.items():
+        style = _style(name, plan)
+        if style is None:
+            per_head.append(pattern)
+        else:
+            styles[pattern] = style
+    embeddings = cast(nn.Module, model.get_input_embeddings())
+    lm_head = cast(nn.Module, model.get_output_embeddings())
+    is_tied = lm_head.weight is embeddings.weight
+    parallelize_module(decoder, mesh, styles)
+    parallelize_module(embeddings, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    # the LM head's output stays split over the vocabulary (a local [tokens, vocab / tp] slice)
+    parallelize_module(lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
+    if is_tied:  # parallelize_module made the head a parameter of its own: make it the embedding's again
+        lm_head.weight = embeddings.weight
+    for name, module in decoder.named_modules():
+        if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+            split_heads = any(_matches(name, pattern) for pattern in per_head)
+            _replicate(module, mesh, input_layout=Shard(-2) if split_heads else Replicate())
+    vocab_size = int(cast(torch.Tensor, lm_head.weight).shape[0])
+    local = vocab_size // mesh.size()
+    return TensorParallelModel(
+        vocab=VocabShard(start=mesh.get_local_rank() * local, size=local, group=mesh.get_group()), mesh=mesh
+    )
+
+
+def _replicate(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement) -> None:
+    """``module``'s own parameters as DTensors replicated over ``mesh``; its tensor inputs enter as DTensors with
+    ``input_layout`` (Replicate, or Shard over heads for a per-head norm) and its output leaves as a local tensor."""
+
+    def partition(_name: str, owner: nn.Module, owner_mesh: DeviceMesh) -> None:
+        for name, parameter in list(owner.named_parameters(recurse=False)):
+            replicated = distribute_tensor(parameter.data, owner_mesh, [Replicate()])
+            owner.register_parameter(name, nn.Parameter(replicated, requires_grad=parameter.requires_grad))
+
+    def enter(_owner: nn.Module, inputs: tuple[object, ...], owner_mesh: DeviceMesh) -> tuple[object, ...]:
+        return tuple(
+            DTensor.from_local(x, owner_mesh, [input_layout], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    def leave(_owner: nn.Module, output: object, _mesh: DeviceMesh) -> object:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    # torch's stubs type input_fn/output_fn as returning None; what they return replaces the inputs/output
+    distribute_module(module, mesh, partition, enter, leave)  # pyright: ignore[reportArgumentType]
+
+
+def _matches(module_name: str, pattern: str) -> bool:
+    """``layers.3.self_attn.q_norm`` matches ``layers.*.self_attn.q_norm`` (a module pattern of the plan)."""
+    parts, wanted = module_name.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(w in ("*", p) for w, p in zip(wanted, parts, strict=True))

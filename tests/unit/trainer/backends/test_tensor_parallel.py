@@ -1,0 +1,348 @@
+"""Tensor parallelism on gloo ranks against one process (float32, tiny models): per-token logprobs, entropy, loss and
+every gradient of two optimizer steps, for Llama (tied LM head; both plans), Qwen2 (attention biases) and Qwen3
+(per-head q/k norms); the real `Trainer` on tp 2, tp 2 x dp_shard 2 and tp 2 x dp_replicate 2 (HSDP); full
+HF-named weights, an export that transformers loads, and a tp 2 checkpoint resumed on another layout (dp_shard 2).
+
+One launch of 2 ranks runs every tp 2 case, one launch of 4 ranks the 2-D layouts, then 2 ranks resume; the tests
+compare what rank 0 wrote with single-process runs in this process (after the launches).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from sharpen.config.schema import TrainerConfig
+from sharpen.trainer.backends import SingleDeviceBackend
+from sharpen.trainer.layout import LayoutError, ParallelLayout
+from sharpen.types import Example, Message, Rollout, TrainBatch
+from support.ranks import join_gloo, launch_cpu_ranks
+
+VOCAB, PAD = 128, 0
+NUM_STEPS = 2
+TOLERANCE = 1e-5  # the issue's bound; measured here: at most 1.4e-6 (gradients), 0 (first step's logprobs)
+WEIGHT_TOLERANCE = 5e-5  # relative, after the AdamW steps (`_relative_difference`); measured here: at most 1.5e-5
+slow = pytest.mark.slow  # forks 2, then 4, then 2 ranks: ~1 min on 2 shared cores
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+CASES = (("llama", "gather"), ("llama", "rowwise"), ("qwen2", "gather"), ("qwen3", "gather"))
+
+
+def _save_tiny(family: str, folder: Path) -> Path:
+    """A 2-layer random model of ``family`` whose heads (4), key/value heads (2), hidden (32), intermediate (64) and
+    vocabulary (128) sizes divide by 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    sizes = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 64,
+        "pad_token_id": PAD,
+    }
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": True}),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": False}),  # q/k/v carry biases
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"tie_word_embeddings": True, "head_dim": 8}),  # q_norm, k_norm
+    }
+    config_class, model_class, extra = classes[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(**sizes, **extra))
+    if family == "qwen2":  # random biases (the initialiser leaves them 0, which would test nothing)
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.normal_(0, 0.1)
+    if family == "qwen3":  # norm weights away from 1, so a per-head gradient that is not all-reduced shows
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if "norm" in name:
+                    parameter.uniform_(0.5, 1.5)
+    model.save_pretrained(folder / family)
+    return folder / family
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("tp_models")
+    return {family: _save_tiny(family, folder) for family in FAMILIES}
+
+
+def _config(plan: str = "gather", **overrides) -> TrainerConfig:
+    # chunked LM head (3 chunks of 8 targets), clipping active (small max_grad_norm)
+    config = {"device": "cpu", "precision": "float32", "learning_rate": 1e-2, "max_grad_norm": 0.05}
+    config |= {"logits_chunk_tokens": 8, "parallel": {"tp_plan": plan}}
+    return TrainerConfig(**{**config, **overrides})
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three right-padded rows: ids, attention mask, target mask (two rows differ in length), token advantages."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (3, 12), generator=generator)
+    attention = torch.ones_like(ids)
+    attention[2, 9:] = 0
+    targets = torch.zeros(3, 11, dtype=torch.bool)
+    targets[:, 4:] = True
+    targets[2, 8:] = False
+    return ids, attention, targets, torch.randn(3, 11, generator=generator)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _steps(backend) -> list[dict]:
+    """Two optimizer steps of a policy-gradient loss with an entropy bonus (temperature 0.7) on the whole batch:
+    each step's logprobs, entropy, loss, every parameter's full gradient and the pre-clip norm."""
+    ids, attention, targets, advantages = _batch()
+    steps = []
+    for _ in range(NUM_STEPS):
+        scores = backend.score_tokens(
+            ids, attention, targets, temperature=0.7, with_entropy=True, entropy_requires_grad=True
+        )
+        assert scores.entropy is not None
+        count = targets.sum()
+        loss = -(scores.logprobs * advantages * targets).sum() / count - 0.01 * (scores.entropy * targets).sum() / count
+        loss.backward()
+        grads = {name: _full(p.grad) for name, p in backend.model.named_parameters() if p.grad is not None}
+        steps.append(
+            {
+                "logprobs": scores.logprobs.detach().clone(),
+                "entropy": scores.entropy.detach().clone(),
+                "loss": loss.detach().clone(),
+                "grads": grads,
+                "norm": backend.clip_and_step(),
+            }
+        )
+    return steps
+
+
+def _rollouts() -> list[Rollout]:
+    rng = random.Random(0)
+    example = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
+    lengths = [(20, 12), *[(rng.randint(2, 5), rng.randint(1, 4)) for _ in range(6)]]
+    return [
+        Rollout(
+            example=example,
+            prompt_ids=[rng.randrange(1, VOCAB) for _ in range(num_prompt)],
+            completion_ids=[rng.randrange(1, VOCAB) for _ in range(num_completion)],
+            completion_logprobs=[-4.0] * num_completion,
+            versions=[0] * num_completion,
+            advantage=rng.uniform(-1.5, 1.5),
+        )
+        for num_prompt, num_completion in lengths
+    ]
+
+
+def _trainer_config() -> TrainerConfig:
+    algorithm = {"num_mini_batches": 2, "num_epochs": 2, "entropy_coef": 0.01}
+    return _config(micro_batch_size=2, algorithm=algorithm)
+
+
+def _trainer_steps(backend) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    from sharpen.trainer import Trainer
+
+    trainer = Trainer(_trainer_config(), backend=backend, pad_token_id=PAD, max_new_tokens=12)
+    metrics = [trainer.step(TrainBatch(rollouts=_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
+    return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
+
+
+def _tp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+
+    join_gloo(rank, num_ranks, port)
+    layout = ParallelLayout(tp=2)
+    results: dict[str, object] = {}
+    for family, plan in CASES:
+        backend = FSDP2Backend(_config(plan), model_path=models[family], dtype="float32", layout=layout)
+        results[f"{family}/{plan}"] = _steps(backend)
+        results[f"{family}/{plan}/weights"] = {name: tensor.clone() for name, tensor in backend.named_weights()}
+    backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32", layout=layout)
+    results["trainer"] = _trainer_steps(backend)
+    backend.save(out_dir / "checkpoint")
+    backend.export(out_dir / "export")
+    results["ranks"] = (backend.rank, backend.num_ranks)
+    writers: list[object] = [None] * num_ranks
+    dist.all_gather_object(writers, backend.is_writer)
+    results["writers"] = writers
+    if rank == 0:
+        torch.save(results, out_dir / "tp2.pt")
+    dist.destroy_process_group()
+
+
+def _tp2_dp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out_dir: Path) -> None:
+    import torch.distributed as dist
+
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+
+    join_gloo(rank, num_ranks, port)
+    results = {}
+    for name, layout in (
+        ("dp_shard", ParallelLayout(dp_shard=2, tp=2)),
+        ("hsdp", ParallelLayout(dp_replicate=2, tp=2)),
+    ):
+        backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32", layout=layout)
+        results[name] = {"trainer": _trainer_steps(backend), "ranks": (backend.rank, backend.num_ranks)}
+    if rank == 0:
+        torch.save(results, out_dir / "tp2_dp2.pt")
+    dist.destroy_process_group()
+
+
+def _resume_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out_dir: Path) -> None:
+    """The tp 2 checkpoint loaded on dp_shard 2 (DCP re-shards): its weights, before any step."""
+    import torch.distributed as dist
+
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+
+    join_gloo(rank, num_ranks, port)
+    backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32")
+    backend.load(out_dir / "checkpoint")
+    weights = {name: tensor.clone() for name, tensor in backend.named_weights()}
+    if rank == 0:
+        torch.save(weights, out_dir / "resumed.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
+    out_dir = tmp_path_factory.mktemp("tp")
+    launch_cpu_ranks(_tp2_worker, 2, models, out_dir)
+    launch_cpu_ranks(_tp2_dp2_worker, 4, models, out_dir)
+    launch_cpu_ranks(_resume_worker, 2, models, out_dir)
+    return torch.load(out_dir / "tp2.pt"), torch.load(out_dir / "tp2_dp2.pt"), out_dir
+
+
+@pytest.fixture(scope="module")
+def single(runs, models: dict[str, Path]) -> dict[str, object]:
+    """The same steps on one device (after the launches: see `support.ranks.launch_cpu_ranks`)."""
+    results: dict[str, object] = {}
+    for family in FAMILIES:
+        backend = SingleDeviceBackend(_config(), model_path=models[family], dtype="float32")
+        results[family] = _steps(backend)
+        results[f"{family}/weights"] = dict(backend.named_weights())
+    backend = SingleDeviceBackend(_trainer_config(), model_path=models["llama"], dtype="float32")
+    results["trainer"] = _trainer_steps(backend)
+    return results
+
+
+def _max_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    assert got.shape == expected.shape
+    return (got - expected).abs().max().item()
+
+
+def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """||got - expected|| / ||expected||: how weights are compared after AdamW steps, whose update of a near-zero
+    gradient element is about lr x its sign, so that a 1e-7 difference in the gradient can move one weight by 1e-5.
+    Bounded by `WEIGHT_TOLERANCE`, as test_fsdp2 bounds its weights."""
+    assert got.shape == expected.shape
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+@slow
+@pytest.mark.parametrize(("family", "plan"), CASES)
+def test_tp2_steps_match_one_process(runs, single, family, plan):
+    got_steps, expected_steps = runs[0][f"{family}/{plan}"], single[family]
+    for step, (got, expected) in enumerate(zip(got_steps, expected_steps, strict=True)):
+        for key in ("logprobs", "entropy", "loss"):
+            assert _max_difference(got[key], expected[key]) < TOLERANCE, (step, key)
+        assert got["grads"].keys() == expected["grads"].keys()
+        for name, grad in expected["grads"].items():
+            assert _max_difference(got["grads"][name], grad) < TOLERANCE, (step, name)
+        assert got["norm"] == pytest.approx(expected["norm"], rel=TOLERANCE)
+    weights = runs[0][f"{family}/{plan}/weights"]
+    expected_weights = single[f"{family}/weights"]
+    assert weights.keys() == expected_weights.keys()  # HF names, a tied LM head left out as on one device
+    for name, tensor in expected_weights.items():
+        assert _relative_difference(weights[name], tensor) < WEIGHT_TOLERANCE, name
+
+
+@slow
+def test_the_default_plan_scores_as_one_process_does(runs, single):
+    """The gather plan sums nothing across ranks: the first step's logprobs (before any update) are those of one
+    process to float32 rounding of the vocabulary-parallel log-softmax (measured: identical here)."""
+    for family in FAMILIES:
+        got, expected = runs[0][f"{family}/gather"][0]["logprobs"], single[family][0]["logprobs"]
+        assert _max_difference(got, expected) <= 1e-6, family
+
+
+def _assert_trainer_matches(got: tuple, expected: tuple) -> None:
+    got_metrics, got_weights = got
+    metrics, weights = expected
+    per_micro_batch = ("offpolicy/ess", "offpolicy/ratio_p")  # statistics of each micro-batch: change with the split
+    for got_step, step in zip(got_metrics, metrics, strict=True):
+        assert set(got_step) == set(step)
+        for name, value in step.items():
+            if name == "train/loss":  # a cancelling sum (test_fsdp2's _loss_tolerance): absolute
+                assert got_step[name] == pytest.approx(value, abs=TOLERANCE), name
+            elif not name.startswith(per_micro_batch) and not name.startswith("time/"):
+                assert got_step[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    for name, tensor in weights.items():
+        assert _relative_difference(got_weights[name], tensor) < WEIGHT_TOLERANCE, name
+
+
+@slow
+def test_the_trainer_on_tp2_matches_one_device(runs, single):
+    assert runs[0]["ranks"] == (0, 1)  # both ranks hold the same data: one data-parallel rank
+    assert runs[0]["writers"] == [True, False]  # one of them writes the files written once (export, trainer.json)
+    _assert_trainer_matches(runs[0]["trainer"], single["trainer"])
+
+
+@slow
+@pytest.mark.parametrize("data_axis", ["dp_shard", "hsdp"])
+def test_the_trainer_on_tp2_x_dp2_matches_one_device(runs, single, data_axis):
+    """4 ranks: the data split over 2 data-parallel ranks (FSDP2's shards, or HSDP's replicas of an unsharded
+    model), each of them a tp 2 pair."""
+    assert runs[1][data_axis]["ranks"] == (0, 2)
+    _assert_trainer_matches(runs[1][data_axis]["trainer"], single["trainer"])
+
+
+@slow
+def test_a_tp2_checkpoint_resumes_on_another_layout(runs):
+    _, _, out_dir = runs
+    saved = runs[0]["trainer"][1]
+    resumed = torch.load(out_dir / "resumed.pt")
+    assert resumed.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(resumed[name], tensor), name
+
+
+@slow
+def test_the_tp2_export_loads_in_transformers(runs):
+    from transformers import AutoModelForCausalLM
+
+    _, _, out_dir = runs
+    model = AutoModelForCausalLM.from_pretrained(out_dir / "export")
+    for name, tensor in runs[0]["trainer"][1].items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_a_model_without_a_plan_is_refused_in_one_line():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from sharpen.trainer.backends.tensor_parallel import TensorParallelError, model_tp_plan
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
+    with pytest.raises(TensorParallelError, match="GPT2Config declares no tensor-parallel plan") as error:
+        model_tp_plan(model)
+    assert "\n" not in str(error.value)
+
+
+def test_a_layout_that_does_not_divide_the_heads_is_refused(models):
+    """Checked from config.json before any rank starts (`trainer.layout.ParallelLayout.check`)."""
+    import json
+
+    from sharpen.trainer.layout import ModelShape
+
+    shape = ModelShape.from_hf_config(json.loads((models["llama"] / "config.json").read_text()))
+    with pytest.raises(LayoutError, match=r"key/value heads \(2\) are not divisible by tp = 4"):
+        ParallelLayout(tp=4).check(world_size=4, model=shape)
