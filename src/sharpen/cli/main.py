@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BUDGET_GPUS",
         help="also simulate engine/trainer splits of this many GPUs (at most 25) and name the fastest",
     )
+    simulate.add_argument(
+        "--search-layout",
+        action="store_true",
+        help="also price every trainer layout (tp, pp, cp) of the trainer's GPUs and name the fastest that fits",
+    )
 
     dashboard = commands.add_parser(
         "dashboard", help="a local web page of runs: metric curves, rollouts coloured per token, eval results"
@@ -280,7 +285,9 @@ def _serve_rm(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from sharpen.simulation import build_report, load_scenario
 
-    report = build_report(load_scenario(Path(args.scenario)), split_budget=args.search_split)
+    report = build_report(
+        load_scenario(Path(args.scenario)), split_budget=args.search_split, search_layout=args.search_layout
+    )
     print(report.to_json() if args.json else report.to_text())
     return 0
 

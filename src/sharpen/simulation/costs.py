@@ -18,6 +18,7 @@ from sharpen.simulation.collectives import (
     ring_broadcast_seconds,
     tree_broadcast_seconds,
 )
+from sharpen.simulation.parallel import collective_seconds, layer_collectives, pipeline_bubble_factor
 from sharpen.simulation.scenario import Scenario, ScenarioError
 
 
@@ -64,12 +65,52 @@ class CostModel:
         return max(1, int(free / (model.kv_bytes_per_token * mean_context_tokens)))
 
     def train_seconds(self, num_tokens: float, *, slowdown: float = 1.0) -> float:
+        """Compute at the trainer's MFU over all its GPUs, times the pipeline bubble ([trainer] pp), with FSDP's
+        gathers and reduce-scatters hidden behind compute where compute is longer, plus the tensor- and
+        context-parallel collectives (on the critical path)."""
         costs, cluster = self.scenario.costs, self.scenario.cluster
         if costs.train_seconds_per_step is not None:
             return costs.train_seconds_per_step * slowdown
         flops = costs.train_flops_per_token * self.scenario.model.num_params * num_tokens
         rate = cluster.num_trainer_gpus * cluster.gpu_kind().peak_flops * costs.train_mfu
-        return flops / rate * slowdown
+        compute = flops / rate * slowdown
+        layout = self.scenario.trainer
+        bubble = pipeline_bubble_factor(layout.pp, layout.micro_batches, stages_per_rank=layout.pp_stages_per_rank)
+        return max(compute * bubble, self.fsdp_seconds()) + self.layer_collective_seconds(num_tokens)
+
+    def _link(self, num_gpus: int) -> float:
+        """Bytes per second of a collective over ``num_gpus`` neighbouring GPUs (one node or several)."""
+        net = self.scenario.network
+        return (net.intra_node_gbps if num_gpus <= net.gpus_per_node else net.inter_node_gbps) * 1e9
+
+    def layer_collective_seconds(self, num_tokens: float) -> float:
+        """The tensor- and context-parallel collectives of one step on one GPU: its stage's layers, over the
+        tokens of its data shard (each context-parallel rank holds 1 / cp of them)."""
+        scenario = self.scenario
+        layout, shape = scenario.trainer, scenario.model.layer_shape()
+        if shape is None or layout.ranks_per_shard == 1:
+            return 0.0
+        data_shards = scenario.cluster.num_trainer_gpus // layout.ranks_per_shard
+        tokens = num_tokens / data_shards / layout.cp
+        alpha, width_bytes = scenario.network.latency_us * 1e-6, scenario.model.bytes_per_param
+        seconds = 0.0
+        for collective in layer_collectives(layout.tp_plan, tp=layout.tp, cp=layout.cp):
+            ranks = layout.cp if collective.kind == "all_to_all" else layout.tp
+            link = self._link(layout.tp * layout.cp if collective.kind == "all_to_all" else layout.tp)
+            size = tokens * shape.width(collective.width) * width_bytes
+            seconds += collective_seconds(collective.kind, size, ranks, alpha=alpha, beta=link)
+        return seconds * shape.num_layers / layout.pp
+
+    def fsdp_seconds(self) -> float:
+        """FSDP2 over the data shards and the context-parallel ranks: the parameters all-gathered for the forward
+        and again for the backward, the gradients reduce-scattered, each GPU's stage and tensor slice only."""
+        scenario = self.scenario
+        layout = scenario.trainer
+        data_shards = scenario.cluster.num_trainer_gpus // (layout.tp * layout.pp)
+        slice_bytes = scenario.model.num_params * scenario.model.bytes_per_param / (layout.tp * layout.pp)
+        alpha = scenario.network.latency_us * 1e-6
+        link = self._link(scenario.cluster.num_trainer_gpus)
+        return 3 * ring_allgather_seconds(slice_bytes, data_shards, alpha=alpha, beta=link)
 
     def sync_seconds(self) -> float:
         """Gather the trainer's shards, then broadcast to every replica (their first GPUs)."""

@@ -11,9 +11,13 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from sharpen.simulation.cluster import SimulationResult, simulate
-from sharpen.simulation.scenario import Scenario, ScenarioError
+from sharpen.simulation.costs import CostModel
+from sharpen.simulation.parallel import state_bytes_per_gpu
+from sharpen.simulation.scenario import Scenario, ScenarioError, check_layout
 
 MAX_SPLIT_CANDIDATES = 24
+MAX_LAYOUT_LINES = 12
+AXIS_SIZES = (1, 2, 4, 8, 16)
 
 
 def with_changes(scenario: Scenario, **sections: dict[str, object]) -> Scenario:
@@ -32,10 +36,27 @@ class SplitCandidate:
 
 
 @dataclass(kw_only=True, slots=True)
+class LayoutCandidate:
+    tp: int
+    pp: int
+    cp: int
+    dp_shard: int
+    train_seconds: float
+    state_gib_per_gpu: float
+    fits: bool
+
+
+@dataclass(kw_only=True, slots=True)
 class SimulationReport:
     result: SimulationResult
     sync_result: SimulationResult | None = None  # the same cluster in sync mode, when the scenario is async
     split: list[SplitCandidate] = field(default_factory=list)
+    layouts: list[LayoutCandidate] = field(default_factory=list)
+
+    @property
+    def best_layout(self) -> LayoutCandidate | None:
+        fitting = [c for c in self.layouts if c.fits]
+        return min(fitting, key=lambda c: (c.train_seconds, c.tp * c.pp * c.cp)) if fitting else None
 
     @property
     def async_speedup(self) -> float | None:
@@ -54,6 +75,8 @@ class SimulationReport:
             "async_speedup": self.async_speedup,
             "split": [asdict(c) for c in self.split],
             "best_split": asdict(self.best_split) if self.best_split else None,
+            "layouts": [asdict(c) for c in self.layouts],
+            "best_layout": asdict(self.best_layout) if self.best_layout else None,
         }
         return json.dumps(data, indent=2)
 
@@ -88,6 +111,20 @@ class SimulationReport:
             for c in self.split:
                 mark = "  <- best" if c is best else ""
                 lines.append(f"  {c.num_engine_gpus:5d} + {c.num_trainer_gpus:<5d} {c.step_seconds:10.2f} s{mark}")
+        if self.layouts:
+            lines.append(
+                f"trainer layouts on {r.num_trainer_gpus} GPUs (training s/step; model state GiB/GPU; "
+                "model checked: docs/parallelism.md):"
+            )
+            best = self.best_layout
+            if best is None:
+                lines.append("  none fits: the model state needs more GPUs (or LoRA)")
+            for c in sorted(self.layouts, key=lambda c: (not c.fits, c.train_seconds))[:MAX_LAYOUT_LINES]:
+                mark = "  <- best" if c is best else ("  does not fit" if not c.fits else "")
+                lines.append(
+                    f"  tp {c.tp:<2d} pp {c.pp:<2d} cp {c.cp:<2d} dp_shard {c.dp_shard:<5d} {c.train_seconds:10.2f} s "
+                    f"{c.state_gib_per_gpu:8.1f} GiB{mark}"
+                )
         return "\n".join(lines)
 
 
@@ -126,10 +163,58 @@ def search_split(scenario: Scenario, budget: int) -> list[SplitCandidate]:
     return candidates
 
 
-def build_report(scenario: Scenario, *, split_budget: int | None = None) -> SimulationReport:
+def search_layouts(scenario: Scenario) -> list[LayoutCandidate]:
+    """Every trainer layout (tp, pp, cp in 1, 2, 4, ..., tp within a node) that the model and the trainer's GPUs
+    allow, priced for a step of the workload's median tokens: training seconds and the model state per GPU (float32
+    weights, gradients and AdamW moments; activations not counted), which must fit the GPU's memory."""
+    shape = scenario.model.layer_shape()
+    if shape is None:
+        raise ScenarioError(
+            "--search-layout needs the model's layer sizes: model.num_layers, hidden_size, intermediate_size, "
+            "num_attention_heads, num_key_value_heads"
+        )
+    workload, num_gpus = scenario.workload, scenario.cluster.num_trainer_gpus
+    tokens = (
+        workload.prompts_per_step
+        * workload.samples_per_prompt
+        * (workload.prompt_tokens.median + workload.response_tokens.median)
+    )
+    memory = scenario.cluster.gpu_kind().memory_bytes
+    candidates = []
+    for tp in AXIS_SIZES:
+        for pp in AXIS_SIZES:
+            for cp in AXIS_SIZES:
+                layout = scenario.trainer.model_copy(update={"tp": tp, "pp": pp, "cp": cp})
+                if tp > scenario.network.gpus_per_node:
+                    continue
+                try:
+                    check_layout(layout, shape, num_gpus=num_gpus)
+                except ValueError:
+                    continue
+                variant = scenario.model_copy(update={"trainer": layout})
+                dp_shard = num_gpus // layout.ranks_per_shard
+                state = state_bytes_per_gpu(scenario.model.num_params, tp=tp, pp=pp, dp_shard=dp_shard, cp=cp)
+                candidates.append(
+                    LayoutCandidate(
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        dp_shard=dp_shard,
+                        train_seconds=CostModel(scenario=variant).train_seconds(tokens),
+                        state_gib_per_gpu=state / 2**30,
+                        fits=state <= memory * scenario.cluster.memory_utilization,
+                    )
+                )
+    return candidates
+
+
+def build_report(
+    scenario: Scenario, *, split_budget: int | None = None, search_layout: bool = False
+) -> SimulationReport:
     result = simulate(scenario)
     sync_result = None
     if scenario.rollout.mode == "async":
         sync_result = simulate(with_changes(scenario, rollout={"mode": "sync", "continuous_batching": False}))
     split = search_split(scenario, split_budget) if split_budget is not None else []
-    return SimulationReport(result=result, sync_result=sync_result, split=split)
+    layouts = search_layouts(scenario) if search_layout else []
+    return SimulationReport(result=result, sync_result=sync_result, split=split, layouts=layouts)

@@ -19,6 +19,7 @@ from pydantic import Field, ValidationError, model_validator
 from sharpen.config import ConfigError
 from sharpen.config.section import Section
 from sharpen.simulation.hardware import GPU_KINDS, GpuKind
+from sharpen.simulation.parallel import LayerShape
 
 
 class ScenarioError(ConfigError):
@@ -64,6 +65,58 @@ class ModelSection(Section):
     """Bytes per weight in the engine and in the weight sync (2 for bf16/fp16)."""
     kv_bytes_per_token: float = Field(default=0.0, ge=0.0)
     """KV-cache bytes per token: 2 * layers * kv_heads * head_dim * bytes (0 ignores the KV cache)."""
+    num_layers: int | None = Field(default=None, ge=1)
+    """Decoder layers (with the four sizes below: needed to price a parallel trainer layout, [trainer])."""
+    hidden_size: int | None = Field(default=None, ge=1)
+    """Hidden size."""
+    intermediate_size: int | None = Field(default=None, ge=1)
+    """MLP intermediate size."""
+    num_attention_heads: int | None = Field(default=None, ge=1)
+    """Attention heads."""
+    num_key_value_heads: int | None = Field(default=None, ge=1)
+    """Key/value heads."""
+
+    def layer_shape(self) -> LayerShape | None:
+        """The layer sizes, when all five are given."""
+        sizes = (
+            self.num_layers,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+        )
+        if any(size is None for size in sizes):
+            return None
+        layers, hidden, intermediate, heads, kv_heads = (int(size or 0) for size in sizes)
+        return LayerShape(
+            num_layers=layers,
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+        )
+
+
+class TrainerLayoutSection(Section):
+    """How the trainer's GPUs split the model (sharpen's ``trainer.parallel``); FSDP2's data shards take the rest
+    of cluster.num_trainer_gpus. Any axis above 1 needs the model's layer sizes ([model] num_layers ...)."""
+
+    tp: int = Field(default=1, ge=1)
+    """Tensor-parallel GPUs (inside one node)."""
+    tp_plan: Literal["gather", "rowwise"] = "gather"
+    """sharpen's plans (docs/parallelism.md): which collectives each layer runs."""
+    pp: int = Field(default=1, ge=1)
+    """Pipeline stages."""
+    pp_stages_per_rank: int = Field(default=1, ge=1)
+    """Virtual stages per GPU (interleaved 1F1B; 1: plain 1F1B)."""
+    micro_batches: int = Field(default=8, ge=1)
+    """Micro-batches per optimizer step (the pipeline's bubble shrinks as they grow)."""
+    cp: int = Field(default=1, ge=1)
+    """Context-parallel (Ulysses) GPUs."""
+
+    @property
+    def ranks_per_shard(self) -> int:
+        return self.tp * self.pp * self.cp
 
 
 class ClusterSection(Section):
@@ -210,6 +263,8 @@ class Scenario(Section):
     workload: WorkloadSection
     rollout: RolloutSection = RolloutSection()
     costs: CostsSection = CostsSection()
+    trainer: TrainerLayoutSection = TrainerLayoutSection()
+    """The trainer's parallel layout (all 1: FSDP2 alone)."""
     environment: FleetSection = FleetSection()
     """Serves the environment step between two turns."""
     reward: FleetSection = FleetSection()
@@ -223,11 +278,39 @@ class Scenario(Section):
             raise ValueError("async mode needs disaggregated placement: colocated engines and trainer take turns")
         if self.simulation.warmup_steps >= self.simulation.num_steps:
             raise ValueError("simulation.warmup_steps must be below simulation.num_steps")
+        check_layout(self.trainer, self.model.layer_shape(), num_gpus=self.cluster.num_trainer_gpus)
         return self
 
     @property
     def staleness(self) -> int:
         return self.rollout.max_staleness if self.rollout.mode == "async" else 0
+
+
+def check_layout(layout: TrainerLayoutSection, shape: LayerShape | None, *, num_gpus: int) -> None:
+    """Raise ValueError (one line) unless ``layout`` divides ``num_gpus`` and the model's sizes."""
+    if num_gpus % layout.ranks_per_shard:
+        raise ValueError(
+            f"trainer: tp {layout.tp} x pp {layout.pp} x cp {layout.cp} = {layout.ranks_per_shard} does not divide "
+            f"cluster.num_trainer_gpus = {num_gpus}"
+        )
+    if layout.ranks_per_shard == 1:
+        return
+    if shape is None:
+        raise ValueError(
+            "trainer: a parallel layout needs the model's layer sizes (model.num_layers, hidden_size, "
+            "intermediate_size, num_attention_heads, num_key_value_heads)"
+        )
+    if shape.num_attention_heads % (layout.tp * layout.cp) or shape.num_key_value_heads % layout.tp:
+        raise ValueError(
+            f"trainer: {shape.num_attention_heads} heads / {shape.num_key_value_heads} key/value heads do not "
+            f"divide by tp x cp = {layout.tp * layout.cp} / tp = {layout.tp}"
+        )
+    if layout.pp * layout.pp_stages_per_rank > shape.num_layers:
+        raise ValueError(
+            f"trainer: {layout.pp * layout.pp_stages_per_rank} pipeline stages for {shape.num_layers} layers"
+        )
+    if layout.pp > 1 and layout.micro_batches < layout.pp:
+        raise ValueError(f"trainer: {layout.micro_batches} micro-batches for pp {layout.pp}: need at least pp")
 
 
 def parse_scenario(data: dict[str, object]) -> Scenario:

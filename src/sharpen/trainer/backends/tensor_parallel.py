@@ -37,7 +37,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 
@@ -116,7 +122,7 @@ def apply_tensor_parallel(
     embeddings = cast(nn.Module, model.get_input_embeddings())
     lm_head = cast(nn.Module, model.get_output_embeddings())
     is_tied = lm_head.weight is embeddings.weight
-    parallelize_module(decoder, mesh, styles)
+    parallelize_module(decoder, mesh, {**_shared_inputs(layer_plan), **styles})
     parallelize_module(embeddings, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
     # the LM head's output stays split over the vocabulary (a local [tokens, vocab / tp] slice)
     parallelize_module(lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
@@ -131,6 +137,28 @@ def apply_tensor_parallel(
     return TensorParallelModel(
         vocab=VocabShard(start=mesh.get_local_rank() * local, size=local, group=mesh.get_group()), mesh=mesh
     )
+
+
+def _shared_inputs(layer_plan: dict[str, str]) -> dict[str, ParallelStyle]:
+    """One replicated DTensor input for each block whose projections split by column (attention: q/k/v; MLP:
+    gate/up): their input gradients, partial sums on each rank, then add up in that one DTensor and are all-reduced
+    once per block instead of once per projection (2 all-reduces per layer in the backward, not 5). The attention
+    takes its input as the ``hidden_states`` keyword, the MLP as its one argument (Llama, Qwen2, Qwen3, Mistral);
+    a block called otherwise keeps one all-reduce per projection (the same values)."""
+    blocks = {pattern.rsplit(".", 1)[0] for pattern, style in layer_plan.items() if style == "colwise"}
+    styles: dict[str, ParallelStyle] = {}
+    for block in sorted(blocks):
+        if block.endswith(".mlp"):
+            styles[block] = PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+        else:
+            styles[block] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": Replicate()},
+                desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                use_local_output=False,
+            )
+    return styles
 
 
 def _replicate(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement) -> None:

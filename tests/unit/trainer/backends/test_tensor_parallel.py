@@ -81,7 +81,7 @@ def _config(plan: str = "gather", **overrides) -> TrainerConfig:
     return TrainerConfig(**{**config, **overrides})
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three right-padded rows: ids, attention mask, target mask (two rows differ in length), token advantages."""
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(1, VOCAB, (3, 12), generator=generator)
@@ -90,19 +90,20 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     targets = torch.zeros(3, 11, dtype=torch.bool)
     targets[:, 4:] = True
     targets[2, 8:] = False
-    return ids, attention, targets, torch.randn(3, 11, generator=generator)
+    advantages = torch.randn(3, 11, generator=generator)
+    return ids.to(device), attention.to(device), targets.to(device), advantages.to(device)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
 
 
 def _steps(backend) -> list[dict]:
     """Two optimizer steps of a policy-gradient loss with an entropy bonus (temperature 0.7) on the whole batch:
     each step's logprobs, entropy, loss, every parameter's full gradient and the pre-clip norm."""
-    ids, attention, targets, advantages = _batch()
+    ids, attention, targets, advantages = _batch(backend.device)
     steps = []
     for _ in range(NUM_STEPS):
         scores = backend.score_tokens(
@@ -115,9 +116,9 @@ def _steps(backend) -> list[dict]:
         grads = {name: _full(p.grad) for name, p in backend.model.named_parameters() if p.grad is not None}
         steps.append(
             {
-                "logprobs": scores.logprobs.detach().clone(),
-                "entropy": scores.entropy.detach().clone(),
-                "loss": loss.detach().clone(),
+                "logprobs": scores.logprobs.detach().cpu().clone(),
+                "entropy": scores.entropy.detach().cpu().clone(),
+                "loss": loss.detach().cpu().clone(),
                 "grads": grads,
                 "norm": backend.clip_and_step(),
             }
@@ -346,3 +347,50 @@ def test_a_layout_that_does_not_divide_the_heads_is_refused(models):
     shape = ModelShape.from_hf_config(json.loads((models["llama"] / "config.json").read_text()))
     with pytest.raises(LayoutError, match=r"key/value heads \(2\) are not divisible by tp = 4"):
         ParallelLayout(tp=4).check(world_size=4, model=shape)
+
+
+def _nccl_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir: Path) -> None:
+    """One CUDA rank: the FSDP2 backend at layout size 1 (two optimizer steps), and the tensor-parallel plan at size
+    1 on a model of its own (every parameter a DTensor on a 1-rank NCCL mesh, the LM head's vocabulary scored by
+    `vocab_parallel_scores`; the backend applies the plan only for tp > 1)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+    from sharpen.trainer.backends.scoring import score_tokens
+    from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
+
+    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    init_distributed("nccl")
+    backend = FSDP2Backend(_config(device="cuda"), model_path=model_dir, dtype="float32", layout=ParallelLayout())
+    steps = [{key: value for key, value in step.items() if key != "grads"} for step in _steps(backend)]
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
+    split = apply_tensor_parallel(model, init_device_mesh("cuda", (1,), mesh_dim_names=("tp",))["tp"])
+    ids, attention, targets, _ = _batch("cuda")
+    with torch.no_grad():
+        scores = score_tokens(model, ids, attention, targets, temperature=0.7, vocab=split.vocab)
+    torch.save({"steps": steps, "plan_logprobs": scores.logprobs.cpu()}, out_dir / "nccl.pt")
+    dist.destroy_process_group()
+
+
+@slow
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_axis_at_size_1_on_nccl_matches_the_cpu(models, tmp_path):
+    """The lent GPU machine's parallel-trainer check (benchmarks/gpu_check.sh runs every `gpu` test): the FSDP2
+    backend at layout size 1 and the tensor-parallel plan at size 1 on NCCL, against the single-device CPU run."""
+    import torch.multiprocessing as mp
+
+    from support.ranks import free_port
+
+    mp.start_processes(_nccl_worker, args=(1, free_port(), models["llama"], tmp_path), nprocs=1, start_method="spawn")
+    got = torch.load(tmp_path / "nccl.pt")
+    expected = _steps(SingleDeviceBackend(_config(), model_path=models["llama"], dtype="float32"))
+    for got_step, step in zip(got["steps"], expected, strict=True):
+        for key in ("logprobs", "entropy", "loss"):
+            assert _max_difference(got_step[key], step[key]) < TOLERANCE, key
+    assert _max_difference(got["plan_logprobs"], expected[0]["logprobs"]) < TOLERANCE
