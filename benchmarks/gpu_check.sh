@@ -6,7 +6,7 @@
 # run them. Prints the device, then runs every test marked `gpu` (they skip without CUDA): FSDP2 on NCCL against the
 # single-device backend (tests/unit/trainer/backends/test_fsdp2.py), the parallel trainer with every axis at size 1 on
 # NCCL (the layout's backend and the tensor-parallel plan) against the CPU run
-# (tests/unit/trainer/backends/test_tensor_parallel.py), colocation with vLLM's sleep mode — the engine's
+# (tests/unit/trainer/backends/test_parallel_trainer.py), colocation with vLLM's sleep mode — the engine's
 # memory freed while asleep, the trainer's weights reloaded after waking, a colocated run in one process and as
 # Ray actors sharing one GPU (tests/integration/test_gpu_colocate.py) — and, where `import sglang` works, the sglang
 # engine against a real SGLang server on SmolLM2 that this script starts and stops (its URL in SHARPEN_SGLANG_URL, for

@@ -16,8 +16,8 @@ from sharpen.config.section import Section
 
 class ParallelConfig(Section):
     """The size of each parallel axis other than ``dp_shard`` (FSDP2's shards), which takes the rest of
-    ``runtime.trainer_ranks``. Built today: ``tp`` and ``dp_replicate``; ``pp`` and ``cp`` are refused at start until
-    their schedules are built (docs/parallelism.md)."""
+    ``runtime.trainer_ranks``. Built today: ``tp``, ``cp`` and ``dp_replicate``; ``pp`` is refused at start until its
+    schedules are built (docs/parallelism.md)."""
 
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel ranks: each decoder layer's projections, the embedding and the LM head are split over them
@@ -33,7 +33,9 @@ class ParallelConfig(Section):
     pp: int = Field(default=1, ge=1)
     """Pipeline stages (not built yet: more than 1 is refused at start)."""
     cp: int = Field(default=1, ge=1)
-    """Context-parallel ranks (not built yet: more than 1 is refused at start)."""
+    """Context-parallel ranks (Ulysses): each runs every row's decoder on 1 / cp of its sequence and attention trades
+    that split for one over heads, so the heads (per tensor-parallel rank) must divide by it. Right-padded and
+    packed rows; FSDP2 shards parameters over dp_shard x cp."""
 
     @property
     def ranks_per_shard(self) -> int:

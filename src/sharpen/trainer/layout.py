@@ -183,12 +183,13 @@ class ParallelLayout:
             self._check_micro_batches(num_micro_batches)
 
     def check_built(self) -> None:
-        """Raise `LayoutError` for an axis whose trainer is not built yet (pipeline, context and expert
-        parallelism); data and tensor parallelism are."""
-        if self.pp > 1 or self.cp > 1 or self.ep > 1:
+        """Raise `LayoutError` for an axis whose trainer is not built yet (pipeline and expert parallelism); data,
+        tensor and context parallelism are."""
+        if self.pp > 1 or self.ep > 1:
             raise LayoutError(
-                f"the trainer runs data and tensor parallelism (dp_replicate, dp_shard, tp); {self.describe()} asks "
-                "for pipeline, context or expert parallelism, which are not built yet (docs/parallelism.md)"
+                f"the trainer runs data, tensor and context parallelism (dp_replicate, dp_shard, tp, cp); "
+                f"{self.describe()} asks for pipeline or expert parallelism, which are not built yet "
+                "(docs/parallelism.md)"
             )
 
     def _check_model(self, model: ModelShape) -> None:

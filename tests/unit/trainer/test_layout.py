@@ -146,3 +146,9 @@ def test_moe_shapes_come_from_each_familys_keys():
     assert _error(ParallelLayout(dp_shard=6, ep=6), world_size=6, model=qwen3_moe) == (
         "the model's 16 experts are not divisible by ep 6"
     )
+
+
+def test_an_axis_that_is_not_built_is_refused_in_one_line():
+    ParallelLayout(tp=2, cp=2, dp_replicate=2).check_built()  # data, tensor and context parallelism run
+    with pytest.raises(LayoutError, match=r"pp 2 asks for pipeline or expert parallelism, which are not built yet"):
+        ParallelLayout(pp=2).check_built()

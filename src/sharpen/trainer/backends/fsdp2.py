@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
 from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores
+from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
 from sharpen.trainer.backends.mesh import build_device_mesh
@@ -114,6 +116,7 @@ class _ScoringRoot(nn.Module):
         logits_chunk_tokens: int,
         image_inputs: dict[str, torch.Tensor] | None,
         vocab: VocabShard | None,
+        context: ContextParallel | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scores = score_tokens(
             self.model,
@@ -127,6 +130,7 @@ class _ScoringRoot(nn.Module):
             logits_chunk_tokens=logits_chunk_tokens,
             image_inputs=image_inputs,
             vocab=vocab,
+            context=context,
         )
         logprobs = scores.logprobs
         if image_inputs is None and self.image_side:
@@ -193,14 +197,10 @@ class FSDP2Backend(ScoresTokenLogprobs):
             resolve_precision(config.precision, self.device, num_threads=config.resolved_num_threads), self.device
         )
         mesh = build_device_mesh(self.layout, device_type=self.device.type)
-        # FSDP2 shards over dp_shard (HSDP: replicated over dp_replicate too); the trainer splits data over both
-        self.fsdp_mesh = mesh["dp_replicate", "dp_shard"] if self.layout.dp_replicate > 1 else mesh["dp_shard"]
-        data_mesh = (
-            mesh["dp_replicate", "dp_shard"]._flatten("dp") if self.layout.dp_replicate > 1 else mesh["dp_shard"]
-        )
+        self.fsdp_mesh, data_mesh = _data_meshes(mesh, self.layout)
         self._group = data_mesh.get_group()  # the data-parallel ranks: metrics and lockstep counts are summed here
         self.rank, self.num_ranks = data_mesh.get_local_rank(), data_mesh.size()
-        self.is_writer = dist.get_rank() == 0  # tensor-parallel ranks share a data-parallel rank: one writes
+        self.is_writer = dist.get_rank() == 0  # tensor- and context-parallel ranks share a data shard: one writes
         torch.manual_seed(seed)
         self.model: PreTrainedModel = model_class(self.model_path).from_pretrained(
             self.model_path, dtype=getattr(torch, dtype)
@@ -215,6 +215,12 @@ class FSDP2Backend(ScoresTokenLogprobs):
         """What tensor parallelism split (tp > 1): its mesh and the LM head's vocabulary slice."""
         if self.layout.tp > 1:
             self.tensor_parallel = apply_tensor_parallel(self.model, mesh["tp"], plan=config.parallel.tp_plan)
+        self.context_parallel: ContextParallel | None = None
+        """Context parallelism (cp > 1): this rank's slice of every row's sequence (Ulysses attention)."""
+        if self.layout.cp > 1:
+            cp_mesh = mesh["cp"]
+            self.context_parallel = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+            self.context_parallel.attach(self.model)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
@@ -271,6 +277,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 self.config.logits_chunk_tokens,
                 image_inputs,
                 None if self.tensor_parallel is None else self.tensor_parallel.vocab,
+                self.context_parallel,
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)
 
@@ -393,13 +400,30 @@ def _global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
+def _data_meshes(mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the mesh FSDP2 shards over, the data-parallel ranks that split a batch). FSDP2 shards over ``dp_shard`` and,
+    as torchtitan does, the context-parallel ranks (``dp_shard x cp``, whose gradients are partial sums over the
+    sequence); HSDP replicates that over ``dp_replicate`` (a 2-D mesh). The trainer splits data over ``dp_replicate
+    x dp_shard`` only: the ``cp`` and ``tp`` ranks of a data shard train on the same rows."""
+    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if layout.cp > 1 else mesh["dp_shard"]
+    if layout.dp_replicate > 1:
+        fsdp = mesh["dp_replicate", "dp_shard_cp"] if layout.cp > 1 else mesh["dp_replicate", "dp_shard"]
+        return fsdp, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return shard, mesh["dp_shard"]
+
+
 def _check_layout(layout: ParallelLayout, model_path: Path, *, lora: bool) -> None:
     """Refuse, in one line, a layout that this backend does not run or that the model's sizes do not fit."""
     layout.check_built()
     if layout.tp > 1 and lora:
         raise LayoutError("trainer.lora with tensor parallelism (tp > 1) is not supported: use tp = 1 with LoRA")
-    if layout.tp > 1 and is_vision_model(model_path):
-        raise LayoutError("tensor parallelism (tp > 1) splits text decoders only; a vision-language model needs tp = 1")
+    if (layout.tp > 1 or layout.cp > 1) and is_vision_model(model_path):
+        raise LayoutError(
+            "tensor and context parallelism (tp, cp > 1) split text decoders only; a vision-language model needs "
+            "tp = cp = 1"
+        )
+    if layout.cp > 1 and lora:
+        raise LayoutError("trainer.lora with context parallelism (cp > 1) is not supported: use cp = 1 with LoRA")
     layout.check(world_size=dist.get_world_size(), model=ModelShape.from_model_folder(model_path))
 
 

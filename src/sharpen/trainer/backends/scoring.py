@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sharpen.data.vision import text_only_error
 from sharpen.trainer.backends.base import TokenScores
 from sharpen.trainer.backends.chunked_logits import score_on_grid
+from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.types import ImagePart
 
@@ -41,6 +43,7 @@ def score_tokens(
     logits_chunk_tokens: int = 0,
     image_inputs: dict[str, torch.Tensor] | None = None,
     vocab: VocabShard | None = None,
+    context: ContextParallel | None = None,
 ) -> TokenScores:
     """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
     The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
@@ -59,9 +62,26 @@ def score_tokens(
 
     ``vocab``: a tensor-parallel model's LM head returns this rank's vocabulary slice (`tensor_parallel`), scored
     without gathering the vocabulary (`vocab_parallel`).
+
+    ``context``: context parallelism (`context_parallel`): this rank runs the decoder and the LM head on its slice of
+    the sequence, and the scores of every rank's slice are gathered (collective over its group).
     """
     if position_ids is not None and attention_mask is not None:
         raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
+    if context is not None:
+        assert image_inputs is None, "context parallelism splits text rows only"
+        return _score_slices(
+            model,
+            input_ids,
+            target_mask,
+            context,
+            position_ids=position_ids,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            logits_chunk_tokens=logits_chunk_tokens,
+            vocab=vocab,
+        )
     if image_inputs is not None:
         assert position_ids is None, "rows with images are right-padded, never packed"
         hidden = model.base_model(
@@ -85,6 +105,44 @@ def score_tokens(
         chunk_tokens=logits_chunk_tokens,
         vocab=vocab,
     )
+
+
+def _score_slices(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    context: ContextParallel,
+    *,
+    position_ids: torch.Tensor | None,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    logits_chunk_tokens: int,
+    vocab: VocabShard | None,
+) -> TokenScores:
+    """`score_tokens` on this rank's slice of the sequence, gathered into the whole ``[batch, seq - 1]`` grid."""
+    length = input_ids.shape[1]
+    ids, positions, local, padded = context.split(input_ids, position_ids)  # right-padded rows: causal alone
+    hidden = model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    extra = padded - (length - 1)  # position t predicts token t + 1: the grid has length - 1 positions
+    next_ids = F.pad(input_ids[:, 1:], (0, extra), value=0)[:, local]
+    grid = F.pad(target_mask, (0, extra), value=False)[:, local]
+    lm_head = cast(nn.Module, model.get_output_embeddings())
+    scores = score_on_grid(
+        lm_head,
+        hidden[grid],
+        next_ids[grid],
+        grid,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        chunk_tokens=logits_chunk_tokens,
+        vocab=vocab,
+    )
+    # copies, not views: FSDP2 hooks the backward through its root's outputs, which an in-place op on a view would skip
+    logprobs = context.gather(scores.logprobs)[:, : length - 1].clone()
+    entropy = None if scores.entropy is None else context.gather(scores.entropy)[:, : length - 1].clone()
+    return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
 def score_top_k(

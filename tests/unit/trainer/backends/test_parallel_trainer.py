@@ -1,9 +1,11 @@
-"""Tensor parallelism on gloo ranks against one process (float32, tiny models): per-token logprobs, entropy, loss and
-every gradient of two optimizer steps, for Llama (tied LM head; both plans), Qwen2 (attention biases) and Qwen3
-(per-head q/k norms); the real `Trainer` on tp 2, tp 2 x dp_shard 2 and tp 2 x dp_replicate 2 (HSDP); full
-HF-named weights, an export that transformers loads, and a tp 2 checkpoint resumed on another layout (dp_shard 2).
+"""Tensor and context parallelism on gloo ranks against one process (float32, tiny models): per-token logprobs,
+entropy, loss and every gradient of two optimizer steps, for tp 2 on Llama (tied LM head; both plans), Qwen2 (attention
+biases) and Qwen3 (per-head q/k norms), and for cp 2 (Ulysses) on Llama and Qwen3 (grouped key/value heads), right-
+padded and packed rows; the real `Trainer` on tp 2, cp 2 (packed rows), tp 2 x dp_shard 2, tp 2 x dp_replicate 2
+(HSDP) and tp 2 x cp 2; full HF-named weights, an export that transformers loads, and a tp 2 checkpoint resumed on
+another layout (dp_shard 2).
 
-One launch of 2 ranks runs every tp 2 case, one launch of 4 ranks the 2-D layouts, then 2 ranks resume; the tests
+One launch of 2 ranks runs every 2-rank case, one launch of 4 ranks the 2-D layouts, then 2 ranks resume; the tests
 compare what rank 0 wrote with single-process runs in this process (after the launches).
 """
 
@@ -28,7 +30,15 @@ WEIGHT_TOLERANCE = 5e-5  # relative, after the AdamW steps (`_relative_differenc
 slow = pytest.mark.slow  # forks 2, then 4, then 2 ranks: ~1 min on 2 shared cores
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-CASES = (("llama", "gather"), ("llama", "rowwise"), ("qwen2", "gather"), ("qwen3", "gather"))
+CASES = (  # layout, family, tensor-parallel plan
+    ("tp2", "llama", "gather"),
+    ("tp2", "llama", "rowwise"),
+    ("tp2", "qwen2", "gather"),
+    ("tp2", "qwen3", "gather"),
+    ("cp2", "llama", "gather"),
+    ("cp2", "qwen3", "gather"),
+)
+LAYOUTS = {"tp2": ParallelLayout(tp=2), "cp2": ParallelLayout(cp=2)}
 
 
 def _save_tiny(family: str, folder: Path) -> Path:
@@ -143,15 +153,29 @@ def _rollouts() -> list[Rollout]:
     ]
 
 
-def _trainer_config() -> TrainerConfig:
+def _trainer_config(**overrides) -> TrainerConfig:
     algorithm = {"num_mini_batches": 2, "num_epochs": 2, "entropy_coef": 0.01}
-    return _config(micro_batch_size=2, algorithm=algorithm)
+    return _config(micro_batch_size=2, algorithm=algorithm, **overrides)
+
+
+def _packed_scores(backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs and entropy of two packed rows (sequences of 5 and 7 tokens in one, 12 in the other; positions
+    restart at 0 where a sequence starts), before any step."""
+    generator = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, VOCAB, (2, 12), generator=generator)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], list(range(12))])
+    targets = torch.ones(2, 11, dtype=torch.bool)
+    targets[0, 4] = False  # the first sequence's last token does not predict the second's first
+    with torch.no_grad():
+        scores = backend.score_tokens(ids, None, targets, temperature=1.0, position_ids=positions, with_entropy=True)
+    assert scores.entropy is not None
+    return scores.logprobs.clone(), scores.entropy.clone()
 
 
 def _trainer_steps(backend) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     from sharpen.trainer import Trainer
 
-    trainer = Trainer(_trainer_config(), backend=backend, pad_token_id=PAD, max_new_tokens=12)
+    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
     metrics = [trainer.step(TrainBatch(rollouts=_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
     return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
 
@@ -162,12 +186,18 @@ def _tp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], o
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
     join_gloo(rank, num_ranks, port)
-    layout = ParallelLayout(tp=2)
     results: dict[str, object] = {}
-    for family, plan in CASES:
-        backend = FSDP2Backend(_config(plan), model_path=models[family], dtype="float32", layout=layout)
-        results[f"{family}/{plan}"] = _steps(backend)
-        results[f"{family}/{plan}/weights"] = {name: tensor.clone() for name, tensor in backend.named_weights()}
+    for layout, family, plan in CASES:
+        backend = FSDP2Backend(_config(plan), model_path=models[family], dtype="float32", layout=LAYOUTS[layout])
+        if layout == "cp2" and family == "llama":
+            results["cp2/packed"] = _packed_scores(backend)
+        results[f"{layout}/{family}/{plan}"] = _steps(backend)
+        weights = {name: tensor.clone() for name, tensor in backend.named_weights()}
+        results[f"{layout}/{family}/{plan}/weights"] = weights
+    packed = _trainer_config(packing=True)
+    backend = FSDP2Backend(packed, model_path=models["llama"], dtype="float32", layout=LAYOUTS["cp2"])
+    results["cp2/trainer"] = _trainer_steps(backend)
+    layout = LAYOUTS["tp2"]
     backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32", layout=layout)
     results["trainer"] = _trainer_steps(backend)
     backend.save(out_dir / "checkpoint")
@@ -181,7 +211,7 @@ def _tp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], o
     dist.destroy_process_group()
 
 
-def _tp2_dp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out_dir: Path) -> None:
+def _four_rank_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out_dir: Path) -> None:
     import torch.distributed as dist
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
@@ -191,11 +221,12 @@ def _tp2_dp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path
     for name, layout in (
         ("dp_shard", ParallelLayout(dp_shard=2, tp=2)),
         ("hsdp", ParallelLayout(dp_replicate=2, tp=2)),
+        ("cp", ParallelLayout(cp=2, tp=2)),
     ):
         backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32", layout=layout)
         results[name] = {"trainer": _trainer_steps(backend), "ranks": (backend.rank, backend.num_ranks)}
     if rank == 0:
-        torch.save(results, out_dir / "tp2_dp2.pt")
+        torch.save(results, out_dir / "four_ranks.pt")
     dist.destroy_process_group()
 
 
@@ -218,9 +249,9 @@ def _resume_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path]
 def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
     out_dir = tmp_path_factory.mktemp("tp")
     launch_cpu_ranks(_tp2_worker, 2, models, out_dir)
-    launch_cpu_ranks(_tp2_dp2_worker, 4, models, out_dir)
+    launch_cpu_ranks(_four_rank_worker, 4, models, out_dir)
     launch_cpu_ranks(_resume_worker, 2, models, out_dir)
-    return torch.load(out_dir / "tp2.pt"), torch.load(out_dir / "tp2_dp2.pt"), out_dir
+    return torch.load(out_dir / "tp2.pt"), torch.load(out_dir / "four_ranks.pt"), out_dir
 
 
 @pytest.fixture(scope="module")
@@ -233,6 +264,9 @@ def single(runs, models: dict[str, Path]) -> dict[str, object]:
         results[f"{family}/weights"] = dict(backend.named_weights())
     backend = SingleDeviceBackend(_trainer_config(), model_path=models["llama"], dtype="float32")
     results["trainer"] = _trainer_steps(backend)
+    backend = SingleDeviceBackend(_trainer_config(packing=True), model_path=models["llama"], dtype="float32")
+    results["packed/trainer"] = _trainer_steps(backend)
+    results["packed"] = _packed_scores(SingleDeviceBackend(_config(), model_path=models["llama"], dtype="float32"))
     return results
 
 
@@ -250,9 +284,9 @@ def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 @slow
-@pytest.mark.parametrize(("family", "plan"), CASES)
-def test_tp2_steps_match_one_process(runs, single, family, plan):
-    got_steps, expected_steps = runs[0][f"{family}/{plan}"], single[family]
+@pytest.mark.parametrize(("layout", "family", "plan"), CASES)
+def test_steps_match_one_process(runs, single, layout, family, plan):
+    got_steps, expected_steps = runs[0][f"{layout}/{family}/{plan}"], single[family]
     for step, (got, expected) in enumerate(zip(got_steps, expected_steps, strict=True)):
         for key in ("logprobs", "entropy", "loss"):
             assert _max_difference(got[key], expected[key]) < TOLERANCE, (step, key)
@@ -260,7 +294,7 @@ def test_tp2_steps_match_one_process(runs, single, family, plan):
         for name, grad in expected["grads"].items():
             assert _max_difference(got["grads"][name], grad) < TOLERANCE, (step, name)
         assert got["norm"] == pytest.approx(expected["norm"], rel=TOLERANCE)
-    weights = runs[0][f"{family}/{plan}/weights"]
+    weights = runs[0][f"{layout}/{family}/{plan}/weights"]
     expected_weights = single[f"{family}/weights"]
     assert weights.keys() == expected_weights.keys()  # HF names, a tied LM head left out as on one device
     for name, tensor in expected_weights.items():
@@ -272,7 +306,7 @@ def test_the_default_plan_scores_as_one_process_does(runs, single):
     """The gather plan sums nothing across ranks: the first step's logprobs (before any update) are those of one
     process to float32 rounding of the vocabulary-parallel log-softmax (measured: identical here)."""
     for family in FAMILIES:
-        got, expected = runs[0][f"{family}/gather"][0]["logprobs"], single[family][0]["logprobs"]
+        got, expected = runs[0][f"tp2/{family}/gather"][0]["logprobs"], single[family][0]["logprobs"]
         assert _max_difference(got, expected) <= 1e-6, family
 
 
@@ -305,6 +339,22 @@ def test_the_trainer_on_tp2_x_dp2_matches_one_device(runs, single, data_axis):
     model), each of them a tp 2 pair."""
     assert runs[1][data_axis]["ranks"] == (0, 2)
     _assert_trainer_matches(runs[1][data_axis]["trainer"], single["trainer"])
+
+
+@slow
+def test_the_trainer_on_tp2_x_cp2_matches_one_device(runs, single):
+    """4 ranks, one data shard: each half of the sequence on a tp 2 pair."""
+    assert runs[1]["cp"]["ranks"] == (0, 1)
+    _assert_trainer_matches(runs[1]["cp"]["trainer"], single["trainer"])
+
+
+@slow
+def test_packed_rows_on_cp2_match_one_process(runs, single):
+    """Packed rows (attention never crosses a sequence) split over 2 context-parallel ranks: the scores, and the
+    real `Trainer` with trainer.packing = true."""
+    for got, expected in zip(runs[0]["cp2/packed"], single["packed"], strict=True):
+        assert _max_difference(got, expected) < TOLERANCE
+    _assert_trainer_matches(runs[0]["cp2/trainer"], single["packed/trainer"])
 
 
 @slow
