@@ -27,6 +27,10 @@ class ParallelConfig(Section):
     """How the layers the model's plan calls row-wise (attention output, MLP down projection) split: ``gather``
     all-gathers their input so that no sum crosses ranks and a token's logprobs do not depend on ``tp`` (the default;
     closest to the engine); ``rowwise`` is Megatron's split with an all-reduce of partial sums (fewer bytes moved)."""
+    sequence_parallel: bool = True
+    """With tp > 1: between the tensor-parallel blocks, the residual stream and its norms hold 1 / tp of the sequence
+    on each rank (their activations shrink by tp; the same values: the gather plan gathers instead of summing, the
+    rowwise plan reduce-scatters what it all-reduced)."""
     dp_replicate: int = Field(default=1, ge=1)
     """Replicas of the sharded model (HSDP): FSDP2 shards over ``dp_shard`` ranks inside each replica and the
     replicas all-reduce gradients; data is split over both."""

@@ -43,11 +43,16 @@ class _Rows:
 
 @dataclass(slots=True)
 class ContextParallel:
-    """The ``cp`` ranks of this rank's group: ``rank`` of ``size`` (the ``cp`` mesh axis)."""
+    """The ``cp`` ranks of this rank's group: ``rank`` of ``size`` (the ``cp`` mesh axis). ``multiple``: each
+    rank's slice is padded to a multiple of it (the ``tp`` ranks' sequence-parallel shards of the slice). With
+    ``size`` 1 (sequence parallelism alone) nothing is split or exchanged here: only the whole rows' attention
+    mask is kept, because the decoder layers then see ``1 / tp`` of the sequence and transformers would build the
+    mask of that shard."""
 
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None
     rank: int
     size: int
+    multiple: int = 1
     rows: _Rows | None = field(default=None)
 
     def attach(self, model: nn.Module) -> None:
@@ -69,7 +74,8 @@ class ContextParallel:
         ``position_ids``; where the padding starts does not matter, see below) or packed rows (``position_ids``,
         each sequence restarting at 0)."""
         batch, length = input_ids.shape
-        padded = -(-length // self.size) * self.size
+        step = self.size * self.multiple
+        padded = -(-length // step) * step
         extra = padded - length
         device = input_ids.device
         if position_ids is None:
@@ -90,6 +96,8 @@ class ContextParallel:
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[batch, padded / cp]`` per rank -> ``[batch, padded]`` on every rank (sequence order); the backward
         takes this rank's slice of the gradient (the loss on the gathered values is the same on every rank)."""
+        if self.size == 1:
+            return local
         return _GatherSlices.apply(local, self.group, self.size, self.rank)
 
 
@@ -109,6 +117,7 @@ class _GatherSlices(torch.autograd.Function):
 
 def _all_to_all(send: torch.Tensor, context: ContextParallel) -> torch.Tensor:
     """Equal slices of dim 0 exchanged between the ranks, with autograd (the backward is the reverse exchange)."""
+    assert context.group is not None, "only a context-parallel group of several ranks exchanges slices"
     return wait_tensor(all_to_all_single_autograd(send, None, None, context.group))
 
 
@@ -149,9 +158,14 @@ def ulysses_attention(
     if groups > 1:  # every query head its key/value head, so that all three split over cp alike
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
-    q, k, v = (_sequence_to_heads(t, context) for t in (query, key, value))
+    if context.size == 1:  # sequence parallelism alone: the layer already sees the whole sequence here
+        q, k, v = query, key, value
+    else:
+        q, k, v = (_sequence_to_heads(t, context) for t in (query, key, value))
     mask = context.rows.mask
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout if module.training else 0.0, scale=scaling
     )
-    return _heads_to_sequence(out, context).transpose(1, 2).contiguous(), None
+    if context.size > 1:
+        out = _heads_to_sequence(out, context)
+    return out.transpose(1, 2).contiguous(), None

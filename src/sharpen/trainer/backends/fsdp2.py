@@ -213,13 +213,20 @@ class FSDP2Backend(ScoresTokenLogprobs):
             self.lora = apply_lora(self.model, config.lora)
         self.tensor_parallel: TensorParallelModel | None = None
         """What tensor parallelism split (tp > 1): its mesh and the LM head's vocabulary slice."""
+        sequence_parallel = self.layout.tp > 1 and config.parallel.sequence_parallel
         if self.layout.tp > 1:
-            self.tensor_parallel = apply_tensor_parallel(self.model, mesh["tp"], plan=config.parallel.tp_plan)
+            self.tensor_parallel = apply_tensor_parallel(
+                self.model, mesh["tp"], plan=config.parallel.tp_plan, sequence_parallel=sequence_parallel
+            )
         self.context_parallel: ContextParallel | None = None
-        """Context parallelism (cp > 1): this rank's slice of every row's sequence (Ulysses attention)."""
-        if self.layout.cp > 1:
+        """Context parallelism (cp > 1): this rank's slice of every row's sequence (Ulysses attention); with
+        sequence parallelism alone, the whole rows' attention mask."""
+        if self.layout.cp > 1 or sequence_parallel:
             cp_mesh = mesh["cp"]
-            self.context_parallel = ContextParallel(cp_mesh.get_group(), cp_mesh.get_local_rank(), cp_mesh.size())
+            group = cp_mesh.get_group() if self.layout.cp > 1 else None
+            self.context_parallel = ContextParallel(
+                group, cp_mesh.get_local_rank(), cp_mesh.size(), multiple=self.layout.tp if sequence_parallel else 1
+            )
             self.context_parallel.attach(self.model)
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

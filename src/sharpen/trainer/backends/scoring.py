@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from sharpen.data.vision import text_only_error
 from sharpen.trainer.backends.base import TokenScores
@@ -124,6 +125,8 @@ def _score_slices(
     length = input_ids.shape[1]
     ids, positions, local, padded = context.split(input_ids, position_ids)  # right-padded rows: causal alone
     hidden = model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+    if isinstance(hidden, DTensor):  # sequence parallelism: the final norm's output is split over the tp ranks
+        hidden = hidden.full_tensor()
     extra = padded - (length - 1)  # position t predicts token t + 1: the grid has length - 1 positions
     next_ids = F.pad(input_ids[:, 1:], (0, extra), value=0)[:, local]
     grid = F.pad(target_mask, (0, extra), value=False)[:, local]

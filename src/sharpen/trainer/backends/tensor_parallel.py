@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -91,30 +92,40 @@ def model_tp_plan(model: PreTrainedModel) -> dict[str, str]:
     return plan
 
 
-def _style(name: str, plan: TensorParallelPlan) -> ParallelStyle | None:
+def _style(name: str, plan: TensorParallelPlan, *, between: Placement) -> ParallelStyle | None:
+    """The style of a layer of the model's plan; ``between``: the layout of the residual stream between blocks
+    (Replicate, or Shard(1) with sequence parallelism)."""
     if name == "colwise":
         return ColwiseParallel()
-    if name == "rowwise" and plan == "rowwise":
-        return RowwiseParallel()
-    if name == "rowwise":  # "gather": all-gather the split input, split the output columns, all-gather them
-        return ColwiseParallel(input_layouts=Shard(-1), output_layouts=Replicate())
+    if name == "rowwise" and plan == "rowwise":  # reduce (all-reduce, or reduce-scatter over the sequence)
+        return RowwiseParallel(output_layouts=between)
+    if name == "rowwise":  # "gather": all-gather the split input, split the output columns, gather them
+        return ColwiseParallel(input_layouts=Shard(-1), output_layouts=between)
     return None  # replicated_with_grad_allreduce: the weight stays whole; its gradient is all-reduced
 
 
 def apply_tensor_parallel(
-    model: PreTrainedModel, mesh: DeviceMesh, *, plan: TensorParallelPlan = "gather"
+    model: PreTrainedModel,
+    mesh: DeviceMesh,
+    *,
+    plan: TensorParallelPlan = "gather",
+    sequence_parallel: bool = False,
 ) -> TensorParallelModel:
     """Split ``model``'s decoder layers, embedding and LM head over ``mesh`` (the 1-D ``tp`` mesh), in place, before
     FSDP2 shards the result over the data-parallel axes. A tied LM head stays tied to the (vocabulary-split)
-    embedding."""
+    embedding. ``sequence_parallel``: between the blocks, the residual stream and its norms hold ``1 / tp`` of the
+    sequence on each rank (the sequence must divide by ``tp``: `context_parallel.ContextParallel` pads it and
+    supplies the attention mask of the whole rows); the decoder's output is then a DTensor split over the
+    sequence."""
     if plan not in TENSOR_PARALLEL_PLANS:
         raise TensorParallelError(f"unknown tensor-parallel plan {plan!r}; choose one of {TENSOR_PARALLEL_PLANS}")
     layer_plan = model_tp_plan(model)
     decoder = model.get_decoder()
     styles: dict[str, ParallelStyle] = {}
     per_head: list[str] = []  # modules whose input holds the rank's heads (replicated_with_grad_allreduce)
+    between: Placement = Shard(1) if sequence_parallel else Replicate()
     for pattern, name in layer_plan.items():
-        style = _style(name, plan)
+        style = _style(name, plan, between=between)
         if style is None:
             per_head.append(pattern)
         else:
@@ -122,8 +133,8 @@ def apply_tensor_parallel(
     embeddings = cast(nn.Module, model.get_input_embeddings())
     lm_head = cast(nn.Module, model.get_output_embeddings())
     is_tied = lm_head.weight is embeddings.weight
-    parallelize_module(decoder, mesh, {**_shared_inputs(layer_plan), **styles})
-    parallelize_module(embeddings, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+    parallelize_module(decoder, mesh, {**_shared_inputs(layer_plan, between=between), **styles})
+    parallelize_module(embeddings, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=between))
     # the LM head's output stays split over the vocabulary (a local [tokens, vocab / tp] slice)
     parallelize_module(lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
     if is_tied:  # parallelize_module made the head a parameter of its own: make it the embedding's again
@@ -131,7 +142,10 @@ def apply_tensor_parallel(
     for name, module in decoder.named_modules():
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             split_heads = any(_matches(name, pattern) for pattern in per_head)
-            _replicate(module, mesh, input_layout=Shard(-2) if split_heads else Replicate())
+            if sequence_parallel and not split_heads:  # a norm of the residual stream: on its sequence shard
+                parallelize_module(module, mesh, SequenceParallel(use_local_output=False))
+            else:
+                _replicate(module, mesh, input_layout=Shard(-2) if split_heads else Replicate())
     vocab_size = int(cast(torch.Tensor, lm_head.weight).shape[0])
     local = vocab_size // mesh.size()
     return TensorParallelModel(
@@ -139,7 +153,7 @@ def apply_tensor_parallel(
     )
 
 
-def _shared_inputs(layer_plan: dict[str, str]) -> dict[str, ParallelStyle]:
+def _shared_inputs(layer_plan: dict[str, str], *, between: Placement) -> dict[str, ParallelStyle]:
     """One replicated DTensor input for each block whose projections split by column (attention: q/k/v; MLP:
     gate/up): their input gradients, partial sums on each rank, then add up in that one DTensor and are all-reduced
     once per block instead of once per projection (2 all-reduces per layer in the backward, not 5). The attention
@@ -150,11 +164,11 @@ def _shared_inputs(layer_plan: dict[str, str]) -> dict[str, ParallelStyle]:
     for block in sorted(blocks):
         if block.endswith(".mlp"):
             styles[block] = PrepareModuleInput(
-                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=False
+                input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False
             )
         else:
             styles[block] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": Replicate()},
+                input_kwarg_layouts={"hidden_states": between},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                 use_local_output=False,
             )

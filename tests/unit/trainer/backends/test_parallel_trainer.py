@@ -1,9 +1,9 @@
 """Tensor and context parallelism on gloo ranks against one process (float32, tiny models): per-token logprobs,
-entropy, loss and every gradient of two optimizer steps, for tp 2 on Llama (tied LM head; both plans), Qwen2 (attention
-biases) and Qwen3 (per-head q/k norms), and for cp 2 (Ulysses) on Llama and Qwen3 (grouped key/value heads), right-
-padded and packed rows; the real `Trainer` on tp 2, cp 2 (packed rows), tp 2 x dp_shard 2, tp 2 x dp_replicate 2
-(HSDP) and tp 2 x cp 2; full HF-named weights, an export that transformers loads, and a tp 2 checkpoint resumed on
-another layout (dp_shard 2).
+entropy, loss and every gradient of two optimizer steps, for tp 2 on Llama (tied LM head; both plans; with and
+without sequence parallelism), Qwen2 (attention biases) and Qwen3 (per-head q/k norms), and for cp 2 (Ulysses) on
+Llama and Qwen3 (grouped key/value heads); packed rows on each; the real `Trainer` on tp 2, cp 2 (packed rows),
+tp 2 x dp_shard 2, tp 2 x dp_replicate 2 (HSDP) and tp 2 x cp 2; full HF-named weights, an export that transformers
+loads, and a tp 2 checkpoint resumed on another layout (dp_shard 2).
 
 One launch of 2 ranks runs every 2-rank case, one launch of 4 ranks the 2-D layouts, then 2 ranks resume; the tests
 compare what rank 0 wrote with single-process runs in this process (after the launches).
@@ -32,13 +32,15 @@ slow = pytest.mark.slow  # forks 2, then 4, then 2 ranks: ~1 min on 2 shared cor
 FAMILIES = ("llama", "qwen2", "qwen3")
 CASES = (  # layout, family, tensor-parallel plan
     ("tp2", "llama", "gather"),
+    ("tp2 without sp", "llama", "gather"),
     ("tp2", "llama", "rowwise"),
     ("tp2", "qwen2", "gather"),
     ("tp2", "qwen3", "gather"),
     ("cp2", "llama", "gather"),
     ("cp2", "qwen3", "gather"),
 )
-LAYOUTS = {"tp2": ParallelLayout(tp=2), "cp2": ParallelLayout(cp=2)}
+LAYOUTS = {"tp2": ParallelLayout(tp=2), "tp2 without sp": ParallelLayout(tp=2), "cp2": ParallelLayout(cp=2)}
+SEQUENCE_PARALLEL = {"tp2 without sp": False}  # trainer.parallel.sequence_parallel (default: on)
 
 
 def _save_tiny(family: str, folder: Path) -> Path:
@@ -84,10 +86,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {family: _save_tiny(family, folder) for family in FAMILIES}
 
 
-def _config(plan: str = "gather", **overrides) -> TrainerConfig:
+def _config(plan: str = "gather", *, sequence_parallel: bool = True, **overrides) -> TrainerConfig:
     # chunked LM head (3 chunks of 8 targets), clipping active (small max_grad_norm)
     config = {"device": "cpu", "precision": "float32", "learning_rate": 1e-2, "max_grad_norm": 0.05}
-    config |= {"logits_chunk_tokens": 8, "parallel": {"tp_plan": plan}}
+    config |= {"logits_chunk_tokens": 8, "parallel": {"tp_plan": plan, "sequence_parallel": sequence_parallel}}
     return TrainerConfig(**{**config, **overrides})
 
 
@@ -188,9 +190,10 @@ def _tp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], o
     join_gloo(rank, num_ranks, port)
     results: dict[str, object] = {}
     for layout, family, plan in CASES:
-        backend = FSDP2Backend(_config(plan), model_path=models[family], dtype="float32", layout=LAYOUTS[layout])
-        if layout == "cp2" and family == "llama":
-            results["cp2/packed"] = _packed_scores(backend)
+        config = _config(plan, sequence_parallel=SEQUENCE_PARALLEL.get(layout, True))
+        backend = FSDP2Backend(config, model_path=models[family], dtype="float32", layout=LAYOUTS[layout])
+        if family == "llama" and plan == "gather":
+            results[f"{layout}/packed"] = _packed_scores(backend)
         results[f"{layout}/{family}/{plan}"] = _steps(backend)
         weights = {name: tensor.clone() for name, tensor in backend.named_weights()}
         results[f"{layout}/{family}/{plan}/weights"] = weights
@@ -349,11 +352,17 @@ def test_the_trainer_on_tp2_x_cp2_matches_one_device(runs, single):
 
 
 @slow
-def test_packed_rows_on_cp2_match_one_process(runs, single):
-    """Packed rows (attention never crosses a sequence) split over 2 context-parallel ranks: the scores, and the
-    real `Trainer` with trainer.packing = true."""
-    for got, expected in zip(runs[0]["cp2/packed"], single["packed"], strict=True):
+@pytest.mark.parametrize("layout", ["tp2", "tp2 without sp", "cp2"])
+def test_packed_rows_match_one_process(runs, single, layout):
+    """Packed rows (attention never crosses a sequence): the scores under tensor parallelism with and without
+    sequence parallelism (the decoder sees a shard of the sequence, the mask is the whole rows') and split over 2
+    context-parallel ranks."""
+    for got, expected in zip(runs[0][f"{layout}/packed"], single["packed"], strict=True):
         assert _max_difference(got, expected) < TOLERANCE
+
+
+@slow
+def test_the_packed_trainer_on_cp2_matches_one_device(runs, single):
     _assert_trainer_matches(runs[0]["cp2/trainer"], single["packed/trainer"])
 
 
