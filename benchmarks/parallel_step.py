@@ -84,7 +84,9 @@ def _steps(backend, rollouts: list, *, num_steps: int) -> tuple[list[float], int
         started = time.perf_counter()
         for index in range(num_passes):
             is_filler = index >= len(chunks)
-            micro = pack_micro_batch(rollouts[:1] if is_filler else chunks[index], pad_token_id=0, device=backend.device)
+            micro = pack_micro_batch(
+                rollouts[:1] if is_filler else chunks[index], pad_token_id=0, device=backend.device
+            )
             logprobs = backend.token_logprobs(micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0)
             loss = -(logprobs * micro.advantages).sum() / normalizer
             (loss * 0.0 if is_filler else loss).backward()
@@ -172,7 +174,7 @@ def _plan_worker(rank: int, num_ranks: int, port: int, model_dir: Path, plan: st
     with torch.no_grad():
         logprobs = backend.token_logprobs(*_probe_batch(), temperature=1.0)
     if rank == 0:
-        queue.put(logprobs)
+        queue.put(logprobs.tolist())  # plain data: a tensor would be shared through a file the exiting rank closes
     torch.distributed.destroy_process_group()
 
 
@@ -188,9 +190,11 @@ def _plans() -> None:
     from sharpen.trainer import SingleDeviceBackend
 
     model_dir = resolve_model_path("smollm2-135m-instruct")
-    got = {plan: _launch(_plan_worker, 3, model_dir, plan) for plan in ("gather", "rowwise")}
+    got = {plan: torch.tensor(_launch(_plan_worker, 3, model_dir, plan)) for plan in ("gather", "rowwise")}
     torch.set_num_threads(1)
-    single = SingleDeviceBackend(TrainerConfig(device="cpu", precision="float32"), model_path=model_dir, dtype="float32")
+    single = SingleDeviceBackend(
+        TrainerConfig(device="cpu", precision="float32"), model_path=model_dir, dtype="float32"
+    )
     with torch.no_grad():
         expected = single.token_logprobs(*_probe_batch(), temperature=1.0)
     print("SmolLM2-135M, tp 3, float32, 4 x 63 target tokens, against the single-device backend:")

@@ -25,8 +25,8 @@ class ParallelConfig(Section):
     and intermediate sizes and vocabulary."""
     tp_plan: Literal["gather", "rowwise"] = "gather"
     """How the layers the model's plan calls row-wise (attention output, MLP down projection) split: ``gather``
-    all-gathers their input so that no sum crosses ranks and a token's logprobs do not depend on ``tp`` (the default;
-    closest to the engine); ``rowwise`` is Megatron's split with an all-reduce of partial sums (fewer bytes moved)."""
+    all-gathers their input so that no sum crosses ranks (the default: the logprobs closest to one device's,
+    measured); ``rowwise`` is Megatron's split with an all-reduce of partial sums (fewer bytes moved)."""
     sequence_parallel: bool = True
     """With tp > 1: between the tensor-parallel blocks, the residual stream and its norms hold 1 / tp of the sequence
     on each rank (their activations shrink by tp; the same values: the gather plan gathers instead of summing, the

@@ -12,9 +12,10 @@ down projection):
 
 * ``"gather"`` (the default): those layers split by output column too. Their input (heads or intermediate features,
   split over ranks) is all-gathered first, and every output element is one whole dot product computed on one rank,
-  as on one device; the output is all-gathered. Nothing is summed across ranks in the forward pass, so a token's
-  logprobs do not depend on the TP degree (the engine computes them unsplit, or with its own TP). It moves
-  ``intermediate_size / hidden_size`` times more bytes for the MLP than the rowwise plan.
+  as on one device; the output is all-gathered. Nothing is summed across ranks in the forward pass; what still
+  differs from one device is how the matmul kernel rounds a column slice (measured on SmolLM2-135M, tp 3: half the
+  mean logprob difference of the rowwise plan, `docs/parallelism.md`). It moves 1.4x the rowwise plan's bytes for a
+  model whose intermediate size is 2.7x its hidden size.
 * ``"rowwise"`` (Megatron's): those layers split by input row; each rank's partial output is all-reduced. Fewer bytes
   moved; the sum over ranks rounds differently from one device's dot product, which published RL work names as one
   source of engine/trainer logprob mismatch (`docs/parallelism.md` gives the measured difference).
