@@ -101,17 +101,20 @@ def test_async_mode_on_ray_actors_trains_like_async_mode_locally(tiny_model_path
     assert wait_for_free_cpus(2.0) == 2.0
 
 
-def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, tmp_path: Path) -> None:
-    """2 FSDP2 rank actors (gloo) + 1 engine actor vs the single-device backend in this process, 3 steps at one
-    seed. FSDP2 reduces gradients in another order, so losses and weights agree to float32 rounding (tolerances
-    below), and the engine, synced with weights that close, samples the same tokens: rewards are identical."""
+@pytest.mark.parametrize("layout", [{}, {"trainer.parallel.tp": "2"}], ids=["dp_shard2", "tp2"])
+def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, tmp_path: Path, layout) -> None:
+    """2 trainer rank actors (gloo) + 1 engine actor vs the single-device backend in this process, 3 steps at one
+    seed: FSDP2's data shards, or one shard split by tensor parallelism (DTensor parameters, gathered for the
+    sync). The ranks reduce in another order, so losses and weights agree to float32 rounding (tolerances below),
+    and the engine, synced with weights that close, samples the same tokens: rewards are identical."""
     from safetensors.torch import load_file
 
     options = {"trainer.num_threads": "1", "run.export_model": "true"}
     one = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="one", num_steps=3, **options))
     broadcast = {"runtime.type": '"ray"', "weight_sync.transport": '"broadcast"'}  # rank 0 -> engine over gloo
+    ranks = {"runtime.trainer_ranks": "2", **layout}
     two = run(
-        tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **options, **broadcast),
+        tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **options, **broadcast, **ranks),
         runtime=RAY_RUNTIME.model_copy(update={"trainer_ranks": 2}),
         reward_fn=vowel_reward,
     )

@@ -2,8 +2,8 @@
 entropy, loss and every gradient of two optimizer steps, for tp 2 on Llama (tied LM head; both plans; with and
 without sequence parallelism), Qwen2 (attention biases) and Qwen3 (per-head q/k norms), and for cp 2 (Ulysses) on
 Llama and Qwen3 (grouped key/value heads); packed rows on each; the real `Trainer` on tp 2, cp 2 (packed rows),
-tp 2 x dp_shard 2, tp 2 x dp_replicate 2 (HSDP) and tp 2 x cp 2; full HF-named weights, an export that transformers
-loads, and a tp 2 checkpoint resumed on another layout (dp_shard 2).
+tp 2 x dp_shard 2, tp 2 x dp_replicate 2 (HSDP), tp 2 x cp 2 and dp_replicate 2 x cp 2; full HF-named weights, an
+export that transformers loads, and a tp 2 checkpoint resumed on another layout (dp_shard 2).
 
 One launch of 2 ranks runs every 2-rank case, one launch of 4 ranks the 2-D layouts, then 2 ranks resume; the tests
 compare what rank 0 wrote with single-process runs in this process (after the launches).
@@ -225,6 +225,7 @@ def _four_rank_worker(rank: int, num_ranks: int, port: int, models: dict[str, Pa
         ("dp_shard", ParallelLayout(dp_shard=2, tp=2)),
         ("hsdp", ParallelLayout(dp_replicate=2, tp=2)),
         ("cp", ParallelLayout(cp=2, tp=2)),
+        ("hsdp_cp", ParallelLayout(dp_replicate=2, cp=2)),
     ):
         backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32", layout=layout)
         results[name] = {"trainer": _trainer_steps(backend), "ranks": (backend.rank, backend.num_ranks)}
@@ -350,6 +351,13 @@ def test_the_trainer_on_tp2_x_cp2_matches_one_device(runs, single):
     """4 ranks, one data shard: each half of the sequence on a tp 2 pair."""
     assert runs[1]["cp"]["ranks"] == (0, 1)
     _assert_trainer_matches(runs[1]["cp"]["trainer"], single["trainer"])
+
+
+@slow
+def test_the_trainer_on_dp_replicate2_x_cp2_matches_one_device(runs, single):
+    """4 ranks: 2 HSDP replicas, each sharded over its 2 context-parallel ranks (FSDP2's dp_shard x cp)."""
+    assert runs[1]["hsdp_cp"]["ranks"] == (0, 2)
+    _assert_trainer_matches(runs[1]["hsdp_cp"]["trainer"], single["trainer"])
 
 
 @slow
