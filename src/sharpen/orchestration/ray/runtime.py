@@ -56,25 +56,32 @@ class Placement:
     engine_bundles: list[int]
 
 
-def plan_placement(runtime: RuntimeConfig, *, num_engines: int = 1) -> Placement:
-    """A bundle per trainer rank, then one per engine replica; colocated (``runtime.colocate``), engine replica i
-    shares trainer rank i's bundle, which holds both actors' resources."""
+def plan_placement(runtime: RuntimeConfig, *, num_engines: int = 1, node_group: int = 1) -> Placement:
+    """A bundle per group of ``node_group`` consecutive trainer ranks (the tensor-parallel ranks of one data shard:
+    a bundle is placed on one node, so their per-layer collectives stay inside it), then one per engine replica;
+    colocated (``runtime.colocate``), engine replica i shares trainer rank i's bundle, which holds both actors'
+    resources."""
     trainer = {"CPU": runtime.trainer_cpus, **({"GPU": runtime.trainer_gpus} if runtime.trainer_gpus else {})}
     engine = {"CPU": runtime.engine_cpus, **({"GPU": runtime.engine_gpus} if runtime.engine_gpus else {})}
     num_ranks = runtime.trainer_ranks
+    if num_ranks % node_group:
+        raise ValueError(f"{num_ranks} trainer ranks do not split into groups of {node_group} on one node")
+    num_groups = num_ranks // node_group
+    trainer_bundles = [rank // node_group for rank in range(num_ranks)]
     if runtime.colocate:
         if num_engines != num_ranks:
             raise ValueError(f"colocated placement needs one engine per trainer rank: {num_engines} for {num_ranks}")
-        both = {key: trainer.get(key, 0.0) + engine.get(key, 0.0) for key in {**trainer, **engine}}
+        both = {key: (trainer.get(key, 0.0) + engine.get(key, 0.0)) * node_group for key in {**trainer, **engine}}
         return Placement(
-            bundles=[dict(both) for _ in range(num_ranks)],
-            trainer_bundles=list(range(num_ranks)),
-            engine_bundles=list(range(num_ranks)),
+            bundles=[dict(both) for _ in range(num_groups)],
+            trainer_bundles=trainer_bundles,
+            engine_bundles=list(trainer_bundles),
         )
+    group = {key: value * node_group for key, value in trainer.items()}
     return Placement(
-        bundles=[dict(trainer) for _ in range(num_ranks)] + [dict(engine) for _ in range(num_engines)],
-        trainer_bundles=list(range(num_ranks)),
-        engine_bundles=list(range(num_ranks, num_ranks + num_engines)),
+        bundles=[dict(group) for _ in range(num_groups)] + [dict(engine) for _ in range(num_engines)],
+        trainer_bundles=trainer_bundles,
+        engine_bundles=list(range(num_groups, num_groups + num_engines)),
     )
 
 
@@ -170,7 +177,7 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
     fleets = contextlib.ExitStack()
     try:
         config = start_fleets(config, stack=fleets)  # the run's clients then call the fleets' URLs
-        plan = plan_placement(runtime, num_engines=config.rollout.num_engines)
+        plan = plan_placement(runtime, num_engines=config.rollout.num_engines, node_group=config.trainer.parallel.tp)
         group = place(runtime, plan)
         trainer = start_trainer(config, group, plan)
         proxies.append(trainer)
