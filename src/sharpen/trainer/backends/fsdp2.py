@@ -1,4 +1,6 @@
-"""Data-parallel training with FSDP2: each rank holds a shard of every parameter, gradient and optimizer state.
+"""Sharded training with FSDP2: each rank holds a shard of every parameter, gradient and optimizer state, and, as a
+`ParallelLayout` says, splits each layer with tensor parallelism (`tensor_parallel`, with sequence parallelism) and
+each sequence with context parallelism (`context_parallel`) on one device mesh (`mesh`).
 
 Owns the sharded model, its optimizer and their persistence, behind the methods of `SingleDeviceBackend`
 (`score_tokens`, `token_logprobs`, `clip_and_step`, `named_weights`, `save`/`load`/`export`, `device`), plus the
@@ -9,9 +11,12 @@ It does not start processes, split batches (`trainer.sharding`) or know what a l
 over ranks (not averaged): each rank divides its loss by the whole step's normaliser, so the sum is the
 single-process gradient. The reference policy and the critic are not sharded here.
 
-Layout: ``fully_shard`` on each decoder layer and on a root that wraps the HF model. The root's forward is the
-whole `score_tokens` computation (decoder, then the LM head on the selected positions only), so FSDP's root hooks
-run around both halves; a tied LM head is the embedding's parameter and lives in the root's group.
+Sharding: tensor parallelism first (DTensors on the ``tp`` axis), then ``fully_shard`` over ``dp_shard`` (x ``cp``;
+HSDP: x ``dp_replicate``) on each decoder layer and on a root that wraps the HF model. The trainer's ``rank`` and
+``num_ranks`` are the data-parallel coordinate: the ``tp`` and ``cp`` ranks of a data shard train on the same rows.
+The root's forward is the whole `score_tokens` computation (decoder, then the LM head on the selected positions
+only), so FSDP's root hooks run around both halves; a tied LM head is the embedding's parameter and lives in the
+root's group.
 """
 
 from __future__ import annotations
@@ -155,8 +160,8 @@ def _agreed_precision(choice: PrecisionChoice, device: torch.device) -> Precisio
 
 
 class FSDP2Backend(ScoresTokenLogprobs):
-    """One rank of an FSDP2 data-parallel policy. Build it on every rank after `init_distributed`; ``mesh``: the
-    1-D data-parallel mesh (default: every rank of the process group).
+    """One rank of an FSDP2-sharded policy. Build it on every rank after `init_distributed`; ``layout``: how the ranks
+    split the model (default: every rank of the process group a data shard), checked against the model first.
 
     Every rank reads the full HF checkpoint onto the CPU (after ``torch.manual_seed(seed)``, so any weight the
     checkpoint lacks is the same everywhere), then ``fully_shard`` keeps only this rank's slice on ``device``. Host
