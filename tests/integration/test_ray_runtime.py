@@ -106,7 +106,11 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
     """2 trainer rank actors (gloo) + 1 engine actor vs the single-device backend in this process, 3 steps at one
     seed: FSDP2's data shards, or one shard split by tensor parallelism (DTensor parameters, gathered for the
     sync). The ranks reduce in another order, so losses and weights agree to float32 rounding (tolerances below),
-    and the engine, synced with weights that close, samples the same tokens: rewards are identical."""
+    and the engine, synced with weights that close, samples the same tokens: rewards are identical. Tensor
+    parallelism also computes each gradient element with other kernels (column slices, the vocabulary-split
+    softmax), and AdamW moves an element whose gradient is near 0 by about lr whatever its size, so its weights are
+    compared by norm (measured: one element 3e-4 of its tensor's largest away after 3 steps at lr 1e-3); the
+    gradients themselves are compared element by element in tests/unit/trainer/backends/test_parallel_trainer.py."""
     from safetensors.torch import load_file
 
     options = {"trainer.num_threads": "1", "run.export_model": "true"}
@@ -131,11 +135,14 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
         load_file(two / "model" / "model.safetensors"),
     )
     assert weights_one.keys() == weights_two.keys()
-    worst = max(
-        float((weights_two[k] - weights_one[k]).abs().max() / weights_one[k].abs().max().clamp_min(1e-12))
-        for k in weights_one
-    )
-    assert worst < 1e-4
+    relative = max(float((weights_two[k] - weights_one[k]).norm() / weights_one[k].norm()) for k in weights_one)
+    assert relative < 5e-5, relative
+    if not layout:  # data shards only differ in the order gradients are summed: every element is that close
+        worst = max(
+            float((weights_two[k] - weights_one[k]).abs().max() / weights_one[k].abs().max().clamp_min(1e-12))
+            for k in weights_one
+        )
+        assert worst < 1e-4
     moved = load_file(tiny_model_path / "model.safetensors")
     assert max(float((weights_one[k] - moved[k]).abs().max()) for k in weights_one if k in moved) > 1e-4
     assert wait_for_free_cpus(2.0) == 2.0
