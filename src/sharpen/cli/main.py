@@ -22,7 +22,6 @@ from sharpen.config.evaluation import EvalConfig
 from sharpen.config.loader import format_validation_error
 from sharpen.config.models import KNOWN_MODELS, ModelNotFoundError
 from sharpen.config.section import DeprecatedKeyWarning
-from sharpen.trainer.layout import LayoutError
 
 EXIT_USER_ERROR = 2
 
@@ -333,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = _print_deprecation
     try:
         return _run(args)
-    except (ConfigError, ModelNotFoundError, LayoutError) as error:
+    except (ConfigError, ModelNotFoundError) as error:
         print(f"sharpen: {error}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

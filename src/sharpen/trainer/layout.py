@@ -22,6 +22,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from sharpen.config import ConfigError
+
 if TYPE_CHECKING:
     from sharpen.config.parallel import ParallelConfig
 
@@ -32,8 +34,9 @@ AXES: tuple[Axis, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
 
-class LayoutError(ValueError):
-    """A layout that does not fit the world or the model; the message is one line meant for the user."""
+class LayoutError(ConfigError):
+    """A layout that does not fit the world or the model; the message is one line meant for the user (a
+    `ConfigError`, so the CLI prints it as one and never needs to import the trainer to catch it)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

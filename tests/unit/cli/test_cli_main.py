@@ -210,6 +210,7 @@ def test_cli_surface_is_frozen():
         "simulate scenario",
         "simulate --json",
         "simulate --search-split",
+        "simulate --search-layout",
         "dashboard",
         "dashboard runs_dir",
         "dashboard --host",
