@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import resource
 import statistics
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from fsdp2_step import _rollouts  # the same batch as the FSDP2 benchmark (run from benchmarks/: on sys.path)
 
 MICRO_BATCH_SIZE = 2
 LAYOUTS = {  # name: (ranks, ParallelLayout sizes)
@@ -40,24 +40,6 @@ LAYOUTS = {  # name: (ranks, ParallelLayout sizes)
     "tp 2 x dp_shard 2": (4, {"tp": 2, "dp_shard": 2}),
     "tp 4": (4, {"tp": 4}),
 }
-
-
-def _rollouts(num: int, vocab: int) -> list:
-    from sharpen.types import Example, Message, Rollout
-
-    rng = random.Random(0)
-    example = Example(task_key="bench/0", prompt=(Message(role="user", content="q"),), answer="a")
-    return [
-        Rollout(
-            example=example,
-            prompt_ids=[rng.randrange(1, vocab) for _ in range(rng.randint(32, 96))],
-            completion_ids=(completion := [rng.randrange(1, vocab) for _ in range(rng.randint(16, 128))]),
-            completion_logprobs=[-5.0] * len(completion),
-            versions=[0] * len(completion),
-            advantage=rng.uniform(-1, 1),
-        )
-        for _ in range(num)
-    ]
 
 
 def _local_bytes(tensors) -> int:

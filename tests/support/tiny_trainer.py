@@ -113,3 +113,21 @@ def captured_step(
         patch.setattr(backend, "clip_and_step", capture)
         metrics = trainer.step(batch)
     return metrics, captured
+
+
+def uneven_rollouts() -> list[Rollout]:
+    """One long rollout and six short ones (ids below VOCAB): a token-balanced split over 2 ranks gives one rank 1
+    micro-batch of 2 and the other 3, so the short rank runs filler passes (the multi-rank backends' tests)."""
+    rng = random.Random(0)
+    lengths = [(20, 12), *[(rng.randint(2, 5), rng.randint(1, 4)) for _ in range(6)]]
+    return [
+        Rollout(
+            example=EXAMPLE,
+            prompt_ids=[rng.randrange(1, VOCAB) for _ in range(num_prompt)],
+            completion_ids=[rng.randrange(1, VOCAB) for _ in range(num_completion)],
+            completion_logprobs=[-4.0] * num_completion,
+            versions=[0] * num_completion,
+            advantage=rng.uniform(-1.5, 1.5),
+        )
+        for num_prompt, num_completion in lengths
+    ]

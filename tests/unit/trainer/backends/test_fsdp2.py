@@ -28,6 +28,7 @@ from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.packing import pack_micro_batch, split_micro_batches
 from sharpen.trainer.sharding import split_rollouts_by_tokens
 from sharpen.types import Example, Message, Rollout
+from support.tiny_trainer import uneven_rollouts
 
 VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
 NUM_STEPS, MICRO_BATCH_SIZE, NUM_RANKS = 3, 2, 2
@@ -36,26 +37,8 @@ SCENARIOS = {
     "checkpointing": {"precision": "float32", "gradient_checkpointing": True},
     "bf16": {"precision": "bf16"},
 }
-_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
 
 slow = pytest.mark.slow  # the tests on `fsdp2_run`, which forks 2 ranks, then 1: ~10-15 s on 2 shared cores
-
-
-def _rollouts() -> list[Rollout]:
-    """One long rollout and six short ones: the token-balanced split gives one rank 1 micro-batch, the other 3."""
-    rng = random.Random(0)
-    lengths = [(20, 12), *[(rng.randint(2, 5), rng.randint(1, 4)) for _ in range(6)]]
-    return [
-        Rollout(
-            example=_EXAMPLE,
-            prompt_ids=[rng.randrange(1, VOCAB) for _ in range(num_prompt)],
-            completion_ids=[rng.randrange(1, VOCAB) for _ in range(num_completion)],
-            completion_logprobs=[-4.0] * num_completion,
-            versions=[0] * num_completion,
-            advantage=rng.uniform(-1.5, 1.5),
-        )
-        for num_prompt, num_completion in lengths
-    ]
 
 
 def _config(**overrides) -> TrainerConfig:
@@ -116,7 +99,7 @@ def _worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir: Path
 
     _join(rank, num_ranks, port, device_type)
     results: dict[str, object] = {}
-    rollouts = _rollouts()
+    rollouts = uneven_rollouts()
 
     def train(backend: FSDP2Backend, num_steps: int = NUM_STEPS) -> tuple[list[float], list[float]]:
         return _train(backend, rollouts, num_steps=num_steps, rank=rank, num_ranks=num_ranks)
@@ -162,7 +145,7 @@ def _resume_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_di
     _join(rank, num_ranks, port, device_type)
     backend = FSDP2Backend(_config(device=device_type), model_path=model_dir, dtype="float32")
     backend.load(out_dir / "checkpoint")
-    _train(backend, _rollouts(), num_steps=2, rank=rank, num_ranks=num_ranks)
+    _train(backend, uneven_rollouts(), num_steps=2, rank=rank, num_ranks=num_ranks)
     weights = {key: value.cpu() for key, value in backend.named_weights()}
     if rank == 0:
         torch.save(weights, out_dir / f"resumed_on_{num_ranks}.pt")
@@ -202,7 +185,7 @@ def single_runs(model_dir: Path) -> dict[str, dict]:
     runs = {}
     for name, overrides in SCENARIOS.items():
         backend = SingleDeviceBackend(_config(**overrides), model_path=model_dir, dtype="float32")
-        losses, grad_norms = _train(backend, _rollouts())
+        losses, grad_norms = _train(backend, uneven_rollouts())
         runs[name] = {"losses": losses, "grad_norms": grad_norms, "weights": dict(backend.named_weights())}
     return runs
 
@@ -262,7 +245,7 @@ def test_the_backend_needs_a_process_group(model_dir):
 
 
 def test_split_leaves_one_rank_with_fewer_micro_batches():
-    shares = split_rollouts_by_tokens(_rollouts(), NUM_RANKS)
+    shares = split_rollouts_by_tokens(uneven_rollouts(), NUM_RANKS)
     counts = sorted(len(split_micro_batches(share, MICRO_BATCH_SIZE)) for share in shares)
     assert counts == [1, 3]  # so the filler passes of the lockstep scheme really run
 
@@ -274,7 +257,7 @@ def test_fp32_steps_match_the_single_device_backend(fsdp2_run, single_runs, scen
     tensors of |difference| / |weight|; AdamW at lr 1e-2 magnifies float32 summation-order noise in small
     gradients). The losses cancel, so they are compared to an absolute bound of float32 rounding (`_loss_tolerance`)."""
     got, expected = fsdp2_run[0][scenario], single_runs[scenario]
-    rollouts = _rollouts()
+    rollouts = uneven_rollouts()
     num_tokens = sum(r.num_loss_tokens for r in rollouts)
     max_term = _max_loss_term(rollouts, weight_bound=2 * math.log(VOCAB))
     for step, (loss, expected_loss) in enumerate(zip(got["losses"], expected["losses"], strict=True)):
@@ -357,7 +340,7 @@ def test_nccl_fp32_steps_match_the_single_device_backend(model_dir, tmp_path):
     _launch(model_dir, tmp_path, "cuda", num_ranks)
     results = torch.load(tmp_path / "results.pt")
     backend = SingleDeviceBackend(_config(device="cuda"), model_path=model_dir, dtype="float32")
-    losses, _ = _train(backend, _rollouts())
+    losses, _ = _train(backend, uneven_rollouts())
     _assert_close(results["fp32"]["losses"], losses, rtol=1e-4)
     expected = {name: tensor.cpu() for name, tensor in backend.named_weights()}
     assert _max_relative_difference(results["fp32"]["weights"], expected) < 1e-4
@@ -375,7 +358,7 @@ def _trainer_steps(backend) -> tuple[list[dict[str, float]], dict[str, torch.Ten
     from sharpen.types import TrainBatch
 
     trainer = Trainer(_trainer_config(), backend=backend, pad_token_id=PAD, max_new_tokens=12)
-    metrics = [trainer.step(TrainBatch(rollouts=_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
+    metrics = [trainer.step(TrainBatch(rollouts=uneven_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
     return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
 
 
@@ -404,7 +387,7 @@ def test_the_trainer_on_2_fsdp2_ranks_matches_one_device(model_dir, tmp_path):
     # |A| * ratio * off-policy weight (ratio clipped at 1 + eps_high where it counts) plus the entropy bonus
     assert isinstance(config.policy_loss, PPOClipLoss) and isinstance(config.off_policy_correction, TokenTISCorrection)
     weight_bound = (1 + config.policy_loss.clip_eps_high) * config.off_policy_correction.cap
-    max_term = _max_loss_term(_rollouts(), weight_bound=weight_bound) + config.entropy_coef * math.log(VOCAB)
+    max_term = _max_loss_term(uneven_rollouts(), weight_bound=weight_bound) + config.entropy_coef * math.log(VOCAB)
     updates_per_step = config.num_epochs * config.num_mini_batches
     for step, (got, expected) in enumerate(zip(got_metrics, metrics, strict=True)):
         assert set(got) == set(expected)

@@ -11,7 +11,6 @@ compare what rank 0 wrote with single-process runs in this process (after the la
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -20,8 +19,9 @@ import torch
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.layout import LayoutError, ParallelLayout
-from sharpen.types import Example, Message, Rollout, TrainBatch
+from sharpen.types import TrainBatch
 from support.ranks import join_gloo, launch_cpu_ranks
+from support.tiny_trainer import uneven_rollouts
 
 VOCAB, PAD = 128, 0
 NUM_STEPS = 2
@@ -138,23 +138,6 @@ def _steps(backend) -> list[dict]:
     return steps
 
 
-def _rollouts() -> list[Rollout]:
-    rng = random.Random(0)
-    example = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
-    lengths = [(20, 12), *[(rng.randint(2, 5), rng.randint(1, 4)) for _ in range(6)]]
-    return [
-        Rollout(
-            example=example,
-            prompt_ids=[rng.randrange(1, VOCAB) for _ in range(num_prompt)],
-            completion_ids=[rng.randrange(1, VOCAB) for _ in range(num_completion)],
-            completion_logprobs=[-4.0] * num_completion,
-            versions=[0] * num_completion,
-            advantage=rng.uniform(-1.5, 1.5),
-        )
-        for num_prompt, num_completion in lengths
-    ]
-
-
 def _trainer_config(**overrides) -> TrainerConfig:
     algorithm = {"num_mini_batches": 2, "num_epochs": 2, "entropy_coef": 0.01}
     return _config(micro_batch_size=2, algorithm=algorithm, **overrides)
@@ -178,7 +161,7 @@ def _trainer_steps(backend) -> tuple[list[dict[str, float]], dict[str, torch.Ten
     from sharpen.trainer import Trainer
 
     trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
-    metrics = [trainer.step(TrainBatch(rollouts=_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
+    metrics = [trainer.step(TrainBatch(rollouts=uneven_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
     return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
 
 
