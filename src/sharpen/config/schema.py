@@ -22,6 +22,7 @@ from sharpen.config.parallel import ParallelConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.config.sandbox import SandboxConfig
+from sharpen.config.scale_out import check_scale_out
 from sharpen.config.section import Section, internal, rename_keys
 
 
@@ -423,7 +424,7 @@ class SharpenConfig(Section):
                 f"({', '.join(ENVIRONMENTS_WITH_TASKS)}, or custom with environment.tasks), "
                 f"not {environment.type!r}"
             )
-        self._check_scale_out()
+        check_scale_out(self)
         self._check_advantage()
         if self.trainer.lora.enabled and self.runtime.colocate:
             # a LoRA sync sends the target modules only; a woken engine lost every weight (docs/weight-sync.md, LoRA)
@@ -469,60 +470,6 @@ class SharpenConfig(Section):
             )
         if self.weight_sync.transport == "broadcast":
             raise ValueError('trainer.lora.sync = "adapter" goes through the object store, not transport = "broadcast"')
-
-    def _check_scale_out(self) -> None:
-        """What the runtime's placement, the engines and the weight transport cannot do together."""
-        runtime, engine = self.runtime, self.rollout.engine
-        parallel = self.trainer.parallel
-        if runtime.trainer_ranks > 1 and runtime.type != "ray":
-            raise ValueError(
-                f"runtime.trainer_ranks = {runtime.trainer_ranks} runs one Ray actor per trainer rank: it needs "
-                'runtime.type = "ray" (the embedded runtime trains on one device)'
-            )
-        if runtime.trainer_ranks % parallel.ranks_per_shard:
-            raise ValueError(
-                f"trainer.parallel spans {parallel.ranks_per_shard} ranks per data shard (tp {parallel.tp} x "
-                f"dp_replicate {parallel.dp_replicate} x pp {parallel.pp} x cp {parallel.cp}), which does not divide "
-                f"runtime.trainer_ranks = {runtime.trainer_ranks}: make trainer_ranks a multiple of it"
-            )
-        if runtime.trainer_ranks > 1 and self.trainer.algorithm.advantage.needs_critic:
-            raise ValueError(
-                f"runtime.trainer_ranks = {runtime.trainer_ranks} shards the policy with FSDP2, but advantage = "
-                f'"{self.trainer.algorithm.advantage.type}" needs a critic, which runs on one device only: use '
-                "trainer_ranks = 1"
-            )
-        if runtime.colocate and self.rollout.mode == "async":
-            raise ValueError(
-                'runtime.colocate puts the engine to sleep while the trainer steps, but rollout.mode = "async" '
-                "generates during training: use one or the other"
-            )
-        if runtime.colocate and runtime.type == "ray" and self.rollout.num_engines != runtime.trainer_ranks:
-            raise ValueError(
-                f"runtime.colocate places engine replica i beside trainer rank i: rollout.num_engines = "
-                f"{self.rollout.num_engines} must equal runtime.trainer_ranks = {runtime.trainer_ranks}"
-            )
-        if self.weight_sync.transport == "broadcast" and runtime.type != "ray":
-            raise ValueError(
-                'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'
-            )
-        tensor_parallel = engine.tensor_parallel_size if isinstance(engine, VllmEngineConfig) else 1
-        if runtime.type == "ray" and tensor_parallel > 1 and 0 < runtime.engine_gpus < tensor_parallel:
-            raise ValueError(
-                f"rollout.engine.tensor_parallel_size = {tensor_parallel} puts one vLLM worker on each of "
-                f"{tensor_parallel} GPUs, but runtime.engine_gpus = {runtime.engine_gpus:g} gives the engine "
-                "actor fewer"
-            )
-        if self.weight_sync.broadcast_backend == "nccl":
-            if not (runtime.trainer_gpus > 0 and runtime.engine_gpus > 0):
-                raise ValueError(
-                    'weight_sync.broadcast_backend = "nccl" needs GPUs on both ends (runtime.trainer_gpus and '
-                    "runtime.engine_gpus > 0)"
-                )
-            if runtime.colocate:
-                raise ValueError(
-                    'weight_sync.broadcast_backend = "nccl" cannot join a trainer rank and an engine that share a GPU '
-                    '(runtime.colocate): use "gloo" or transport = "object_store"'
-                )
 
     @property
     def broadcast_backend(self) -> Literal["gloo", "nccl"]:
