@@ -34,6 +34,11 @@ AXES: tuple[Axis, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b"]
 
 
+TP_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+"""The entries of a model's ``base_model_tp_plan`` that sharpen's tensor parallelism applies (`backends/tensor_
+parallel.py`); any other is refused."""
+
+
 class LayoutError(ConfigError):
     """A layout that does not fit the world or the model; the message is one line meant for the user (a
     `ConfigError`, so the CLI prints it as one and never needs to import the trainer to catch it)."""
@@ -63,6 +68,14 @@ class ModelShape:
         families name their expert count differently (``num_local_experts``: Mixtral; ``num_experts``: Qwen-MoE,
         OLMoE; ``n_routed_experts``: DeepSeek-V3)."""
         text = config.get("text_config") or config
+        missing = [
+            key for key in ("num_attention_heads", "num_hidden_layers", "vocab_size", "hidden_size") if key not in text
+        ]
+        if missing:
+            raise LayoutError(
+                f"the model's config.json has no {', '.join(missing)} (a {text.get('model_type', 'model')} names its "
+                "sizes otherwise): sharpen cannot lay this model out over several ranks"
+            )
         heads = int(text["num_attention_heads"])
         experts = next(
             (int(text[k]) for k in ("num_local_experts", "num_experts", "n_routed_experts") if text.get(k)), 0
@@ -230,3 +243,22 @@ class ParallelLayout:
 
     def _product(self) -> str:
         return " x ".join(f"{axis} {size}" for axis, size in zip(AXES, self.sizes, strict=True))
+
+
+def decoder_tp_plan(declared: Mapping[str, str] | None, *, family: str) -> dict[str, str]:
+    """The decoder layers' entries (``layers.*``) of a model's declared tensor-parallel plan (transformers'
+    ``base_model_tp_plan`` of its config class, named ``family``); raises `LayoutError` when there is none or it uses
+    a style sharpen does not apply. Pure: the driver checks it before any rank starts."""
+    plan = {pattern: style for pattern, style in (declared or {}).items() if pattern.startswith("layers.")}
+    if not plan:
+        raise LayoutError(
+            f"{family} declares no tensor-parallel plan (transformers' base_model_tp_plan): this model family "
+            "cannot run with trainer.parallel.tp > 1"
+        )
+    unknown = sorted({style for style in plan.values() if style not in TP_STYLES})
+    if unknown:
+        raise LayoutError(
+            f"{family}'s tensor-parallel plan uses {', '.join(unknown)}, which sharpen does not apply (it applies "
+            f"{', '.join(TP_STYLES)}): this model family cannot run with trainer.parallel.tp > 1"
+        )
+    return plan

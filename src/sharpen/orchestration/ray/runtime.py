@@ -42,7 +42,7 @@ from sharpen.orchestration.session import run_session
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.engines.router import EngineRouter
-from sharpen.trainer.layout import ModelShape, ParallelLayout
+from sharpen.trainer.layout import ModelShape, ParallelLayout, decoder_tp_plan
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +134,17 @@ def start_trainer(config: SharpenConfig, group: PlacementGroup, plan: Placement)
 
 def check_trainer_layout(config: SharpenConfig) -> None:
     """Raise `LayoutError` (one line) unless ``trainer.parallel`` on ``runtime.trainer_ranks`` ranks fits the model
-    (its heads, sizes, vocabulary and layers) and asks only for axes that are built."""
+    (its family's tensor-parallel plan, its heads, sizes, vocabulary and layers) and asks only for axes that are
+    built."""
     layout = ParallelLayout.from_config(config.trainer.parallel, config.runtime.trainer_ranks)
     layout.check_built()
-    model = ModelShape.from_model_folder(resolve_model_path(config.model.path))
-    layout.check(world_size=config.runtime.trainer_ranks, model=model)
+    model_path = resolve_model_path(config.model.path)
+    if layout.tp > 1:  # the model family's own plan (a class attribute of its transformers config)
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(model_path)
+        decoder_tp_plan(getattr(model_config, "base_model_tp_plan", None), family=type(model_config).__name__)
+    layout.check(world_size=config.runtime.trainer_ranks, model=ModelShape.from_model_folder(model_path))
 
 
 def start_engines(config: SharpenConfig, group: PlacementGroup, plan: Placement) -> list[EngineProxy]:
@@ -164,7 +170,8 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
     The actors are stopped at the end (after a graceful close when the run succeeded, at once when it failed, so
     a hung actor cannot hold the error back); Ray is shut down only if this call started it."""
     resolve_model_path(config.model.path)  # user errors, before any actor exists
-    check_trainer_layout(config)
+    if config.runtime.trainer_ranks > 1:  # one trainer rank runs the single-device backend: no layout
+        check_trainer_layout(config)
     runtime = config.runtime
     started = start_ray(runtime)
     proxies: list[TrainerProxy | EngineProxy] = []

@@ -7,8 +7,8 @@ other mesh axes) nor runs steps.
 
 Which layers split how comes from the model's own plan: transformers' ``base_model_tp_plan`` (Llama, Qwen2, Qwen3,
 Mistral and the families that copy them) names each projection ``colwise`` or ``rowwise``; a model without one is
-refused in one line. Two plans differ in the layers the model calls ``rowwise`` (the attention's output and the MLP's
-down projection):
+refused in one line (`layout.decoder_tp_plan`, which the driver also checks before any rank starts). Two plans
+differ in the layers the model calls ``rowwise`` (the attention's output and the MLP's down projection):
 
 * ``"gather"`` (the default): those layers split by output column too. Their input (heads or intermediate features,
   split over ranks) is all-gathered first, and every output element is one whole dot product computed on one rank,
@@ -48,19 +48,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from sharpen.trainer.backends.vocab_parallel import VocabShard
+from sharpen.trainer.layout import LayoutError, decoder_tp_plan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 TensorParallelPlan = Literal["gather", "rowwise"]
 TENSOR_PARALLEL_PLANS: tuple[TensorParallelPlan, ...] = ("gather", "rowwise")
-
-_STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
-"""The entries of a model's ``base_model_tp_plan`` that this module applies; any other is refused."""
-
-
-class TensorParallelError(ValueError):
-    """A model that the tensor-parallel plans cannot split; one line for the user."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,25 +66,11 @@ class TensorParallelModel:
 
 
 def model_tp_plan(model: PreTrainedModel) -> dict[str, str]:
-    """The decoder layers' plan the model's config declares (``base_model_tp_plan``, its ``layers.*`` entries), keys
-    relative to the decoder (``layers.*.self_attn.q_proj``); raises `TensorParallelError` when the family has none.
-    The embedding's entry (``embed_tokens``) is left out: `apply_tensor_parallel` splits the embedding and the LM
-    head over the vocabulary itself."""
-    declared = cast(dict[str, str] | None, getattr(model.config, "base_model_tp_plan", None)) or {}
-    plan = {pattern: style for pattern, style in declared.items() if pattern.startswith("layers.")}
-    family = type(model.config).__name__
-    if not plan:
-        raise TensorParallelError(
-            f"{family} declares no tensor-parallel plan (transformers' base_model_tp_plan): this model family "
-            "cannot run with trainer.parallel.tp > 1"
-        )
-    unknown = sorted({style for style in plan.values() if style not in _STYLES})
-    if unknown:
-        raise TensorParallelError(
-            f"{family}'s tensor-parallel plan uses {', '.join(unknown)}, which sharpen does not apply (it applies "
-            f"{', '.join(_STYLES)}): this model family cannot run with trainer.parallel.tp > 1"
-        )
-    return plan
+    """The decoder layers' plan ``model``'s config declares (`layout.decoder_tp_plan`), keys relative to the decoder
+    (``layers.*.self_attn.q_proj``). The embedding's entry (``embed_tokens``) is left out: `apply_tensor_parallel`
+    splits the embedding and the LM head over the vocabulary itself."""
+    declared = cast(dict[str, str] | None, getattr(model.config, "base_model_tp_plan", None))
+    return decoder_tp_plan(declared, family=type(model.config).__name__)
 
 
 def _style(name: str, plan: TensorParallelPlan, *, between: Placement) -> ParallelStyle | None:
@@ -119,7 +99,7 @@ def apply_tensor_parallel(
     supplies the attention mask of the whole rows); the decoder's output is then a DTensor split over the
     sequence."""
     if plan not in TENSOR_PARALLEL_PLANS:
-        raise TensorParallelError(f"unknown tensor-parallel plan {plan!r}; choose one of {TENSOR_PARALLEL_PLANS}")
+        raise LayoutError(f"unknown tensor-parallel plan {plan!r}; choose one of {TENSOR_PARALLEL_PLANS}")
     layer_plan = model_tp_plan(model)
     decoder = model.get_decoder()
     styles: dict[str, ParallelStyle] = {}

@@ -47,3 +47,29 @@ def test_a_tensor_parallel_group_shares_one_bundle() -> None:
     assert plan.trainer_bundles == plan.engine_bundles == [0, 0, 1, 1]
     with pytest.raises(ValueError, match="4 trainer ranks do not split into groups of 3"):
         plan_placement(runtime, node_group=3)
+
+
+def test_the_driver_refuses_a_layout_the_model_cannot_take(tmp_path) -> None:
+    """Before Ray starts: a family without a tensor-parallel plan (GPT-2), then a Llama whose heads tp does not
+    divide; each one line."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from sharpen.config import load_config
+    from sharpen.orchestration.ray.runtime import check_trainer_layout
+    from sharpen.trainer.layout import LayoutError
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path / "gpt2")
+    LlamaConfig(hidden_size=24, num_attention_heads=3, num_key_value_heads=3, num_hidden_layers=2).save_pretrained(
+        tmp_path / "llama"
+    )
+
+    def config(model: str, tp: int):
+        overrides = ['runtime.type="ray"', "runtime.trainer_ranks=2", f"trainer.parallel.tp={tp}"]
+        return load_config(None, [*overrides, f'model.path="{tmp_path / model}"'])
+
+    with pytest.raises(LayoutError, match=r"^GPT2Config declares no tensor-parallel plan"):
+        check_trainer_layout(config("gpt2", 2))
+    with pytest.raises(LayoutError, match=r"attention heads \(3\) are not divisible by tp x cp"):
+        check_trainer_layout(config("llama", 2))
+    with pytest.raises(LayoutError, match=r"config.json has no num_attention_heads.*a gpt2"):
+        check_trainer_layout(config("gpt2", 1))  # data shards alone: the shape check still reads the sizes

@@ -381,10 +381,10 @@ def test_the_tp2_export_loads_in_transformers(runs):
 def test_a_model_without_a_plan_is_refused_in_one_line():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from sharpen.trainer.backends.tensor_parallel import TensorParallelError, model_tp_plan
+    from sharpen.trainer.backends.tensor_parallel import model_tp_plan
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16))
-    with pytest.raises(TensorParallelError, match="GPT2Config declares no tensor-parallel plan") as error:
+    with pytest.raises(LayoutError, match="GPT2Config declares no tensor-parallel plan") as error:
         model_tp_plan(model)
     assert "\n" not in str(error.value)
 
