@@ -196,6 +196,19 @@ def test_a_sharded_trainer_refuses_a_critic():
         load_config(None, ['runtime.type="ray"', "runtime.trainer_ranks=2", 'trainer.algorithm.advantage="gae"'])
 
 
+def test_trainer_ranks_need_ray_and_a_multiple_of_the_parallel_layout():
+    """Several trainer ranks are Ray actors (the embedded runtime would silently train on one device), and the
+    layout's ranks per data shard (tp x dp_replicate x pp x cp) must divide them; each one line."""
+    with pytest.raises(ConfigError, match=r"trainer_ranks = 2 runs one Ray actor per trainer rank: it needs runtime"):
+        load_config(None, ["runtime.trainer_ranks=2"])
+    ray = ['runtime.type="ray"', "runtime.trainer_ranks=2"]
+    message = r"trainer\.parallel spans 4 ranks per data shard \(tp 2 x dp_replicate 1 x pp 1 x cp 2\), which does not"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [*ray, "trainer.parallel.tp=2", "trainer.parallel.cp=2"])
+    config = load_config(None, [*ray, "trainer.parallel.tp=2"])
+    assert config.trainer.parallel.ranks_per_shard == 2 and config.trainer.parallel.sequence_parallel
+
+
 def test_colocation_refuses_async_mode_unpaired_engines_and_more_than_one_gpu_per_pair():
     with pytest.raises(ConfigError, match=r'runtime\.colocate puts the engine to sleep .* rollout\.mode = "async"'):
         load_config(None, ["runtime.colocate=true", 'rollout.mode="async"'])
