@@ -28,7 +28,26 @@ _KINDS = {  # DTensor's functional collectives -> the simulator's names
 
 def _counted(plan: str) -> tuple[Counter[str], Counter[str]]:
     """The functional collectives (forward, backward) of one scoring pass of a 3-layer Llama under sharpen's
-    tensor-parallel ``plan`` with tp 2, counted by DTensor's CommDebugMode on a fake 2-rank process group."""
+    tensor-parallel ``plan`` with tp 2, counted by DTensor's CommDebugMode on a fake 2-rank process group, in a
+    forked process: DTensor caches sharding decisions process-wide (the vocabulary-split embedding's mask among
+    them), and ranks forked later from this process by other tests would inherit the fake group's."""
+    import multiprocessing
+
+    receiver, sender = multiprocessing.get_context("fork").Pipe(duplex=False)
+    child = multiprocessing.get_context("fork").Process(target=_count_into, args=(plan, sender))
+    child.start()
+    sender.close()  # the child's end alone stays open: if it dies, recv raises EOFError instead of waiting
+    counts = receiver.recv()
+    child.join()
+    assert child.exitcode == 0
+    return counts
+
+
+def _count_into(plan: str, sender: Any) -> None:
+    sender.send(_count(plan))
+
+
+def _count(plan: str) -> tuple[Counter[str], Counter[str]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
     from transformers import LlamaConfig, LlamaForCausalLM
