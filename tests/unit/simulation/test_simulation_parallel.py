@@ -29,8 +29,9 @@ _KINDS = {  # DTensor's functional collectives -> the simulator's names
 def _counted(plan: str) -> tuple[Counter[str], Counter[str]]:
     """The functional collectives (forward, backward) of one scoring pass of a 3-layer Llama under sharpen's
     tensor-parallel ``plan`` with tp 2, counted by DTensor's CommDebugMode on a fake 2-rank process group, in a
-    forked process: DTensor caches sharding decisions process-wide (the vocabulary-split embedding's mask among
-    them), and ranks forked later from this process by other tests would inherit the fake group's."""
+    forked process. DTensor keeps state process-wide (most likely its sharding-propagation cache, which holds the
+    vocabulary-split embedding's mask placement): run in the test process, the ranks that test_parallel_trainer
+    forks later inherited it and their embedding gradients were off by 0.5."""
     import multiprocessing
 
     receiver, sender = multiprocessing.get_context("fork").Pipe(duplex=False)
