@@ -68,12 +68,10 @@ def _count(plan: str) -> tuple[Counter[str], Counter[str]]:
             intermediate_size=64,
         )
         model = LlamaForCausalLM(config)
-        split = apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"], plan=plan)
+        vocab = apply_tensor_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))["tp"], plan=plan)
         ids = torch.randint(1, 128, (2, 8))
         with CommDebugMode() as forward:
-            scores = score_tokens(
-                model, ids, None, torch.ones(2, 7, dtype=torch.bool), temperature=1.0, vocab=split.vocab
-            )
+            scores = score_tokens(model, ids, None, torch.ones(2, 7, dtype=torch.bool), temperature=1.0, vocab=vocab)
         with CommDebugMode() as backward:
             scores.logprobs.sum().backward()
     finally:

@@ -98,13 +98,6 @@ def score_on_grid(
     return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local part (a tensor-parallel LM head's vocabulary slice); a plain tensor as it is."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _score_chunk(
     lm_head: nn.Module,
     hidden: torch.Tensor,
@@ -119,7 +112,7 @@ def _score_chunk(
         logits = logits.float() / temperature
     if vocab is not None:
         return vocab_parallel_scores(
-            local_tensor(logits),
+            logits,  # the tensor-parallel head's output: this rank's local slice
             targets,
             vocab_start=vocab.start,
             group=vocab.group,

@@ -44,7 +44,7 @@ from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
 from sharpen.trainer.backends.mesh import build_device_mesh
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
-from sharpen.trainer.backends.tensor_parallel import TensorParallelModel, apply_tensor_parallel
+from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.trainer.layout import LayoutError, ModelShape, ParallelLayout
 from sharpen.trainer.optim import build_adamw
@@ -202,7 +202,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
             resolve_precision(config.precision, self.device, num_threads=config.resolved_num_threads), self.device
         )
         mesh = build_device_mesh(self.layout, device_type=self.device.type)
-        self.fsdp_mesh, data_mesh = _data_meshes(mesh, self.layout)
+        fsdp_mesh, data_mesh = _data_meshes(mesh, self.layout)
         self._group = data_mesh.get_group()  # the data-parallel ranks: metrics and lockstep counts are summed here
         self.rank, self.num_ranks = data_mesh.get_local_rank(), data_mesh.size()
         self.is_writer = dist.get_rank() == 0  # tensor- and context-parallel ranks share a data shard: one writes
@@ -216,11 +216,11 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
             self.lora = apply_lora(self.model, config.lora)
-        self.tensor_parallel: TensorParallelModel | None = None
-        """What tensor parallelism split (tp > 1): its mesh and the LM head's vocabulary slice."""
+        self.vocab_shard: VocabShard | None = None
+        """Tensor parallelism (tp > 1): this rank's slice of the LM head's vocabulary."""
         sequence_parallel = self.layout.tp > 1 and config.parallel.sequence_parallel
         if self.layout.tp > 1:
-            self.tensor_parallel = apply_tensor_parallel(
+            self.vocab_shard = apply_tensor_parallel(
                 self.model, mesh["tp"], plan=config.parallel.tp_plan, sequence_parallel=sequence_parallel
             )
         self.context_parallel: ContextParallel | None = None
@@ -240,9 +240,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
             param_dtype=torch.bfloat16 if self.precision.is_bf16 else None, reduce_dtype=torch.float32
         )
         for layer in cast(nn.ModuleList, self.model.get_decoder().layers):
-            fully_shard(layer, mesh=self.fsdp_mesh, mp_policy=policy)
+            fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
         self._root = _ScoringRoot(self.model, is_vision_model=self.vision is not None)
-        self._fsdp_root = fully_shard(self._root, mesh=self.fsdp_mesh, mp_policy=policy)  # the same object
+        self._fsdp_root = fully_shard(self._root, mesh=fsdp_mesh, mp_policy=policy)  # the same object
         for module in self._root.modules():
             if isinstance(module, FSDPModule):
                 # Sum, not mean: each rank's loss is already divided by the whole step's normaliser. Forcing
@@ -288,7 +288,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 position_ids,
                 self.config.logits_chunk_tokens,
                 image_inputs,
-                None if self.tensor_parallel is None else self.tensor_parallel.vocab,
+                self.vocab_shard,
                 self.context_parallel,
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)

@@ -1,8 +1,8 @@
 """Tensor parallelism: a HF decoder's linear layers split over the ``tp`` ranks of a device mesh with DTensor.
 
 Owns the plans (`TensorParallelPlan`), `apply_tensor_parallel` (which turns a model's parameters into DTensors on
-the ``tp`` mesh) and the `TensorParallelModel` it returns (this rank's `vocab_parallel.VocabShard`, the slice of the
-LM head's vocabulary that `vocab_parallel.vocab_parallel_scores` scores). It neither shards data (FSDP2 does, on the
+the ``tp`` mesh and returns this rank's `vocab_parallel.VocabShard`, the slice of the LM head's vocabulary that
+`vocab_parallel.vocab_parallel_scores` scores). It neither shards data (FSDP2 does, on the
 other mesh axes) nor runs steps.
 
 Which layers split how comes from the model's own plan: transformers' ``base_model_tp_plan`` (Llama, Qwen2, Qwen3,
@@ -31,7 +31,6 @@ weight's gradient over the ``tp`` ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
 import torch
@@ -55,14 +54,6 @@ if TYPE_CHECKING:
 
 TensorParallelPlan = Literal["gather", "rowwise"]
 TENSOR_PARALLEL_PLANS: tuple[TensorParallelPlan, ...] = ("gather", "rowwise")
-
-
-@dataclass(frozen=True, slots=True)
-class TensorParallelModel:
-    """What `apply_tensor_parallel` did to a model: the ``tp`` mesh and this rank's slice of the vocabulary."""
-
-    vocab: VocabShard
-    mesh: DeviceMesh
 
 
 def model_tp_plan(model: PreTrainedModel) -> dict[str, str]:
@@ -91,13 +82,13 @@ def apply_tensor_parallel(
     *,
     plan: TensorParallelPlan = "gather",
     sequence_parallel: bool = False,
-) -> TensorParallelModel:
+) -> VocabShard:
     """Split ``model``'s decoder layers, embedding and LM head over ``mesh`` (the 1-D ``tp`` mesh), in place, before
     FSDP2 shards the result over the data-parallel axes. A tied LM head stays tied to the (vocabulary-split)
     embedding. ``sequence_parallel``: between the blocks, the residual stream and its norms hold ``1 / tp`` of the
     sequence on each rank (the sequence must divide by ``tp``: `context_parallel.ContextParallel` pads it and
     supplies the attention mask of the whole rows); the decoder's output is then a DTensor split over the
-    sequence."""
+    sequence. Returns this rank's slice of the LM head's vocabulary."""
     if plan not in TENSOR_PARALLEL_PLANS:
         raise LayoutError(f"unknown tensor-parallel plan {plan!r}; choose one of {TENSOR_PARALLEL_PLANS}")
     layer_plan = model_tp_plan(model)
@@ -129,9 +120,7 @@ def apply_tensor_parallel(
                 _replicate(module, mesh, input_layout=Shard(-2) if split_heads else Replicate())
     vocab_size = int(cast(torch.Tensor, lm_head.weight).shape[0])
     local = vocab_size // mesh.size()
-    return TensorParallelModel(
-        vocab=VocabShard(start=mesh.get_local_rank() * local, size=local, group=mesh.get_group()), mesh=mesh
-    )
+    return VocabShard(start=mesh.get_local_rank() * local, size=local, group=mesh.get_group())
 
 
 def _shared_inputs(layer_plan: dict[str, str], *, between: Placement) -> dict[str, ParallelStyle]:

@@ -420,10 +420,10 @@ def _nccl_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir:
     backend = FSDP2Backend(_config(device="cuda"), model_path=model_dir, dtype="float32", layout=ParallelLayout())
     steps = [{key: value for key, value in step.items() if key != "grads"} for step in _steps(backend)]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
-    split = apply_tensor_parallel(model, init_device_mesh("cuda", (1,), mesh_dim_names=("tp",))["tp"])
+    vocab = apply_tensor_parallel(model, init_device_mesh("cuda", (1,), mesh_dim_names=("tp",))["tp"])
     ids, attention, targets, _ = _batch("cuda")
     with torch.no_grad():
-        scores = score_tokens(model, ids, attention, targets, temperature=0.7, vocab=split.vocab)
+        scores = score_tokens(model, ids, attention, targets, temperature=0.7, vocab=vocab)
     torch.save({"steps": steps, "plan_logprobs": scores.logprobs.cpu()}, out_dir / "nccl.pt")
     dist.destroy_process_group()
 
