@@ -47,8 +47,11 @@ def _rollouts(num: int, vocab: int) -> list:
     return out
 
 
-def _time_steps(backend, rollouts: list, *, rank: int, num_ranks: int, num_steps: int) -> list[float]:
-    """Seconds of each of ``num_steps`` steps after one warm-up step."""
+def _time_steps(
+    backend, rollouts: list, *, rank: int, num_ranks: int, num_steps: int, on_gradients=None
+) -> list[float]:
+    """Seconds of each of ``num_steps`` steps after one warm-up step; ``on_gradients(backend)`` runs once the step's
+    gradients are accumulated, before `clip_and_step` (inside the timed span)."""
     from sharpen.trainer.packing import pack_micro_batch, split_micro_batches
     from sharpen.trainer.sharding import split_rollouts_by_tokens
 
@@ -68,6 +71,8 @@ def _time_steps(backend, rollouts: list, *, rank: int, num_ranks: int, num_steps
             logprobs = backend.token_logprobs(micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0)
             loss = -(logprobs * micro.advantages).sum() / normalizer
             (loss * 0.0 if is_filler else loss).backward()
+        if on_gradients is not None:
+            on_gradients(backend)
         backend.clip_and_step()
         seconds.append(time.perf_counter() - started)
     return seconds[1:]

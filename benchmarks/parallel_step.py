@@ -25,14 +25,15 @@ import os
 import resource
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from fsdp2_step import _rollouts  # the same batch as the FSDP2 benchmark (run from benchmarks/: on sys.path)
+from fsdp2_step import (  # the same batch and step as the FSDP2 benchmark (run from benchmarks/: on sys.path)
+    _rollouts,
+    _time_steps,
+)
 
-MICRO_BATCH_SIZE = 2
 LAYOUTS = {  # name: (ranks, ParallelLayout sizes)
     "dp_shard 2 (FSDP2 alone)": (2, {"dp_shard": 2}),
     "tp 2": (2, {"tp": 2}),
@@ -53,31 +54,24 @@ def _local_bytes(tensors) -> int:
 
 
 def _steps(backend, rollouts: list, *, num_steps: int) -> tuple[list[float], int, int, int]:
-    """Seconds of each step after a warm-up, and this rank's parameter, gradient and optimizer-state bytes."""
-    from sharpen.trainer.packing import pack_micro_batch, split_micro_batches
-    from sharpen.trainer.sharding import split_rollouts_by_tokens
+    """Seconds of each step after a warm-up (`fsdp2_step._time_steps` over this data-parallel rank's share), and
+    this rank's parameter, gradient and optimizer-state bytes."""
+    grad_bytes = [0]
 
-    normalizer = float(sum(r.num_loss_tokens for r in rollouts))
-    chunks = split_micro_batches(split_rollouts_by_tokens(rollouts, backend.num_ranks)[backend.rank], MICRO_BATCH_SIZE)
-    num_passes = backend.all_reduce_max(len(chunks))
-    seconds, grad_bytes = [], 0
-    for _ in range(num_steps + 1):
-        torch.distributed.barrier()
-        started = time.perf_counter()
-        for index in range(num_passes):
-            is_filler = index >= len(chunks)
-            micro = pack_micro_batch(
-                rollouts[:1] if is_filler else chunks[index], pad_token_id=0, device=backend.device
-            )
-            logprobs = backend.token_logprobs(micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0)
-            loss = -(logprobs * micro.advantages).sum() / normalizer
-            (loss * 0.0 if is_filler else loss).backward()
-        grad_bytes = _local_bytes(p.grad for p in backend.model.parameters() if p.grad is not None)
-        backend.clip_and_step()
-        seconds.append(time.perf_counter() - started)
+    def count_gradients(backend) -> None:
+        grad_bytes[0] = _local_bytes(p.grad for p in backend.model.parameters() if p.grad is not None)
+
+    seconds = _time_steps(
+        backend,
+        rollouts,
+        rank=backend.rank,
+        num_ranks=backend.num_ranks,
+        num_steps=num_steps,
+        on_gradients=count_gradients,
+    )
     state = backend.optimizer.state.values()
     optimizer_bytes = _local_bytes(t for s in state for t in s.values() if isinstance(t, torch.Tensor) and t.dim())
-    return seconds[1:], _local_bytes(backend.model.parameters()), grad_bytes, optimizer_bytes
+    return seconds, _local_bytes(backend.model.parameters()), grad_bytes[0], optimizer_bytes
 
 
 def _rank(rank: int, num_ranks: int, port: int, model_dir: Path, sizes: dict, num_steps: int, queue) -> None:
