@@ -11,14 +11,11 @@ runs zero-weighted filler passes: the lockstep scheme the trainer uses with this
 from __future__ import annotations
 
 import math
-import os
 import random
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sharpen.config.corrections import TokenTISCorrection
 from sharpen.config.policy_losses import PPOClipLoss
@@ -28,6 +25,7 @@ from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.packing import pack_micro_batch, split_micro_batches
 from sharpen.trainer.sharding import split_rollouts_by_tokens
 from sharpen.types import Example, Message, Rollout
+from support.ranks import join_process_group, launch_ranks
 from support.tiny_trainer import uneven_rollouts
 
 VOCAB, PAD = 128, 0  # the tiny model of conftest.model_dir
@@ -83,21 +81,12 @@ def _calls_of(module: torch.nn.Module) -> list[None]:
     return calls
 
 
-def _join(rank: int, num_ranks: int, port: int, device_type: str) -> None:
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_ranks)})
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
-    torch.set_num_threads(1)
-    from sharpen.trainer.backends.fsdp2 import init_distributed
-
-    init_distributed("gloo" if device_type == "cpu" else "nccl")
-
-
 def _worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir: Path, device_type: str) -> None:
     import torch.distributed as dist
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
-    _join(rank, num_ranks, port, device_type)
+    join_process_group(rank, num_ranks, port, backend="gloo" if device_type == "cpu" else "nccl")
     results: dict[str, object] = {}
     rollouts = uneven_rollouts()
 
@@ -142,7 +131,7 @@ def _resume_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_di
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
-    _join(rank, num_ranks, port, device_type)
+    join_process_group(rank, num_ranks, port, backend="gloo" if device_type == "cpu" else "nccl")
     backend = FSDP2Backend(_config(device=device_type), model_path=model_dir, dtype="float32")
     backend.load(out_dir / "checkpoint")
     _train(backend, uneven_rollouts(), num_steps=2, rank=rank, num_ranks=num_ranks)
@@ -157,19 +146,9 @@ def _probe(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return ids, torch.ones_like(ids), torch.ones((1, 4), dtype=torch.bool, device=device)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(model_dir: Path, out_dir: Path, device_type: str, num_ranks: int, worker=_worker) -> None:
-    """Run ``worker`` on ``num_ranks`` processes. On the CPU the ranks are forked from this
-    process, which has imported torch and transformers already (importing them takes ~10 s a process on this
-    machine); CUDA cannot be used in a child forked after it was initialised, so GPU ranks are spawned."""
-    start_method = "fork" if device_type == "cpu" else "spawn"
-    args = (num_ranks, _free_port(), model_dir, out_dir, device_type)
-    mp.start_processes(worker, args=args, nprocs=num_ranks, join=True, start_method=start_method)
+    """Run ``worker`` on ``num_ranks`` processes (`support.ranks.launch_ranks`: forked on the CPU, spawned for CUDA)."""
+    launch_ranks(worker, num_ranks, model_dir, out_dir, device_type, device_type=device_type)
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +346,7 @@ def _trainer_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_d
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
-    _join(rank, num_ranks, port, device_type)
+    join_process_group(rank, num_ranks, port, backend="gloo" if device_type == "cpu" else "nccl")
     result = _trainer_steps(FSDP2Backend(_trainer_config(), model_path=model_dir, dtype="float32"))
     if rank == 0:
         torch.save(result, out_dir / "trainer.pt")
@@ -462,7 +441,7 @@ def _vlm_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir: 
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
-    _join(rank, num_ranks, port, device_type)
+    join_process_group(rank, num_ranks, port, backend="gloo" if device_type == "cpu" else "nccl")
     backend = FSDP2Backend(_config(device=device_type), model_path=model_dir, dtype="float32")
     grad_norms = _train_vlm(backend, _vlm_shares(model_dir), ranks=[rank], num_ranks=num_ranks)
     weights = {key: value.cpu() for key, value in backend.named_weights()}

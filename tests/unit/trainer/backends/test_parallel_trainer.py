@@ -20,7 +20,7 @@ from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.layout import LayoutError, ParallelLayout
 from sharpen.types import TrainBatch
-from support.ranks import join_gloo, launch_cpu_ranks
+from support.ranks import join_process_group, launch_ranks
 from support.tiny_trainer import uneven_rollouts
 
 VOCAB, PAD = 128, 0
@@ -170,7 +170,7 @@ def _tp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], o
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
-    join_gloo(rank, num_ranks, port)
+    join_process_group(rank, num_ranks, port)
     results: dict[str, object] = {}
     for layout, family, plan in CASES:
         config = _config(plan, sequence_parallel=SEQUENCE_PARALLEL.get(layout, True))
@@ -202,7 +202,7 @@ def _four_rank_worker(rank: int, num_ranks: int, port: int, models: dict[str, Pa
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
-    join_gloo(rank, num_ranks, port)
+    join_process_group(rank, num_ranks, port)
     results = {}
     for name, layout in (
         ("dp_shard", ParallelLayout(dp_shard=2, tp=2)),
@@ -223,7 +223,7 @@ def _resume_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path]
 
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
-    join_gloo(rank, num_ranks, port)
+    join_process_group(rank, num_ranks, port)
     backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32")
     backend.load(out_dir / "checkpoint")
     weights = {name: tensor.clone() for name, tensor in backend.named_weights()}
@@ -235,9 +235,9 @@ def _resume_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path]
 @pytest.fixture(scope="module")
 def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict, Path]:
     out_dir = tmp_path_factory.mktemp("tp")
-    launch_cpu_ranks(_tp2_worker, 2, models, out_dir)
-    launch_cpu_ranks(_four_rank_worker, 4, models, out_dir)
-    launch_cpu_ranks(_resume_worker, 2, models, out_dir)
+    launch_ranks(_tp2_worker, 2, models, out_dir)
+    launch_ranks(_four_rank_worker, 4, models, out_dir)
+    launch_ranks(_resume_worker, 2, models, out_dir)
     return torch.load(out_dir / "tp2.pt"), torch.load(out_dir / "four_ranks.pt"), out_dir
 
 
@@ -404,19 +404,16 @@ def _nccl_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir:
     """One CUDA rank: the FSDP2 backend at layout size 1 (two optimizer steps), and the tensor-parallel plan at size
     1 on a model of its own (every parameter a DTensor on a 1-rank NCCL mesh, the LM head's vocabulary scored by
     `vocab_parallel_scores`; the backend applies the plan only for tp > 1)."""
-    import os
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
-    from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
     from sharpen.trainer.backends.scoring import score_tokens
     from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 
-    os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    init_distributed("nccl")
+    join_process_group(rank, num_ranks, port, backend="nccl")
     backend = FSDP2Backend(_config(device="cuda"), model_path=model_dir, dtype="float32", layout=ParallelLayout())
     steps = [{key: value for key, value in step.items() if key != "grads"} for step in _steps(backend)]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
@@ -434,11 +431,7 @@ def _nccl_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir:
 def test_every_axis_at_size_1_on_nccl_matches_the_cpu(models, tmp_path):
     """The lent GPU machine's parallel-trainer check (benchmarks/gpu_check.sh runs every `gpu` test): the FSDP2
     backend at layout size 1 and the tensor-parallel plan at size 1 on NCCL, against the single-device CPU run."""
-    import torch.multiprocessing as mp
-
-    from support.ranks import free_port
-
-    mp.start_processes(_nccl_worker, args=(1, free_port(), models["llama"], tmp_path), nprocs=1, start_method="spawn")
+    launch_ranks(_nccl_worker, 1, models["llama"], tmp_path, device_type="cuda")
     got = torch.load(tmp_path / "nccl.pt")
     expected = _steps(SingleDeviceBackend(_config(), model_path=models["llama"], dtype="float32"))
     for got_step, step in zip(got["steps"], expected, strict=True):
