@@ -16,8 +16,7 @@ from sharpen.config.section import Section
 
 class ParallelConfig(Section):
     """The size of each parallel axis other than ``dp_shard`` (FSDP2's shards), which takes the rest of
-    ``runtime.trainer_ranks``. Built today: ``tp``, ``cp`` and ``dp_replicate``; ``pp`` is refused at start until its
-    schedules are built (docs/parallelism.md)."""
+    ``runtime.trainer_ranks``, and how the pipeline runs (docs/parallelism.md)."""
 
     tp: int = Field(default=1, ge=1)
     """Tensor-parallel ranks: each decoder layer's projections, the embedding and the LM head are split over them
@@ -35,7 +34,16 @@ class ParallelConfig(Section):
     """Replicas of the sharded model (HSDP): FSDP2 shards over ``dp_shard`` ranks inside each replica and the
     replicas all-reduce gradients; data is split over both."""
     pp: int = Field(default=1, ge=1)
-    """Pipeline stages (not built yet: more than 1 is refused at start)."""
+    """Pipeline ranks: each holds a contiguous slice of the decoder layers (the first also the embedding, the last
+    the final norm and the LM head), and an optimizer step's micro-batches flow through them by ``pp_schedule``.
+    Not with cp > 1, LoRA or a vision-language model yet."""
+    pp_schedule: Literal["1f1b", "interleaved_1f1b", "gpipe"] = "1f1b"
+    """The pipeline's schedule (torch.distributed.pipelining): ``1f1b`` holds at most pp micro-batches' activations;
+    ``interleaved_1f1b`` gives each rank ``pp_stages_per_rank`` stages, which shrinks the bubble by that factor;
+    ``gpipe`` runs every forward, then every backward. A step's micro-batches are made a multiple of pp x
+    pp_stages_per_rank (with passes whose loss is 0)."""
+    pp_stages_per_rank: int = Field(default=1, ge=1)
+    """Stages each pipeline rank holds (interleaved 1F1B only; there it must be at least 2)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel ranks (Ulysses): each runs every row's decoder on 1 / cp of its sequence and attention trades
     that split for one over heads, so the heads (per tensor-parallel rank) must divide by it. Right-padded and

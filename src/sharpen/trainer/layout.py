@@ -123,7 +123,13 @@ class ParallelLayout:
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelLayout:
         """The layout ``[trainer.parallel]`` asks for on ``world_size`` ranks (``dp_shard`` takes the rest)."""
         return cls.filling(
-            world_size, tp=parallel.tp, dp_replicate=parallel.dp_replicate, pp=parallel.pp, cp=parallel.cp
+            world_size,
+            tp=parallel.tp,
+            dp_replicate=parallel.dp_replicate,
+            pp=parallel.pp,
+            cp=parallel.cp,
+            pp_schedule=parallel.pp_schedule,
+            pp_stages_per_rank=parallel.pp_stages_per_rank,
         )
 
     def __post_init__(self) -> None:
@@ -135,6 +141,10 @@ class ParallelLayout:
             raise LayoutError(
                 f'pp_stages_per_rank = {self.pp_stages_per_rank} needs pp_schedule = "interleaved_1f1b" (the other '
                 "schedules run one stage per rank)"
+            )
+        if self.pp > 1 and self.pp_schedule == "interleaved_1f1b" and self.pp_stages_per_rank < 2:
+            raise LayoutError(
+                'pp_schedule = "interleaved_1f1b" needs pp_stages_per_rank >= 2 (one stage per rank is plain 1F1B)'
             )
 
     @property
@@ -199,13 +209,17 @@ class ParallelLayout:
             self._check_micro_batches(num_micro_batches)
 
     def check_built(self) -> None:
-        """Raise `LayoutError` for an axis whose trainer is not built yet (pipeline and expert parallelism); data,
-        tensor and context parallelism are."""
-        if self.pp > 1 or self.ep > 1:
+        """Raise `LayoutError` for an axis whose trainer is not built yet (expert parallelism), or a pair of axes
+        (pipeline with context parallelism); data, tensor, context and pipeline parallelism are."""
+        if self.pp > 1 and self.cp > 1:
             raise LayoutError(
-                f"the trainer runs data, tensor and context parallelism (dp_replicate, dp_shard, tp, cp); "
-                f"{self.describe()} asks for pipeline or expert parallelism, which are not built yet "
-                "(docs/parallelism.md)"
+                f"pipeline and context parallelism together (pp {self.pp} x cp {self.cp}) are not built yet: use one "
+                "of them (docs/parallelism.md)"
+            )
+        if self.ep > 1:
+            raise LayoutError(
+                f"the trainer runs data, tensor, context and pipeline parallelism; {self.describe()} asks for expert "
+                "parallelism, which is not built yet (docs/parallelism.md)"
             )
 
     def _check_model(self, model: ModelShape) -> None:

@@ -28,7 +28,7 @@ from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.algorithms.offpolicy import correction_metrics
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
-from sharpen.trainer.backends.base import ReferenceScorer, TokenScores, TrainerBackend
+from sharpen.trainer.backends.base import ReferenceScorer, ScoreInputs, TokenScores, TrainerBackend
 from sharpen.trainer.backends.teacher import TeacherPolicy
 from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.distill_step import DistillationStep
@@ -87,6 +87,10 @@ class Trainer:
         algorithm = config.algorithm
         if config.distillation.enabled != (teacher is not None):
             raise ValueError("a teacher (TeacherPolicy) is needed exactly when trainer.distillation.enabled = true")
+        if config.distillation.enabled and config.parallel.pp > 1:
+            raise ValueError(
+                "trainer.distillation with pipeline parallelism (trainer.parallel.pp > 1) is not supported"
+            )
         if config.distillation.top_k > 0 and not isinstance(backend, SingleDeviceBackend):
             raise ValueError(
                 "trainer.distillation.top_k > 0 runs on the single-device backend only (trainer_ranks = 1)"
@@ -148,6 +152,7 @@ class Trainer:
                 if critic_step is not None:
                     critic_step.clip_and_step(self.config.max_grad_norm)
         kl_coef = self.objective.kl_controller.coef
+        sums = self.backend.share_loss_sums(dict(sums))  # a pipeline's losses ran on its last stage
         maxima = _pop_prefixed(sums, CORRECTION_MAX)
         if self.objective.collects_correction_sums:
             maxima = self.lockstep.max_over_ranks(maxima)
@@ -237,17 +242,22 @@ class Trainer:
         selection = self._selection(rollouts, critic_step)
         weight_normalizer = self._weight_normalizer(rollouts, old_logprobs)
         local = self.lockstep.local_share(rollouts)
+        passes: list[tuple[list[Rollout], bool, MicroBatch]] = []
         for chunk, is_filler in self.lockstep.chunks(local, filler=rollouts[:1], split=self._split_micro_batches):
-            inputs = _advantage_inputs(chunk, critic_step)
             micro = pack_micro_batch(
                 chunk,
                 pad_token_id=self.pad_token_id,
                 device=self.backend.device,
                 is_packed=self.config.packing,
                 old_logprobs=None if old_logprobs is None or is_filler else [old_logprobs[id(r)] for r in chunk],
-                **inputs,
+                **_advantage_inputs(chunk, critic_step),
             )
-            scores = self._score_policy(micro, with_entropy=True, entropy_requires_grad=algorithm.entropy_coef > 0)
+            passes.append((chunk, is_filler, micro))
+
+        def micro_batch_loss(index: int, policy_scores: TokenScores) -> torch.Tensor:
+            """The loss of pass ``index`` (on a pipeline: on its last stage alone, in the schedule's order)."""
+            chunk, is_filler, micro = passes[index]
+            scores = self._unpacked(micro, policy_scores)
             old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
             extra_loss = None
             if distill_step is not None:
@@ -267,7 +277,6 @@ class Trainer:
                 selected=None if selection is None else _rows_of(selection, chunk, micro.loss_mask),
                 weight_normalizer=weight_normalizer,
             )
-            (loss * 0.0 if is_filler else loss).backward()  # a filler pass only keeps the ranks' collectives in step
             if critic_step is not None:
                 value_loss = critic_step.micro_batch_loss(
                     micro,
@@ -276,6 +285,15 @@ class Trainer:
                     constant_length=self.objective.constant_length,
                 )
                 value_loss.backward()
+            return loss * 0.0 if is_filler else loss  # a filler pass only keeps the ranks' collectives in step
+
+        self.backend.train_micro_batches(
+            [self._policy_inputs(micro) for _, _, micro in passes],
+            micro_batch_loss,
+            temperature=self.temperature,
+            with_entropy=True,
+            entropy_requires_grad=algorithm.entropy_coef > 0,
+        )
 
     def _weight_normalizer(self, rollouts: list[Rollout], old_logprobs: dict[int, list[float]] | None) -> float | None:
         """``off_policy_normalize``: the mean of the kept importance weights over the whole mini-batch (per token,
@@ -312,32 +330,30 @@ class Trainer:
         assert selected is not None, "a loss that selects tokens returns them"
         return {id(r): selected[row][whole.loss_mask[row]] for row, r in enumerate(rollouts)}
 
-    def _score_policy(
-        self, micro: MicroBatch, *, with_entropy: bool = False, entropy_requires_grad: bool = False
-    ) -> TokenScores:
-        """The policy's scores of ``micro``'s loss-mask targets on its padded rows ([batch, seq - 1]), computed on
-        the packed row when the micro-batch has one."""
+    def _policy_inputs(self, micro: MicroBatch) -> ScoreInputs:
+        """What the policy scores of ``micro``: its packed row when it has one, else its padded rows (with their
+        prompts' lengths when prompts are computed once)."""
         packed = micro.packed
         if packed is None:
-            return self.backend.score_tokens(
-                micro.input_ids,
-                micro.attention_mask,
-                micro.loss_mask,
-                temperature=self.temperature,
-                with_entropy=with_entropy,
-                entropy_requires_grad=entropy_requires_grad,
+            return ScoreInputs(
+                input_ids=micro.input_ids,
+                attention_mask=micro.attention_mask,
+                target_mask=micro.loss_mask,
                 prompt_lengths=micro.prompt_lengths if self._shares_prompts(micro) else None,
                 images=micro.images,
             )
-        scores = self.backend.score_tokens(
-            packed.input_ids,
-            None,
-            packed.target_mask,
-            temperature=self.temperature,
-            with_entropy=with_entropy,
-            entropy_requires_grad=entropy_requires_grad,
+        return ScoreInputs(
+            input_ids=packed.input_ids,
+            attention_mask=None,
+            target_mask=packed.target_mask,
             position_ids=packed.position_ids,
         )
+
+    @staticmethod
+    def _unpacked(micro: MicroBatch, scores: TokenScores) -> TokenScores:
+        """The policy's scores of `_policy_inputs(micro)` on ``micro``'s padded rows ([batch, seq - 1])."""
+        if micro.packed is None:
+            return scores
         entropy = None if scores.entropy is None else unpack_scores(scores.entropy, micro)
         return TokenScores(logprobs=unpack_scores(scores.logprobs, micro), entropy=entropy)
 
@@ -364,25 +380,29 @@ class Trainer:
     def _score_completions(
         self,
         rollouts: list[Rollout],
-        score: Callable[[MicroBatch], torch.Tensor],
+        score: Callable[[list[MicroBatch]], list[torch.Tensor]],
         *,
         filler: list[Rollout] | None = None,
     ) -> dict[int, list[float]]:
-        """``score(micro)`` ([batch, seq - 1]) on every rollout's completion tokens, keyed by rollout id, without
-        gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder are packed.
-        ``filler``: when ``score`` runs the (possibly sharded) policy, pad to the ranks' most micro-batches."""
-        scored: dict[int, list[float]] = {}
+        """``score(micros)`` ([batch, seq - 1] each) on every rollout's completion tokens, keyed by rollout id,
+        without gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder are
+        packed. ``filler``: when ``score`` runs the (possibly sharded) policy, pad to the ranks' most micro-batches."""
         if filler is None:
             chunks = [(chunk, False) for chunk in split_micro_batches(rollouts, self.config.micro_batch_size)]
         else:
             chunks = self.lockstep.chunks(rollouts, filler=filler, split=self._split_micro_batches)
-        for chunk, is_filler in chunks:
-            placeholders = [replace(r, advantage=0.0) for r in chunk]
-            is_packed = self.config.packing and filler is not None  # the policy's passes; the reference's are padded
-            micro = pack_micro_batch(
-                placeholders, pad_token_id=self.pad_token_id, device=self.backend.device, is_packed=is_packed
+        is_packed = self.config.packing and filler is not None  # the policy's passes; the reference's are padded
+        micros = [
+            pack_micro_batch(
+                [replace(r, advantage=0.0) for r in chunk],
+                pad_token_id=self.pad_token_id,
+                device=self.backend.device,
+                is_packed=is_packed,
             )
-            values = score(micro)
+            for chunk, _ in chunks
+        ]
+        scored: dict[int, list[float]] = {}
+        for (chunk, is_filler), micro, values in zip(chunks, micros, score(micros), strict=True):
             if is_filler:
                 continue
             for row, rollout in enumerate(chunk):
@@ -391,7 +411,13 @@ class Trainer:
 
     def _old_logprobs(self, rollouts: list[Rollout], *, filler: list[Rollout]) -> dict[int, list[float]]:
         """The policy's logprobs of every completion token before this step's first update, keyed by rollout id."""
-        return self._score_completions(rollouts, lambda micro: self._score_policy(micro).logprobs, filler=filler)
+
+        def score(micros: list[MicroBatch]) -> list[torch.Tensor]:
+            inputs = [self._policy_inputs(micro) for micro in micros]
+            scores = self.backend.score_micro_batches(inputs, temperature=self.temperature)
+            return [self._unpacked(micro, s).logprobs for micro, s in zip(micros, scores, strict=True)]
+
+        return self._score_completions(rollouts, score, filler=filler)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         """Per-token reward penalties -kl_coef * KL_t(engine || reference) for ``kl.type = "reward"``: the behaviour
@@ -401,16 +427,19 @@ class Trainer:
             raise ValueError('kl_penalties needs a reference policy (trainer.algorithm.kl.type = "reward")')
         kl = self._score_completions(
             rollouts,
-            lambda micro: self.objective.kl_penalty_terms(
-                micro.engine_logprobs,
-                reference.token_logprobs(
-                    micro.input_ids,
-                    micro.attention_mask,
-                    micro.loss_mask,
-                    temperature=self.temperature,
-                    images=micro.images,
-                ),
-            ),
+            lambda micros: [
+                self.objective.kl_penalty_terms(
+                    micro.engine_logprobs,
+                    reference.token_logprobs(
+                        micro.input_ids,
+                        micro.attention_mask,
+                        micro.loss_mask,
+                        temperature=self.temperature,
+                        images=micro.images,
+                    ),
+                )
+                for micro in micros
+            ],
         )
         values = [value for row in kl.values() for value in row]
         self.reward_kl = sum(values) / max(len(values), 1)  # what the adaptive controller steers in this mode

@@ -109,7 +109,7 @@ def test_a_layout_that_fits_says_nothing():
             "2 micro-batches per optimizer step for pp 4",
         ),
         (
-            ParallelLayout(pp=4, pp_schedule="interleaved_1f1b"),
+            ParallelLayout(pp=4, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2),
             {"world_size": 4, "num_micro_batches": 6},
             "interleaved 1F1B needs a multiple of pp 4 micro-batches per step, got 6",
         ),
@@ -130,6 +130,8 @@ def test_bad_sizes_are_refused_when_built():
         ParallelLayout(tp=0)
     with pytest.raises(LayoutError, match=re.escape('pp_stages_per_rank = 2 needs pp_schedule = "interleaved_1f1b"')):
         ParallelLayout(pp=2, pp_stages_per_rank=2)
+    with pytest.raises(LayoutError, match=re.escape('"interleaved_1f1b" needs pp_stages_per_rank >= 2')):
+        ParallelLayout(pp=2, pp_schedule="interleaved_1f1b")
 
 
 def test_moe_shapes_come_from_each_familys_keys():
@@ -150,5 +152,8 @@ def test_moe_shapes_come_from_each_familys_keys():
 
 def test_an_axis_that_is_not_built_is_refused_in_one_line():
     ParallelLayout(tp=2, cp=2, dp_replicate=2).check_built()  # data, tensor and context parallelism run
-    with pytest.raises(LayoutError, match=r"pp 2 asks for pipeline or expert parallelism, which are not built yet"):
-        ParallelLayout(pp=2).check_built()
+    ParallelLayout(pp=2, tp=2).check_built()  # and pipeline parallelism
+    with pytest.raises(LayoutError, match=r"\(ep 2\) asks for expert parallelism, which is not built yet"):
+        ParallelLayout(dp_shard=4, ep=2).check_built()
+    with pytest.raises(LayoutError, match=r"^pipeline and context parallelism together \(pp 2 x cp 2\) are not built"):
+        ParallelLayout(pp=2, cp=2).check_built()

@@ -8,7 +8,7 @@ identities.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +33,23 @@ processor's settings, e.g. Idefics3's tokens per image)."""
 class TokenScores:
     logprobs: torch.Tensor  # [batch, seq - 1] float32, 0 outside the target mask
     entropy: torch.Tensor | None  # [batch, seq - 1] float32 (when asked for), 0 outside the target mask
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScoreInputs:
+    """One micro-batch's model inputs, as `TrainerBackend.score_tokens` takes them: right-padded rows with their
+    ``attention_mask``, or packed rows with ``position_ids`` and no attention mask."""
+
+    input_ids: torch.Tensor  # [batch, seq]
+    attention_mask: torch.Tensor | None  # [batch, seq]; None for packed rows
+    target_mask: torch.Tensor  # [batch, seq - 1] bool
+    position_ids: torch.Tensor | None = None  # [batch, seq], packed rows only
+    prompt_lengths: Sequence[int] | None = None
+    images: Sequence[tuple[ImagePart, ...]] = ()
+
+
+MicroBatchLoss = Callable[[int, TokenScores], torch.Tensor]
+"""The loss of micro-batch ``index`` from the policy's scores of it (`TrainerBackend.train_micro_batches`)."""
 
 
 class TrainerBackend(Protocol):
@@ -77,6 +94,32 @@ class TrainerBackend(Protocol):
         use_autocast: bool = True,
     ) -> torch.Tensor: ...
 
+    def train_micro_batches(
+        self,
+        inputs: Sequence[ScoreInputs],
+        loss: MicroBatchLoss,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        entropy_requires_grad: bool = False,
+    ) -> None:
+        """Accumulate the gradients of ``loss(index, scores)`` summed over one optimizer step's micro-batches
+        ``inputs``. One process runs them in turn (forward, loss, backward); a pipeline runs them through its
+        schedule, and ``loss`` then runs on the last stage alone (its side effects, the metric sums, there only:
+        `share_loss_sums`)."""
+        ...
+
+    def score_micro_batches(
+        self, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True
+    ) -> list[TokenScores]:
+        """The logprobs of each micro-batch of ``inputs`` (forward only, no entropy), on every rank."""
+        ...
+
+    def share_loss_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """The metric sums that `train_micro_batches`' losses wrote, on every rank that trains the same rows: the
+        last pipeline stage's (the identity without a pipeline); collective."""
+        ...
+
     def clip_and_step(self) -> float: ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
@@ -113,7 +156,53 @@ class ReferenceScorer(Protocol):
 
 
 class ScoresTokenLogprobs:
-    """`TrainerBackend.token_logprobs` for a backend that has `score_tokens` (both backends share it)."""
+    """`TrainerBackend.token_logprobs`, `train_micro_batches`, `score_micro_batches` and `share_loss_sums` for a
+    backend that has `score_tokens` and runs every micro-batch whole on each rank (both backends share it; a
+    pipeline overrides the micro-batch methods)."""
+
+    def train_micro_batches(
+        self: TrainerBackend,
+        inputs: Sequence[ScoreInputs],
+        loss: MicroBatchLoss,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        entropy_requires_grad: bool = False,
+    ) -> None:
+        """Forward, loss and backward of each micro-batch in turn (its graph freed before the next)."""
+        for index, item in enumerate(inputs):
+            scores = self.score_tokens(
+                item.input_ids,
+                item.attention_mask,
+                item.target_mask,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_requires_grad=entropy_requires_grad,
+                position_ids=item.position_ids,
+                prompt_lengths=item.prompt_lengths,
+                images=item.images,
+            )
+            loss(index, scores).backward()
+
+    def score_micro_batches(
+        self: TrainerBackend, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True
+    ) -> list[TokenScores]:
+        return [
+            self.score_tokens(
+                item.input_ids,
+                item.attention_mask,
+                item.target_mask,
+                temperature=temperature,
+                use_autocast=use_autocast,
+                position_ids=item.position_ids,
+                prompt_lengths=item.prompt_lengths,
+                images=item.images,
+            )
+            for item in inputs
+        ]
+
+    def share_loss_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        return sums
 
     def token_logprobs(
         self: TrainerBackend,

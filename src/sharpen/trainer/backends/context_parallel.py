@@ -39,6 +39,10 @@ class _Rows:
     mask: torch.Tensor | None
     """[batch, 1, seq, seq] bool, True where a query may attend to a key (packed rows: causal within each
     sequence); None: causal (right-padded rows)."""
+    local: slice
+    """This rank's slice of the padded rows."""
+    padded: int
+    """The rows' length padded to a multiple of ``cp x multiple``."""
 
 
 @dataclass(slots=True)
@@ -66,13 +70,11 @@ class ContextParallel:
             if hasattr(module, "num_key_value_groups"):  # an attention layer
                 setattr(module, _ATTRIBUTE, self)
 
-    def split(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, slice, int]:
-        """This rank's slice of the rows: (input ids, their positions in the whole rows, the slice, the padded
-        length). Remembers the whole rows' attention mask for the attention layers: right-padded rows (no
-        ``position_ids``; where the padding starts does not matter, see below) or packed rows (``position_ids``,
-        each sequence restarting at 0)."""
+    def split(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's slice of the rows: (input ids, their positions in the whole rows). Remembers the whole rows'
+        attention mask for the attention layers, this rank's slice (`local`) and the padded length
+        (`padded_length`): right-padded rows (no ``position_ids``; where the padding starts does not matter, see
+        below) or packed rows (``position_ids``, each sequence restarting at 0)."""
         batch, length = input_ids.shape
         step = self.size * self.multiple
         padded = -(-length // step) * step
@@ -82,16 +84,28 @@ class ContextParallel:
             # right-padded rows: causal attention alone; a padding key is seen only by padding queries, which
             # score nothing (so no [seq, seq] mask is built: the fused kernels stay usable)
             position_ids = torch.arange(padded, device=device).expand(batch, padded)
-            self.rows = _Rows(mask=None)
+            mask = None
         else:  # packed: a sequence starts where the position restarts at 0; the padding is one sequence more
             position_ids = torch.cat([position_ids, torch.arange(extra, device=device).expand(batch, extra)], dim=1)
             sequence = (position_ids == 0).cumsum(dim=1)  # [batch, padded]
             same_sequence = (sequence[:, :, None] == sequence[:, None, :]).unsqueeze(1)
             causal = torch.ones(padded, padded, dtype=torch.bool, device=device).tril()
-            self.rows = _Rows(mask=causal & same_sequence)
+            mask = causal & same_sequence
         local = slice(self.rank * (padded // self.size), (self.rank + 1) * (padded // self.size))
+        self.rows = _Rows(mask=mask, local=local, padded=padded)
         ids = F.pad(input_ids, (0, extra), value=0)
-        return ids[:, local], position_ids[:, local], local, padded
+        return ids[:, local], position_ids[:, local]
+
+    @property
+    def local(self) -> slice | None:
+        """This rank's slice of the rows `split` last cut (None before any)."""
+        return None if self.rows is None else self.rows.local
+
+    @property
+    def padded_length(self) -> int:
+        """The padded length of the rows `split` last cut."""
+        assert self.rows is not None, "ContextParallel.split must run first"
+        return self.rows.padded
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[batch, padded / cp]`` per rank -> ``[batch, padded]`` on every rank (sequence order); the backward

@@ -38,11 +38,18 @@ from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
-from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores
+from sharpen.trainer.backends.base import (
+    PROCESSOR_FILES,
+    MicroBatchLoss,
+    ScoreInputs,
+    ScoresTokenLogprobs,
+    TokenScores,
+)
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
 from sharpen.trainer.backends.mesh import build_device_mesh
+from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
@@ -239,16 +246,34 @@ class FSDP2Backend(ScoresTokenLogprobs):
         policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if self.precision.is_bf16 else None, reduce_dtype=torch.float32
         )
-        for layer in cast(nn.ModuleList, self.model.get_decoder().layers):
+        self.pipeline: PipelineParallel | None = None
+        """Pipeline parallelism (pp > 1): this rank's stages, and the schedule that runs them."""
+        layers = cast(nn.ModuleList, self.model.get_decoder().layers)
+        if self.layout.pp > 1:  # this rank keeps its stages' layers; each stage is an FSDP root
+            self.pipeline = PipelineParallel(
+                self.model,
+                mesh,
+                self.layout,
+                device=self.device,
+                boundary_dtype=torch.bfloat16 if self.precision.is_bf16 else getattr(torch, dtype),
+                logits_chunk_tokens=config.logits_chunk_tokens,
+                context=self.context_parallel,
+                vocab=self.vocab_shard,
+            )
+            layers, roots = self.pipeline.owned_layers, list(self.pipeline.stages)
+        else:
+            self._root = _ScoringRoot(self.model, is_vision_model=self.vision is not None)
+            roots = [self._root]
+        for layer in layers:
             fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
-        self._root = _ScoringRoot(self.model, is_vision_model=self.vision is not None)
-        self._fsdp_root = fully_shard(self._root, mesh=fsdp_mesh, mp_policy=policy)  # the same object
-        for module in self._root.modules():
-            if isinstance(module, FSDPModule):
-                # Sum, not mean: each rank's loss is already divided by the whole step's normaliser. Forcing
-                # plain SUM also avoids PREMUL_SUM, which gloo lacks.
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        self._fsdp_roots = [cast(FSDPModule, fully_shard(root, mesh=fsdp_mesh, mp_policy=policy)) for root in roots]
+        for root in self._fsdp_roots:
+            for module in cast(nn.Module, root).modules():
+                if isinstance(module, FSDPModule):
+                    # Sum, not mean: each rank's loss is already divided by the whole step's normaliser. Forcing
+                    # plain SUM also avoids PREMUL_SUM, which gloo lacks.
+                    module.set_gradient_divide_factor(1.0)
+                    module.set_force_sum_reduction_for_comms(True)
         self.optimizer = build_adamw(
             (p for p in self.model.parameters() if p.requires_grad),  # all, or the LoRA adapters alone
             learning_rate=config.learning_rate,
@@ -276,6 +301,15 @@ class FSDP2Backend(ScoresTokenLogprobs):
         inputs, as on one device."""
         if position_ids is not None and any(images):
             raise ValueError("rows with images cannot be packed (trainer.packing = false for image prompts)")
+        if self.pipeline is not None:
+            if torch.is_grad_enabled() or with_entropy:
+                raise ValueError(
+                    "with pipeline parallelism, scores with gradients or entropy come from train_micro_batches only"
+                )
+            inputs = ScoreInputs(
+                input_ids=input_ids, attention_mask=attention_mask, target_mask=target_mask, position_ids=position_ids
+            )
+            return self.score_micro_batches([inputs], temperature=temperature, use_autocast=use_autocast)[0]
         image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
         with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
             logprobs, entropy = self._root(
@@ -293,10 +327,61 @@ class FSDP2Backend(ScoresTokenLogprobs):
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)
 
+    def train_micro_batches(
+        self,
+        inputs: Sequence[ScoreInputs],
+        loss: MicroBatchLoss,
+        *,
+        temperature: float,
+        with_entropy: bool = False,
+        entropy_requires_grad: bool = False,
+    ) -> None:
+        """Each micro-batch in turn (`ScoresTokenLogprobs`), or all of them through the pipeline's schedule."""
+        if self.pipeline is None:
+            super().train_micro_batches(
+                inputs,
+                loss,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_requires_grad=entropy_requires_grad,
+            )
+            return
+        with autocast_bf16(self.device, enabled=self.precision.is_bf16):
+            self.pipeline.train(
+                inputs,
+                loss,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                entropy_requires_grad=entropy_requires_grad,
+            )
+
+    def score_micro_batches(
+        self, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True
+    ) -> list[TokenScores]:
+        if self.pipeline is None:
+            return super().score_micro_batches(inputs, temperature=temperature, use_autocast=use_autocast)
+        with torch.no_grad(), autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
+            return self.pipeline.score(inputs, temperature=temperature)
+
+    def share_loss_sums(self, sums: dict[str, float]) -> dict[str, float]:
+        """The last pipeline stage's metric sums on every stage (collective over the pipeline)."""
+        if self.pipeline is None:
+            return sums
+        shared: list[dict[str, float] | None] = [sums]
+        dist.broadcast_object_list(shared, src=self.pipeline.last_rank, group=self.pipeline.group)
+        return dict(shared[0] or {})
+
     def clip_and_step(self) -> float:
-        """Clip to the global gradient norm (over all shards), step, clear gradients; returns the pre-clip norm."""
+        """Clip to the global gradient norm (over all shards, and all pipeline stages), step, clear gradients;
+        returns the pre-clip norm."""
+        pipeline = self.pipeline
+        if pipeline is not None:
+            pipeline.sync_tied_gradients(self.model)
         parameters = [p for p in self.model.parameters() if p.grad is not None]
-        total_norm = _global_grad_norm([p.grad for p in parameters if p.grad is not None])
+        counted = [p for p in parameters if pipeline is None or pipeline.counted_in_norm(self.model, p)]
+        total_norm = _global_grad_norm([p.grad for p in counted if p.grad is not None])
+        if pipeline is not None:
+            total_norm = pipeline.norm_over_stages(total_norm)
         if torch.isfinite(total_norm):  # the global norm: every rank skips a non-finite step together
             torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, total_norm)
             self.optimizer.step()
@@ -330,20 +415,28 @@ class FSDP2Backend(ScoresTokenLogprobs):
         A tied output embedding is left out, as in `SingleDeviceBackend.named_weights`; with LoRA, the merged target
         weights only, gathered the same way, or the adapter tensors alone with ``trainer.lora.sync = "adapter"``."""
         if self.lora is not None:
-            self._fsdp_root.reshard()
+            self._reshard()
             if self.config.lora.syncs_adapter:
                 yield from adapter_state_dict(self.lora, full=_full_tensor).items()
             else:
                 yield from merged_target_weights(self.lora, full=_full_tensor)
             return
+        if self.pipeline is not None:  # each stage's weights, broadcast from it to the others
+            self._reshard()
+            yield from self.pipeline.named_weights(self.model.state_dict())
+            return
         for name, tensor in self._sharded_weights().items():
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
 
+    def _reshard(self) -> None:
+        # After a forward without backward a root still holds its gathered (compute-dtype) parameters; free them
+        # (FSDP's state-dict hook would return the shards either way).
+        for root in self._fsdp_roots:
+            root.reshard()
+
     def _sharded_weights(self) -> dict[str, torch.Tensor]:
         """The HF-named state dict as this rank's DTensor shards (no copies), without a tied ``lm_head.weight``."""
-        # After a forward without backward the root still holds its gathered (compute-dtype) parameters; free them
-        # (FSDP's state-dict hook would return the shards either way).
-        self._fsdp_root.reshard()
+        self._reshard()
         is_tied = getattr(self.model.config, "tie_word_embeddings", False)
         return {name: t for name, t in self.model.state_dict().items() if not (is_tied and name == "lm_head.weight")}
 
@@ -353,8 +446,10 @@ class FSDP2Backend(ScoresTokenLogprobs):
         from torch.distributed.checkpoint.state_dict import get_state_dict
         from torch.distributed.checkpoint.state_dict_saver import save
 
-        self._fsdp_root.reshard()
+        self._reshard()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        if self.pipeline is not None:
+            optimizer_state = self.pipeline.optimizer_names(cast(dict, optimizer_state), saving=True)
         save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(folder))
 
     def load(self, folder: Path) -> None:
@@ -362,10 +457,14 @@ class FSDP2Backend(ScoresTokenLogprobs):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
         from torch.distributed.checkpoint.state_dict_loader import load
 
-        self._fsdp_root.reshard()
+        self._reshard()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        if self.pipeline is not None:
+            optimizer_state = self.pipeline.optimizer_names(cast(dict, optimizer_state), saving=True)
         state = {"model": model_state, "optimizer": optimizer_state}
         load(state, checkpoint_id=Path(folder))
+        if self.pipeline is not None:
+            state["optimizer"] = self.pipeline.optimizer_names(state["optimizer"], saving=False)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
     def export(self, folder: Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
@@ -375,7 +474,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         folder = Path(folder)
         is_writer = self.is_writer
         if self.lora is not None:  # the merged model and the adapter (`lora.export_merged`), in one piece
-            self._fsdp_root.reshard()
+            self._reshard()
             export_merged(self.lora, folder, full=_full_tensor, is_writer=is_writer)
         else:
             weights = self.named_weights()  # every rank gathers each weight in step; rank 0 writes them
@@ -436,6 +535,11 @@ def _check_layout(layout: ParallelLayout, model_path: Path, *, lora: bool) -> No
         )
     if layout.cp > 1 and lora:
         raise LayoutError("trainer.lora with context parallelism (cp > 1) is not supported: use cp = 1 with LoRA")
+    if layout.pp > 1 and (lora or is_vision_model(model_path)):
+        raise LayoutError(
+            "pipeline parallelism (pp > 1) splits a text model's full weights: use pp = 1 with LoRA or a "
+            "vision-language model"
+        )
     layout.check(world_size=dist.get_world_size(), model=ModelShape.from_model_folder(model_path))
 
 

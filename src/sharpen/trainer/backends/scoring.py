@@ -92,20 +92,72 @@ def score_tokens(
         hidden = model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-    selected = hidden[:, :-1][target_mask]  # [num_targets, hidden]
-    lm_head = cast(nn.Module, model.get_output_embeddings())  # a causal LM always has one
-    targets = input_ids[:, 1:][target_mask]  # [num_targets]
-    return score_on_grid(
-        lm_head,
-        selected,
-        targets,
+    return score_hidden(
+        cast(nn.Module, model.get_output_embeddings()),  # a causal LM always has one
+        hidden,
+        input_ids,
         target_mask,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        entropy_requires_grad=entropy_requires_grad,
+        logits_chunk_tokens=logits_chunk_tokens,
+        vocab=vocab,
+    )
+
+
+def score_hidden(
+    lm_head: nn.Module,
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_mask: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    entropy_requires_grad: bool,
+    logits_chunk_tokens: int,
+    vocab: VocabShard | None,
+    context: ContextParallel | None = None,
+) -> TokenScores:
+    """The LM head's half of `score_tokens`: the scores of ``target_mask``'s tokens from the decoder's output
+    ``hidden`` (after its final norm) of the rows ``input_ids``. With ``context``, ``hidden`` is this rank's slice of
+    the sequence (`ContextParallel.split` ran before the decoder) and the scores of every rank's slice are gathered
+    into the whole ``[batch, seq - 1]`` grid (collective). A pipeline's last stage calls this on the hidden states it
+    computed."""
+    if context is None:
+        return score_on_grid(
+            lm_head,
+            hidden[:, :-1][target_mask],  # [num_targets, hidden]
+            input_ids[:, 1:][target_mask],  # [num_targets]
+            target_mask,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
+            chunk_tokens=logits_chunk_tokens,
+            vocab=vocab,
+        )
+    if isinstance(hidden, DTensor):  # sequence parallelism: the final norm's output is split over the tp ranks
+        hidden = hidden.full_tensor()
+    length = input_ids.shape[1]
+    local = context.local
+    assert local is not None, "ContextParallel.split must run before the decoder"
+    extra = context.padded_length - (length - 1)  # position t predicts token t + 1: the grid has length - 1 positions
+    next_ids = F.pad(input_ids[:, 1:], (0, extra), value=0)[:, local]
+    grid = F.pad(target_mask, (0, extra), value=False)[:, local]
+    scores = score_on_grid(
+        lm_head,
+        hidden[grid],
+        next_ids[grid],
+        grid,
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
         chunk_tokens=logits_chunk_tokens,
         vocab=vocab,
     )
+    # copies, not views: FSDP2 hooks the backward through its root's outputs, which an in-place op on a view would skip
+    logprobs = context.gather(scores.logprobs)[:, : length - 1].clone()
+    entropy = None if scores.entropy is None else context.gather(scores.entropy)[:, : length - 1].clone()
+    return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
 def _score_slices(
@@ -122,30 +174,20 @@ def _score_slices(
     vocab: VocabShard | None,
 ) -> TokenScores:
     """`score_tokens` on this rank's slice of the sequence, gathered into the whole ``[batch, seq - 1]`` grid."""
-    length = input_ids.shape[1]
-    ids, positions, local, padded = context.split(input_ids, position_ids)  # right-padded rows: causal alone
+    ids, positions = context.split(input_ids, position_ids)  # right-padded rows: causal alone
     hidden = model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-    if isinstance(hidden, DTensor):  # sequence parallelism: the final norm's output is split over the tp ranks
-        hidden = hidden.full_tensor()
-    extra = padded - (length - 1)  # position t predicts token t + 1: the grid has length - 1 positions
-    next_ids = F.pad(input_ids[:, 1:], (0, extra), value=0)[:, local]
-    grid = F.pad(target_mask, (0, extra), value=False)[:, local]
-    lm_head = cast(nn.Module, model.get_output_embeddings())
-    scores = score_on_grid(
-        lm_head,
-        hidden[grid],
-        next_ids[grid],
-        grid,
+    return score_hidden(
+        cast(nn.Module, model.get_output_embeddings()),
+        hidden,
+        input_ids,
+        target_mask,
         temperature=temperature,
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
-        chunk_tokens=logits_chunk_tokens,
+        logits_chunk_tokens=logits_chunk_tokens,
         vocab=vocab,
+        context=context,
     )
-    # copies, not views: FSDP2 hooks the backward through its root's outputs, which an in-place op on a view would skip
-    logprobs = context.gather(scores.logprobs)[:, : length - 1].clone()
-    entropy = None if scores.entropy is None else context.gather(scores.entropy)[:, : length - 1].clone()
-    return TokenScores(logprobs=logprobs, entropy=entropy)
 
 
 def score_top_k(
