@@ -52,25 +52,31 @@ def _time_steps(
 ) -> list[float]:
     """Seconds of each of ``num_steps`` steps after one warm-up step; ``on_gradients(backend)`` runs once the step's
     gradients are accumulated, before `clip_and_step` (inside the timed span)."""
+    from sharpen.trainer.backends.base import ScoreInputs
     from sharpen.trainer.packing import pack_micro_batch, split_micro_batches
     from sharpen.trainer.sharding import split_rollouts_by_tokens
 
     normalizer = float(sum(r.num_loss_tokens for r in rollouts))
     chunks = split_micro_batches(split_rollouts_by_tokens(rollouts, num_ranks)[rank], MICRO_BATCH_SIZE)
     num_passes = backend.all_reduce_max(len(chunks)) if num_ranks > 1 else len(chunks)
+    micros = [
+        pack_micro_batch(rollouts[:1] if index >= len(chunks) else chunks[index], pad_token_id=0, device=backend.device)
+        for index in range(num_passes)
+    ]
+    inputs = [
+        ScoreInputs(input_ids=m.input_ids, attention_mask=m.attention_mask, target_mask=m.loss_mask) for m in micros
+    ]
+
+    def loss(index: int, scores) -> torch.Tensor:
+        value = -(scores.logprobs * micros[index].advantages).sum() / normalizer
+        return value * 0.0 if index >= len(chunks) else value  # a filler pass keeps the ranks in step
+
     seconds = []
     for _ in range(num_steps + 1):
         if num_ranks > 1:
             torch.distributed.barrier()
         started = time.perf_counter()
-        for index in range(num_passes):
-            is_filler = index >= len(chunks)
-            micro = pack_micro_batch(
-                rollouts[:1] if is_filler else chunks[index], pad_token_id=0, device=backend.device
-            )
-            logprobs = backend.token_logprobs(micro.input_ids, micro.attention_mask, micro.loss_mask, temperature=1.0)
-            loss = -(logprobs * micro.advantages).sum() / normalizer
-            (loss * 0.0 if is_filler else loss).backward()
+        backend.train_micro_batches(inputs, loss, temperature=1.0)
         if on_gradients is not None:
             on_gradients(backend)
         backend.clip_and_step()

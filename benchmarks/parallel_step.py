@@ -1,5 +1,5 @@
 """Parallel layouts of the trainer side by side on CPU ranks (gloo): step time, memory, and each rank's share of the
-parameter + gradient + optimizer bytes against the expected 1 / (tp x dp_shard); then how far each tensor-parallel
+parameter + gradient + optimizer bytes against the expected 1 / (tp x pp x dp_shard); then how far each tensor-parallel
 plan's logprobs are from one process's on the real SmolLM2-135M.
 
 Run: .venv/bin/python benchmarks/parallel_step.py [--steps 3] [--skip-real-model]
@@ -7,11 +7,13 @@ Run: .venv/bin/python benchmarks/parallel_step.py [--steps 3] [--skip-real-model
 Part 1: a random Llama (4 layers, hidden 256, intermediate 704, 8 heads, 4 key/value heads, vocabulary 8192) and a
 fixed batch of 8 rollouts. Every layout trains the same batch (each data-parallel rank its token-balanced share,
 micro-batches of 2, zero-weighted filler passes), one torch thread a rank; a step is forward/backward of a
-policy-gradient loss and `clip_and_step`. Printed per layout: the median seconds per step after one warm-up step,
-the peak resident memory of rank 0 (``ru_maxrss``; the forked ranks share the parent's pages until they write them,
-so this counts the model, its shards and the step's tensors plus ~0.5 GB of torch), and rank 0's local bytes of
-parameters, gradients (after the backward) and AdamW state against the single model's total / (tp x dp_shard).
-The machine has 2 cores: layouts of 4 ranks share them, so their times measure the overhead, not a speed-up.
+policy-gradient loss (`train_micro_batches`: through the schedule with pp) and `clip_and_step`. Printed per layout:
+the median seconds per step after one warm-up step, the peak resident memory of rank 0 (``ru_maxrss``; the forked
+ranks share the parent's pages until they write them, so this counts the model, its shards and the step's tensors plus
+~0.5 GB of torch), and rank 0's local bytes of parameters, gradients (after the backward) and AdamW state against the
+single model's total / (tp x pp x dp_shard): with pp, a stage holds whole layers, so its share is only near 1 / pp
+(rank 0's stage: the embedding and 2 layers). The machine has 2 cores: layouts of 4 ranks share them, so their times
+measure the overhead, not a speed-up.
 
 Part 2: SmolLM2-135M-Instruct (9 heads, 3 key/value heads: tp 3) in float32, one forward of 4 rows of 64 tokens:
 the largest difference of each plan's per-token logprobs from the single-device backend's, and whether they are
@@ -40,6 +42,9 @@ LAYOUTS = {  # name: (ranks, ParallelLayout sizes)
     "dp_shard 4 (FSDP2 alone)": (4, {"dp_shard": 4}),
     "tp 2 x dp_shard 2": (4, {"tp": 2, "dp_shard": 2}),
     "tp 4": (4, {"tp": 4}),
+    "pp 2 (1F1B)": (2, {"pp": 2}),
+    "pp 2 (interleaved, 2 a rank)": (2, {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2}),
+    "pp 2 x tp 2": (4, {"pp": 2, "tp": 2}),
 }
 
 
@@ -128,7 +133,7 @@ def _layouts(num_steps: int) -> None:
         print(f"{'layout':28} {'s/step':>7} {'peak RSS MiB':>12} {'params':>7} {'grads':>7} {'AdamW':>7}  (x expected)")
         for name, (num_ranks, sizes) in LAYOUTS.items():
             seconds, peak_mb, params, grads, optimizer = _launch(_rank, num_ranks, model_dir, sizes, num_steps)
-            share = sizes.get("tp", 1) * sizes.get("dp_shard", 1)
+            share = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("dp_shard", 1)
             expected = full / share
             print(
                 f"{name:28} {seconds:7.3f} {peak_mb:12.0f} {params / expected:7.2f} {grads / expected:7.2f} "

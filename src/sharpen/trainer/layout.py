@@ -222,6 +222,23 @@ class ParallelLayout:
                 "parallelism, which is not built yet (docs/parallelism.md)"
             )
 
+    def check_features(self, *, lora: bool, vision: bool, distillation: bool) -> None:
+        """Raise `LayoutError` (one line) for a trainer feature this layout's axes do not run with: LoRA with
+        tensor, context or pipeline parallelism, a vision-language model with any of them, distillation with a
+        pipeline."""
+        split = [f"{axis} > 1" for axis in ("tp", "cp", "pp") if getattr(self, axis) > 1]
+        if lora and split:
+            raise LayoutError(
+                f"trainer.lora with {' and '.join(split)} is not supported: use tp = cp = pp = 1 with LoRA"
+            )
+        if vision and split:
+            raise LayoutError(
+                f"tensor, context and pipeline parallelism split text decoders only: a vision-language model needs "
+                f"tp = cp = pp = 1, not {' and '.join(split)}"
+            )
+        if distillation and self.pp > 1:
+            raise LayoutError("trainer.distillation with pipeline parallelism (pp > 1) is not supported: use pp = 1")
+
     def _check_model(self, model: ModelShape) -> None:
         tp, cp = self.tp, self.cp
         divides = [

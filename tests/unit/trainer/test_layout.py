@@ -157,3 +157,14 @@ def test_an_axis_that_is_not_built_is_refused_in_one_line():
         ParallelLayout(dp_shard=4, ep=2).check_built()
     with pytest.raises(LayoutError, match=r"^pipeline and context parallelism together \(pp 2 x cp 2\) are not built"):
         ParallelLayout(pp=2, cp=2).check_built()
+
+
+def test_features_a_split_does_not_run_are_refused_in_one_line():
+    ParallelLayout(dp_shard=4).check_features(lora=True, vision=True, distillation=True)  # FSDP2 alone runs them all
+    ParallelLayout(tp=2).check_features(lora=False, vision=False, distillation=True)
+    with pytest.raises(LayoutError, match=r"^trainer.lora with tp > 1 and cp > 1 is not supported"):
+        ParallelLayout(tp=2, cp=2).check_features(lora=True, vision=False, distillation=False)
+    with pytest.raises(LayoutError, match=r"a vision-language model needs tp = cp = pp = 1, not pp > 1$"):
+        ParallelLayout(pp=2).check_features(lora=False, vision=True, distillation=False)
+    with pytest.raises(LayoutError, match=r"^trainer.distillation with pipeline parallelism"):
+        ParallelLayout(pp=2).check_features(lora=False, vision=False, distillation=True)

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.config.runtime import RuntimeConfig
+from sharpen.data.vision import is_vision_model
 from sharpen.monitoring import Timeline
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.ray.actors import EngineActor, TrainerActor
@@ -139,6 +140,10 @@ def check_trainer_layout(config: SharpenConfig) -> None:
     layout = ParallelLayout.from_config(config.trainer.parallel, config.runtime.trainer_ranks)
     layout.check_built()
     model_path = resolve_model_path(config.model.path)
+    trainer = config.trainer
+    layout.check_features(
+        lora=trainer.lora.enabled, vision=is_vision_model(model_path), distillation=trainer.distillation.enabled
+    )
     if layout.tp > 1:  # the model family's own plan (a class attribute of its transformers config)
         from transformers import AutoConfig
 

@@ -53,7 +53,7 @@ from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
-from sharpen.trainer.layout import LayoutError, ModelShape, ParallelLayout
+from sharpen.trainer.layout import ModelShape, ParallelLayout
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
@@ -204,7 +204,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         if dist.get_backend() != expected:
             raise ValueError(f"device {self.device} needs a {expected} process group, not {dist.get_backend()}")
         self.layout = layout or ParallelLayout(dp_shard=dist.get_world_size())
-        _check_layout(self.layout, self.model_path, lora=config.lora.enabled)
+        _check_layout(self.layout, self.model_path, config=config)
         self.precision: PrecisionChoice = _agreed_precision(
             resolve_precision(config.precision, self.device, num_threads=config.resolved_num_threads), self.device
         )
@@ -523,23 +523,12 @@ def _data_meshes(mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, 
     return shard, mesh["dp_shard"]
 
 
-def _check_layout(layout: ParallelLayout, model_path: Path, *, lora: bool) -> None:
+def _check_layout(layout: ParallelLayout, model_path: Path, *, config: TrainerConfig) -> None:
     """Refuse, in one line, a layout that this backend does not run or that the model's sizes do not fit."""
     layout.check_built()
-    if layout.tp > 1 and lora:
-        raise LayoutError("trainer.lora with tensor parallelism (tp > 1) is not supported: use tp = 1 with LoRA")
-    if (layout.tp > 1 or layout.cp > 1) and is_vision_model(model_path):
-        raise LayoutError(
-            "tensor and context parallelism (tp, cp > 1) split text decoders only; a vision-language model needs "
-            "tp = cp = 1"
-        )
-    if layout.cp > 1 and lora:
-        raise LayoutError("trainer.lora with context parallelism (cp > 1) is not supported: use cp = 1 with LoRA")
-    if layout.pp > 1 and (lora or is_vision_model(model_path)):
-        raise LayoutError(
-            "pipeline parallelism (pp > 1) splits a text model's full weights: use pp = 1 with LoRA or a "
-            "vision-language model"
-        )
+    layout.check_features(
+        lora=config.lora.enabled, vision=is_vision_model(model_path), distillation=config.distillation.enabled
+    )
     layout.check(world_size=dist.get_world_size(), model=ModelShape.from_model_folder(model_path))
 
 

@@ -73,3 +73,29 @@ def test_the_driver_refuses_a_layout_the_model_cannot_take(tmp_path) -> None:
         check_trainer_layout(config("llama", 2))
     with pytest.raises(LayoutError, match=r"config.json has no num_attention_heads.*a gpt2"):
         check_trainer_layout(config("gpt2", 1))  # data shards alone: the shape check still reads the sizes
+
+
+def test_the_driver_refuses_what_a_pipeline_does_not_run(tmp_path) -> None:
+    """Before Ray starts: more stages than layers, a pipeline with context parallelism, with LoRA; each one line."""
+    from transformers import LlamaConfig
+
+    from sharpen.config import load_config
+    from sharpen.orchestration.ray.runtime import check_trainer_layout
+    from sharpen.trainer.layout import LayoutError
+
+    LlamaConfig(hidden_size=24, num_attention_heads=3, num_key_value_heads=3, num_hidden_layers=2).save_pretrained(
+        tmp_path / "llama"
+    )
+
+    def config(ranks: int, *overrides: str):
+        base = ['runtime.type="ray"', f"runtime.trainer_ranks={ranks}", f'model.path="{tmp_path / "llama"}"']
+        return load_config(None, [*base, *overrides])
+
+    check_trainer_layout(config(2, "trainer.parallel.pp=2"))  # one layer a stage
+    with pytest.raises(LayoutError, match=r"^4 pipeline stages \(pp 2 x 2 per rank\) for 2 layers"):
+        schedule = 'trainer.parallel.pp_schedule="interleaved_1f1b"'
+        check_trainer_layout(config(2, "trainer.parallel.pp=2", schedule, "trainer.parallel.pp_stages_per_rank=2"))
+    with pytest.raises(LayoutError, match=r"^pipeline and context parallelism together \(pp 2 x cp 2\)"):
+        check_trainer_layout(config(4, "trainer.parallel.pp=2", "trainer.parallel.cp=2"))
+    with pytest.raises(LayoutError, match=r"^trainer.lora with pp > 1 is not supported"):
+        check_trainer_layout(config(2, "trainer.parallel.pp=2", "trainer.lora.enabled=true"))
