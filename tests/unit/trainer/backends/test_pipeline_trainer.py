@@ -192,17 +192,26 @@ def _four_rank_worker(rank: int, num_ranks: int, port: int, model: Path, out_dir
 
 
 def _resume_worker(rank: int, num_ranks: int, port: int, model: Path, out_dir: Path) -> None:
-    """The pp 2 checkpoint loaded on dp_shard 2 (DCP re-shards): its weights, before any step."""
+    """The pp 2 checkpoint loaded on dp_shard 2 (DCP re-shards): its weights, before any step; then that run's own
+    checkpoint (no pipeline) loaded back on pp 2, and one more optimizer step on each of the two."""
     import torch.distributed as dist
 
+    from sharpen.trainer import Trainer
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
     join_process_group(rank, num_ranks, port)
-    backend = FSDP2Backend(_trainer_config(), model_path=model, dtype="float32")
-    backend.load(out_dir / "checkpoint")
-    weights = {name: tensor.clone() for name, tensor in backend.named_weights()}
+    results = {}
+    for name, layout, checkpoint in (("dp_shard", None, "checkpoint"), ("pp", ONE_F_ONE_B, "checkpoint_dp_shard")):
+        backend = FSDP2Backend(_trainer_config(), model_path=model, dtype="float32", layout=layout)
+        backend.load(out_dir / checkpoint)
+        weights = {key: tensor.clone() for key, tensor in backend.named_weights()}
+        if name == "dp_shard":
+            backend.save(out_dir / "checkpoint_dp_shard")
+        trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
+        trainer.step(TrainBatch(rollouts=uneven_rollouts()[:5], step=NUM_STEPS))
+        results[name] = (weights, {key: tensor.clone() for key, tensor in backend.named_weights()})
     if rank == 0:
-        torch.save(weights, out_dir / "resumed.pt")
+        torch.save(results, out_dir / "resumed.pt")
     dist.destroy_process_group()
 
 
@@ -296,13 +305,20 @@ def test_the_trainer_on_pp2_x_dp_shard2_matches_one_device(runs, single):
 
 
 @slow
-def test_a_pp2_checkpoint_resumes_on_another_layout(runs):
+def test_a_pp2_checkpoint_resumes_on_another_layout_and_back(runs):
+    """pp 2 -> dp_shard 2 -> pp 2: the weights bit for bit each time, and the next optimizer step (AdamW moments
+    included, the tied head's under the embedding's name) the same on both layouts."""
     _, _, out_dir = runs
     saved = runs[0]["1f1b/trainer"][1]
     resumed = torch.load(out_dir / "resumed.pt")
-    assert resumed.keys() == saved.keys()
-    for name, tensor in saved.items():
-        assert torch.equal(resumed[name], tensor), name
+    for name in ("dp_shard", "pp"):
+        weights = resumed[name][0]
+        assert weights.keys() == saved.keys()
+        for key, tensor in saved.items():
+            assert torch.equal(weights[key], tensor), (name, key)
+    for key, tensor in resumed["dp_shard"][1].items():
+        assert _relative_difference(resumed["pp"][1][key], tensor) < WEIGHT_TOLERANCE, key
+        assert not torch.equal(tensor, saved[key]), key  # the step moved it
 
 
 @slow
