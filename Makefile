@@ -60,7 +60,7 @@ test: install system-deps
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/pyright
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # TRL for benchmarks/vs_trl.py only (the `bench` extra, pinned); the constraints keep torch as installed. Nothing
 # else needs it: `make test` never installs it.

@@ -150,6 +150,28 @@ def check_trainer_layout(config: SharpenConfig) -> None:
         model_config = AutoConfig.from_pretrained(model_path)
         decoder_tp_plan(getattr(model_config, "base_model_tp_plan", None), family=type(model_config).__name__)
     layout.check(world_size=config.runtime.trainer_ranks, model=ModelShape.from_model_folder(model_path))
+    if layout.pp > 1 and not trainer.packing:
+        _warn_pipeline_fillers(config, layout)
+
+
+def _warn_pipeline_fillers(config: SharpenConfig, layout: ParallelLayout) -> None:
+    """One line at start when a step's micro-batches per data shard (without filters' losses) are not a multiple of
+    the pipeline's stages: the schedule then computes copies whose loss is 0 (`pipeline_parallel`)."""
+    rows = config.rollout.prompts_per_step * config.rollout.num_samples_per_prompt
+    per_shard = -(-rows // (config.trainer.algorithm.num_mini_batches * layout.dp_replicate * layout.dp_shard))
+    micro_batches = -(-per_shard // config.trainer.micro_batch_size)
+    unit = layout.pp * layout.pp_stages_per_rank
+    if micro_batches % unit:
+        fillers = -(-micro_batches // unit) * unit - micro_batches
+        logger.warning(
+            "trainer.parallel: %d micro-batches per mini-batch and data shard (trainer.micro_batch_size %d) are not "
+            "a multiple of pp x pp_stages_per_rank = %d: the pipeline computes %d more pass(es) whose loss is 0; "
+            "make them a multiple for no waste, and more of them for a smaller bubble",
+            micro_batches,
+            config.trainer.micro_batch_size,
+            unit,
+            fillers,
+        )
 
 
 def start_engines(config: SharpenConfig, group: PlacementGroup, plan: Placement) -> list[EngineProxy]:

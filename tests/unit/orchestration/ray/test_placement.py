@@ -4,6 +4,8 @@ bundle per (trainer rank, engine replica) pair holding both actors' resources; w
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from sharpen.config.runtime import RuntimeConfig
@@ -75,7 +77,7 @@ def test_the_driver_refuses_a_layout_the_model_cannot_take(tmp_path) -> None:
         check_trainer_layout(config("gpt2", 1))  # data shards alone: the shape check still reads the sizes
 
 
-def test_the_driver_refuses_what_a_pipeline_does_not_run(tmp_path) -> None:
+def test_the_driver_refuses_what_a_pipeline_does_not_run(tmp_path, caplog) -> None:
     """Before Ray starts: more stages than layers, a pipeline with context parallelism, with LoRA; each one line."""
     from transformers import LlamaConfig
 
@@ -91,7 +93,14 @@ def test_the_driver_refuses_what_a_pipeline_does_not_run(tmp_path) -> None:
         base = ['runtime.type="ray"', f"runtime.trainer_ranks={ranks}", f'model.path="{tmp_path / "llama"}"']
         return load_config(None, [*base, *overrides])
 
-    check_trainer_layout(config(2, "trainer.parallel.pp=2"))  # one layer a stage
+    check_trainer_layout(config(2, "trainer.parallel.pp=2"))  # one layer a stage; 32 rows, micro-batches of 8: 4
+    with caplog.at_level(logging.WARNING, logger="sharpen.orchestration.ray.runtime"):
+        check_trainer_layout(config(2, "trainer.parallel.pp=2", "trainer.micro_batch_size=16"))
+        assert not caplog.records
+        check_trainer_layout(config(2, "trainer.parallel.pp=2", "trainer.micro_batch_size=32"))
+    assert [r.getMessage()[:93] for r in caplog.records] == [
+        "trainer.parallel: 1 micro-batches per mini-batch and data shard (trainer.micro_batch_size 32)"
+    ]
     with pytest.raises(LayoutError, match=r"^4 pipeline stages \(pp 2 x 2 per rank\) for 2 layers"):
         schedule = 'trainer.parallel.pp_schedule="interleaved_1f1b"'
         check_trainer_layout(config(2, "trainer.parallel.pp=2", schedule, "trainer.parallel.pp_stages_per_rank=2"))
