@@ -17,11 +17,6 @@ def check_scale_out(config: SharpenConfig) -> None:
     """What the runtime's placement, the trainer's ranks, the engines and the weight transport cannot do together."""
     runtime, engine = config.runtime, config.rollout.engine
     parallel = config.trainer.parallel
-    if runtime.trainer_ranks > 1 and runtime.type != "ray":
-        raise ValueError(
-            f"runtime.trainer_ranks = {runtime.trainer_ranks} runs one Ray actor per trainer rank: it needs "
-            'runtime.type = "ray" (the embedded runtime trains on one device)'
-        )
     if runtime.trainer_ranks % parallel.ranks_per_shard:
         raise ValueError(
             f"trainer.parallel spans {parallel.ranks_per_shard} ranks per data shard (tp {parallel.tp} x "

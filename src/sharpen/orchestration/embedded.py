@@ -1,5 +1,6 @@
 """The embedded runtime: the trainer and the engine live in this process (the engine's own workers may be child
-processes of it), built with `build.py`'s builders; the run itself is `session.run_session`'s.
+processes of it), built with `build.py`'s builders; the run itself is `session.run_session`'s. With
+``runtime.trainer_ranks > 1`` the trainer is that many local rank processes instead (`local_ranks`, torchrun-style).
 
 Owns only that placement and the closing of the engine it built. An engine or trainer the caller passes is used
 as it is and not closed here (one engine per test session, say).
@@ -16,10 +17,13 @@ from sharpen.config import SharpenConfig
 from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.orchestration.build import build_run_engine, build_trainer
 from sharpen.orchestration.handles import TrainerHandle
+from sharpen.orchestration.local_ranks import LocalTrainerRanks
 from sharpen.orchestration.session import run_session
+from sharpen.orchestration.trainer_layout import check_trainer_layout
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.trainer import Trainer
+from sharpen.trainer.backends.single_device import resolve_device
 
 
 def run_embedded(
@@ -42,11 +46,20 @@ def run_embedded(
             config = start_fleets(config, stack=owned)
 
         def place(model_path: Path, tokenizer: Any) -> tuple[TrainerHandle, InferenceEngine]:
-            live_trainer = trainer or build_trainer(config, model_path=model_path, tokenizer=tokenizer)
+            live_trainer: TrainerHandle
+            if trainer is not None:
+                live_trainer, device = trainer, trainer.backend.device
+            elif config.runtime.trainer_ranks > 1:  # torchrun-style ranks, local processes
+                check_trainer_layout(config)
+                ranks = LocalTrainerRanks(config, model_path=model_path)
+                owned.callback(ranks.close)
+                live_trainer, device = ranks, resolve_device(config.trainer.device)
+            else:
+                built = build_trainer(config, model_path=model_path, tokenizer=tokenizer)
+                live_trainer, device = built, built.backend.device
             live_engine = engine
-            if live_engine is None:
-                device = str(live_trainer.backend.device)  # the hf engine samples on the trainer's device
-                live_engine = build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=device)
+            if live_engine is None:  # the hf engine samples on the trainer's device
+                live_engine = build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=str(device))
                 owned.callback(live_engine.close)
             return live_trainer, live_engine
 

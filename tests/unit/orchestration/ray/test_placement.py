@@ -57,7 +57,7 @@ def test_the_driver_refuses_a_layout_the_model_cannot_take(tmp_path) -> None:
     from transformers import GPT2Config, LlamaConfig
 
     from sharpen.config import load_config
-    from sharpen.orchestration.ray.runtime import check_trainer_layout
+    from sharpen.orchestration.trainer_layout import check_trainer_layout
     from sharpen.trainer.layout import LayoutError
 
     GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16).save_pretrained(tmp_path / "gpt2")
@@ -82,7 +82,7 @@ def test_the_driver_refuses_what_a_pipeline_does_not_run(tmp_path, caplog) -> No
     from transformers import LlamaConfig
 
     from sharpen.config import load_config
-    from sharpen.orchestration.ray.runtime import check_trainer_layout
+    from sharpen.orchestration.trainer_layout import check_trainer_layout
     from sharpen.trainer.layout import LayoutError
 
     LlamaConfig(hidden_size=24, num_attention_heads=3, num_key_value_heads=3, num_hidden_layers=2).save_pretrained(
@@ -94,7 +94,7 @@ def test_the_driver_refuses_what_a_pipeline_does_not_run(tmp_path, caplog) -> No
         return load_config(None, [*base, *overrides])
 
     check_trainer_layout(config(2, "trainer.parallel.pp=2"))  # one layer a stage; 32 rows, micro-batches of 8: 4
-    with caplog.at_level(logging.WARNING, logger="sharpen.orchestration.ray.runtime"):
+    with caplog.at_level(logging.WARNING, logger="sharpen.orchestration.trainer_layout"):
         check_trainer_layout(config(2, "trainer.parallel.pp=2", "trainer.micro_batch_size=16"))
         assert not caplog.records
         check_trainer_layout(config(2, "trainer.parallel.pp=2", "trainer.micro_batch_size=32"))
