@@ -65,16 +65,18 @@ class CostModel:
         return max(1, int(free / (model.kv_bytes_per_token * mean_context_tokens)))
 
     def train_seconds(self, num_tokens: float, *, slowdown: float = 1.0) -> float:
-        """Compute at the trainer's MFU over all its GPUs, times the pipeline bubble ([trainer] pp), with FSDP's
+        """Compute at the trainer's MFU over all its GPUs (one more forward with activation checkpointing), times the
+        pipeline bubble ([trainer] pp), with FSDP's
         gathers and reduce-scatters hidden behind compute where compute is longer, plus the tensor- and
         context-parallel collectives (on the critical path)."""
         costs, cluster = self.scenario.costs, self.scenario.cluster
         if costs.train_seconds_per_step is not None:
             return costs.train_seconds_per_step * slowdown
-        flops = costs.train_flops_per_token * self.scenario.model.num_params * num_tokens
+        layout = self.scenario.trainer
+        per_token = costs.train_flops_per_token + (2.0 if layout.activation_checkpointing else 0.0)  # a 2nd forward
+        flops = per_token * self.scenario.model.num_params * num_tokens
         rate = cluster.num_trainer_gpus * cluster.gpu_kind().peak_flops * costs.train_mfu
         compute = flops / rate * slowdown
-        layout = self.scenario.trainer
         bubble = pipeline_bubble_factor(layout.pp, layout.micro_batches, stages_per_rank=layout.pp_stages_per_rank)
         return max(compute * bubble, self.fsdp_seconds()) + self.layer_collective_seconds(num_tokens)
 

@@ -1,5 +1,5 @@
 """What the trainer's parallel layout costs: tensor- and context-parallel collectives per layer, the pipeline bubble,
-FSDP's gathers, and the bytes of model state each GPU holds.
+FSDP's gathers, and the bytes of model state and of activations each GPU holds.
 
 It owns the formulas and the collectives each tensor-parallel plan runs per decoder layer (`layer_collectives`),
 which mirror sharpen's plans (`trainer/backends/tensor_parallel.py`): the unit tests count the collectives DTensor
@@ -102,3 +102,50 @@ def state_bytes_per_gpu(num_params: float, *, tp: int, pp: int, dp_shard: int, c
     sharded by FSDP2 over dp_shard x cp (context-parallel ranks shard parameters too, as in torchtitan);
     activations are not counted."""
     return 16.0 * num_params / (tp * pp * dp_shard * cp)
+
+
+def activation_bytes_per_token(shape: LayerShape, *, tp: int, sequence_parallel: bool, bytes_per_value: float) -> float:
+    """What one decoder layer keeps for its backward per token of a micro-batch on one GPU (a pre-norm decoder with
+    a gated MLP and fused attention, whose scores are recomputed rather than stored; Korthikanti et al., 2022, count
+    the same tensors): the inputs and outputs of the two norms (4 x hidden), the attention's output (hidden), q, k
+    and v (the `qkv` width) and the MLP's gate, up, activation and product (4 x intermediate). With tensor
+    parallelism the projections' tensors are split over ``tp``; the norms' are too with sequence parallelism, else
+    every tp rank holds them whole."""
+    norms = 4 * shape.hidden_size
+    split = shape.hidden_size + shape.width("qkv") + 4 * shape.intermediate_size
+    per_rank = (norms + split) / tp if sequence_parallel else norms + split / tp
+    return bytes_per_value * per_rank
+
+
+def activation_bytes_per_gpu(
+    shape: LayerShape,
+    tokens_per_micro_batch: float,
+    *,
+    tp: int,
+    pp: int,
+    cp: int,
+    micro_batches: int,
+    stages_per_rank: int = 1,
+    sequence_parallel: bool = True,
+    checkpointing: bool = False,
+    bytes_per_value: float = 2.0,
+) -> float:
+    """The activations the busiest GPU (the first pipeline stage) holds at once: ``tokens_per_micro_batch`` (its data
+    shard's, before the context-parallel split) x the layers it keeps for the backward x `activation_bytes_per_token`.
+    Without a pipeline one micro-batch is in flight (its graph is freed by its backward); 1F1B keeps min(m, pp) on
+    the first stage, interleaved 1F1B (1 + (pp - 1) / (pp x v)) times that (Narayanan et al., 2021). With activation
+    checkpointing a layer keeps only its input (hidden, split like the norms), plus one layer recomputed whole."""
+    tokens = tokens_per_micro_batch / cp
+    layers = shape.num_layers / pp
+    in_flight = (
+        1.0
+        if pp == 1
+        else min(micro_batches, pp) * (1 + (pp - 1) / (pp * stages_per_rank) if stages_per_rank > 1 else 1)
+    )
+    whole_layer = activation_bytes_per_token(
+        shape, tp=tp, sequence_parallel=sequence_parallel, bytes_per_value=bytes_per_value
+    )
+    if not checkpointing:
+        return tokens * layers * in_flight * whole_layer
+    layer_input = bytes_per_value * shape.hidden_size / (tp if sequence_parallel else 1)
+    return tokens * (layers * in_flight * layer_input + whole_layer)

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 from sharpen.simulation.cluster import SimulationResult, simulate
 from sharpen.simulation.costs import CostModel
-from sharpen.simulation.parallel import state_bytes_per_gpu
+from sharpen.simulation.parallel import activation_bytes_per_gpu, state_bytes_per_gpu
 from sharpen.simulation.scenario import Scenario, ScenarioError, check_layout
 
 MAX_SPLIT_CANDIDATES = 24
@@ -43,6 +43,7 @@ class LayoutCandidate:
     dp_shard: int
     train_seconds: float
     state_gib_per_gpu: float
+    activation_gib_per_gpu: float
     fits: bool
 
 
@@ -113,17 +114,20 @@ class SimulationReport:
                 lines.append(f"  {c.num_engine_gpus:5d} + {c.num_trainer_gpus:<5d} {c.step_seconds:10.2f} s{mark}")
         if self.layouts:
             lines.append(
-                f"trainer layouts on {r.num_trainer_gpus} GPUs (training s/step; model state GiB/GPU; "
-                "model checked: docs/parallelism.md):"
+                f"trainer layouts on {r.num_trainer_gpus} GPUs (training s/step; model state + activations "
+                "GiB/GPU; model checked: docs/parallelism.md):"
             )
             best = self.best_layout
             if best is None:
-                lines.append("  none fits: the model state needs more GPUs (or LoRA)")
+                lines.append(
+                    "  none fits: the model state and activations need more GPUs (or LoRA, or "
+                    "trainer.activation_checkpointing)"
+                )
             for c in sorted(self.layouts, key=lambda c: (not c.fits, c.train_seconds))[:MAX_LAYOUT_LINES]:
                 mark = "  <- best" if c is best else ("  does not fit" if not c.fits else "")
                 lines.append(
                     f"  tp {c.tp:<2d} pp {c.pp:<2d} cp {c.cp:<2d} dp_shard {c.dp_shard:<5d} {c.train_seconds:10.2f} s "
-                    f"{c.state_gib_per_gpu:8.1f} GiB{mark}"
+                    f"{c.state_gib_per_gpu:8.1f} + {c.activation_gib_per_gpu:.1f} GiB{mark}"
                 )
         return "\n".join(lines)
 
@@ -165,8 +169,10 @@ def search_split(scenario: Scenario, budget: int) -> list[SplitCandidate]:
 
 def search_layouts(scenario: Scenario) -> list[LayoutCandidate]:
     """Every trainer layout (tp, pp, cp in 1, 2, 4, ..., tp within a node) that the model and the trainer's GPUs
-    allow, priced for a step of the workload's median tokens: training seconds and the model state per GPU (float32
-    weights, gradients and AdamW moments; activations not counted), which must fit the GPU's memory."""
+    allow, priced for a step of the workload's median tokens: training seconds, and the model state (float32
+    weights, gradients and AdamW moments) plus the activations of the busiest GPU (`activation_bytes_per_gpu`; a
+    micro-batch holds one longest sequence at least: the prompt's median and the response's cap), which together must
+    fit the GPU's memory."""
     shape = scenario.model.layer_shape()
     if shape is None:
         raise ScenarioError(
@@ -179,6 +185,8 @@ def search_layouts(scenario: Scenario) -> list[LayoutCandidate]:
         * workload.samples_per_prompt
         * (workload.prompt_tokens.median + workload.response_tokens.median)
     )
+    response = workload.response_tokens
+    longest = workload.prompt_tokens.median + (response.max if response.max is not None else response.median)
     memory = scenario.cluster.gpu_kind().memory_bytes
     candidates = []
     for tp in AXIS_SIZES:
@@ -194,6 +202,18 @@ def search_layouts(scenario: Scenario) -> list[LayoutCandidate]:
                 variant = scenario.model_copy(update={"trainer": layout})
                 dp_shard = num_gpus // layout.ranks_per_shard
                 state = state_bytes_per_gpu(scenario.model.num_params, tp=tp, pp=pp, dp_shard=dp_shard, cp=cp)
+                activations = activation_bytes_per_gpu(
+                    shape,
+                    max(tokens / dp_shard / layout.micro_batches, longest),  # a micro-batch holds whole sequences
+                    tp=tp,
+                    pp=pp,
+                    cp=cp,
+                    micro_batches=layout.micro_batches,
+                    stages_per_rank=layout.pp_stages_per_rank,
+                    sequence_parallel=layout.sequence_parallel,
+                    checkpointing=layout.activation_checkpointing,
+                    bytes_per_value=scenario.model.bytes_per_param,
+                )
                 candidates.append(
                     LayoutCandidate(
                         tp=tp,
@@ -202,7 +222,8 @@ def search_layouts(scenario: Scenario) -> list[LayoutCandidate]:
                         dp_shard=dp_shard,
                         train_seconds=CostModel(scenario=variant).train_seconds(tokens),
                         state_gib_per_gpu=state / 2**30,
-                        fits=state <= memory * scenario.cluster.memory_utilization,
+                        activation_gib_per_gpu=activations / 2**30,
+                        fits=state + activations <= memory * scenario.cluster.memory_utilization,
                     )
                 )
     return candidates

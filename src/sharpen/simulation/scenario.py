@@ -113,6 +113,11 @@ class TrainerLayoutSection(Section):
     """Micro-batches per optimizer step (the pipeline's bubble shrinks as they grow)."""
     cp: int = Field(default=1, ge=1)
     """Context-parallel (Ulysses) GPUs."""
+    sequence_parallel: bool = True
+    """With tp > 1, the norms' activations split over the sequence too (sharpen's default)."""
+    activation_checkpointing: bool = False
+    """Each layer keeps only its input and recomputes the rest in the backward (sharpen's
+    trainer.gradient_checkpointing): far less activation memory, one more forward of compute."""
 
     @property
     def ranks_per_shard(self) -> int:

@@ -24,5 +24,5 @@ def base_scenario(**changes: Any) -> dict[str, Any]:
     if "response" in changes:
         data["workload"]["response_tokens"] = changes.pop("response")
     for section, values in changes.items():
-        data[section].update(values)
+        data.setdefault(section, {}).update(values)
     return data

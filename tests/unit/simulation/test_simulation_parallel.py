@@ -15,7 +15,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from sharpen.simulation import ScenarioError, parse_scenario
 from sharpen.simulation.costs import CostModel
-from sharpen.simulation.parallel import layer_collectives, pipeline_bubble_factor, state_bytes_per_gpu
+from sharpen.simulation.parallel import (
+    LayerShape,
+    activation_bytes_per_gpu,
+    layer_collectives,
+    pipeline_bubble_factor,
+    state_bytes_per_gpu,
+)
 from sharpen.simulation.report import build_report
 
 NUM_LAYERS = 3
@@ -117,10 +123,48 @@ def test_the_pipeline_bubble_and_the_state_per_gpu_by_hand() -> None:
     assert state_bytes_per_gpu(7e10, tp=4, pp=2, dp_shard=4) == pytest.approx(16 * 7e10 / 32)
 
 
+def test_the_activations_per_gpu_by_hand() -> None:
+    """2 layers of hidden 1000, intermediate 3000, 8 heads and 8 key/value heads (q, k, v: 3000 wide), bf16: per token
+    and layer 2 x (4 x 1000 norms + 1000 attention output + 3000 q/k/v + 4 x 3000 MLP) = 40000 bytes."""
+    shape = LayerShape(
+        num_layers=2, hidden_size=1000, intermediate_size=3000, num_attention_heads=8, num_key_value_heads=8
+    )
+
+    def activations(**layout: Any) -> float:
+        sizes = {"tp": 1, "pp": 1, "cp": 1, "micro_batches": 4} | layout
+        return activation_bytes_per_gpu(shape, 100, **sizes)
+
+    assert activations() == pytest.approx(100 * 2 * 40000)  # 100 tokens x 2 layers, one micro-batch in flight
+    assert activations(cp=2) == pytest.approx(100 * 2 * 40000 / 2)
+    assert activations(tp=2) == pytest.approx(100 * 2 * 20000)  # sequence parallel: all of it split
+    assert activations(tp=2, sequence_parallel=False) == pytest.approx(100 * 2 * 2 * (4000 + 16000 / 2))
+    assert activations(pp=2) == pytest.approx(100 * 1 * 2 * 40000)  # 1 layer a stage, 2 micro-batches in flight
+    assert activations(pp=2, stages_per_rank=2) == pytest.approx(100 * 1 * 2 * 1.25 * 40000)  # x (1 + 1 / (2 x 2))
+    # checkpointing: each layer's input (2 x 1000 bytes a token), plus one layer recomputed whole
+    assert activations(checkpointing=True) == pytest.approx(100 * (2 * 2000 + 40000))
+
+
+def test_long_sequences_need_context_or_tensor_parallelism_to_fit() -> None:
+    """An 8B-shaped model on 8 H100s with responses up to 64k tokens: one sequence's activations (168 kB a token and
+    layer, 32 layers) are 353 GB, so only a layout that splits each sequence 8 ways (tp x cp = 8) fits; the search
+    names one."""
+    model = {"num_params": 8e9, "num_layers": 32, "hidden_size": 4096, "intermediate_size": 14336}
+    model |= {"num_attention_heads": 32, "num_key_value_heads": 8}
+    response = {"kind": "lognormal", "median": 8000, "sigma": 0.5, "max": 65536}
+    data = base_scenario(model=model, response=response, cluster={"num_trainer_gpus": 8})
+    report = build_report(parse_scenario(data), search_layout=True)
+    best = report.best_layout
+    assert best is not None and best.tp * best.cp == 8
+    alone = next(c for c in report.layouts if (c.tp, c.pp, c.cp) == (1, 1, 1))
+    assert not alone.fits and alone.activation_gib_per_gpu > 300
+    assert all(c.tp * c.cp == 8 for c in report.layouts if c.fits)
+
+
 def _seventy_b(num_trainer_gpus: int) -> dict[str, Any]:
     model = {"num_params": 7.06e10, "num_layers": 80, "hidden_size": 8192, "intermediate_size": 28672}
     model |= {"num_attention_heads": 64, "num_key_value_heads": 8}
-    return base_scenario(model=model, cluster={"num_engine_gpus": 8, "num_trainer_gpus": num_trainer_gpus})
+    cluster = {"num_engine_gpus": 8, "num_trainer_gpus": num_trainer_gpus}
+    return base_scenario(model=model, cluster=cluster, trainer={"activation_checkpointing": True})
 
 
 def test_the_layout_search_names_the_fastest_layout_that_fits() -> None:
