@@ -100,7 +100,7 @@ def pipeline_bubble_factor(pp: int, micro_batches: int, *, stages_per_rank: int 
 def state_bytes_per_gpu(num_params: float, *, tp: int, pp: int, dp_shard: int, cp: int = 1) -> float:
     """Float32 master weights, gradients and AdamW's two moments (16 bytes a parameter), split over tp x pp and
     sharded by FSDP2 over dp_shard x cp (context-parallel ranks shard parameters too, as in torchtitan);
-    activations are not counted."""
+    activations are `activation_bytes_per_gpu`."""
     return 16.0 * num_params / (tp * pp * dp_shard * cp)
 
 
