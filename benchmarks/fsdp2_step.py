@@ -89,7 +89,8 @@ def _rank(rank: int, num_ranks: int, port: int, model_dir: Path, args: argparse.
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     from sharpen.config.schema import TrainerConfig
-    from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+    from sharpen.trainer.backends.mesh import init_distributed
 
     init_distributed("gloo")
     backend = FSDP2Backend(TrainerConfig(device="cpu"), model_path=model_dir, dtype="float32")

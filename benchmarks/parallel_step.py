@@ -84,7 +84,8 @@ def _rank(rank: int, num_ranks: int, port: int, model_dir: Path, sizes: dict, nu
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     from sharpen.config.schema import TrainerConfig
-    from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+    from sharpen.trainer.backends.mesh import init_distributed
     from sharpen.trainer.layout import ParallelLayout
 
     init_distributed("gloo")
@@ -146,7 +147,8 @@ def _plan_worker(rank: int, num_ranks: int, port: int, model_dir: Path, plan: st
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     torch.set_num_threads(1)
     from sharpen.config.schema import TrainerConfig
-    from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+    from sharpen.trainer.backends.mesh import init_distributed
     from sharpen.trainer.layout import ParallelLayout
 
     init_distributed("gloo")

@@ -24,7 +24,7 @@ def join_process_group(rank: int, num_ranks: int, port: int, *, backend: str = "
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_ranks)})
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
-    from sharpen.trainer.backends.fsdp2 import init_distributed
+    from sharpen.trainer.backends.mesh import init_distributed
 
     init_distributed(backend)
 

@@ -203,7 +203,8 @@ def _serve_rank(
 
 def _build_rank(config: SharpenConfig, model_path: Path, world_size: int) -> Any:
     from sharpen.orchestration.build import build_trainer, load_tokenizer
-    from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+    from sharpen.trainer.backends.mesh import init_distributed
     from sharpen.trainer.layout import ParallelLayout
 
     init_distributed()

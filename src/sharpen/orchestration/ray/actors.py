@@ -76,7 +76,8 @@ class TrainerActor(SpanRecordingActor):
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the process group (blocks until every rank has joined) and build this rank's FSDP2 trainer, split as
         ``trainer.parallel`` says."""
-        from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+        from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+        from sharpen.trainer.backends.mesh import init_distributed
         from sharpen.trainer.layout import ParallelLayout
 
         os.environ.update(

@@ -5,8 +5,9 @@ parallel, sharded, one process per rank) behind the same methods (`base.TrainerB
 none of them: `lora` (adapters), `teacher` (the distillation teacher), `frozen` (the models that score without
 gradient: the reference policies), `scoring` (the forward pass they all share), `chunked_logits` and `cpu_memory`;
 an import-linter contract keeps that order. `fsdp2` is imported from its module
-(``from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed``), not re-exported here: it pulls in
-torch.distributed's FSDP, DTensor and checkpoint packages, about 1 s on every ``import sharpen.trainer``.
+(``from sharpen.trainer.backends.fsdp2 import FSDP2Backend``; ranks join with `mesh.init_distributed`), not
+re-exported here: it pulls in torch.distributed's FSDP, DTensor and checkpoint packages, about 1 s on every
+``import sharpen.trainer``.
 """
 
 from sharpen.trainer.backends.base import TokenScores

@@ -22,10 +22,8 @@ root's group.
 from __future__ import annotations
 
 import dataclasses
-import os
 import shutil
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -48,7 +46,7 @@ from sharpen.trainer.backends.base import (
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
-from sharpen.trainer.backends.mesh import build_device_mesh
+from sharpen.trainer.backends.mesh import build_device_mesh, rank_device
 from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
@@ -62,46 +60,6 @@ from sharpen.weight_files import write_safetensors
 if TYPE_CHECKING:
     from peft import PeftModel
     from transformers import PreTrainedModel
-
-_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def init_distributed(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10)) -> torch.device:
-    """Join the process group that the standard launcher variables describe (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``, optional ``LOCAL_RANK``, as torchrun sets them); returns this rank's device.
-
-    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank, ``cuda:LOCAL_RANK``); None picks nccl when CUDA
-    is available. ``timeout`` bounds every collective, so a rank that died makes the others fail instead of hang.
-    Idempotent: a second call returns the device without re-initialising."""
-    missing = [name for name in _ENV_VARS if name not in os.environ]
-    if missing:
-        raise ValueError(f"init_distributed needs the launcher's variables; missing {', '.join(missing)}")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (CUDA), got {backend!r}")
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            backend,
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
-    return device
-
-
-def _rank_device(name: str) -> torch.device:
-    """The config's device for this rank: "auto"/"cuda" mean ``cuda:LOCAL_RANK`` (when available)."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return device
 
 
 class _ScoringRoot(nn.Module):
@@ -197,7 +155,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         torch.set_num_threads(config.resolved_num_threads)
         self.config = config
         self.model_path = Path(model_path)
-        self.device = _rank_device(config.device)
+        self.device = rank_device(config.device)
         # a process-wide setting of the C library (`cpu_memory`), bounded after every optimizer step
         self.freed_memory = FreedMemory.keep(config.reuse_cpu_memory_mb) if self.device.type == "cpu" else None
         expected = "nccl" if self.device.type == "cuda" else "gloo"

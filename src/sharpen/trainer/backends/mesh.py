@@ -1,4 +1,6 @@
-"""`build_device_mesh`: a checked `ParallelLayout` as a torch `DeviceMesh` with one named dimension per axis.
+"""The ranks' process group and its mesh: `init_distributed` joins the group that the launcher's variables describe
+(torchrun's, a Ray actor's, a local rank's), `rank_device` is a rank's device, and `build_device_mesh` makes a
+checked `ParallelLayout` a torch `DeviceMesh` with one named dimension per axis.
 
 The mesh has the layout's axes in its order (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), sizes of 1
 included, so every backend asks for a dimension by name whatever the layout. ``torch.distributed`` must be
@@ -7,6 +9,10 @@ initialised with the layout's world size (real ranks, or a fake process group to
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
+
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -23,3 +29,44 @@ def build_device_mesh(layout: ParallelLayout, *, device_type: str = "cpu") -> De
             f"the layout ({layout.describe()}) has {layout.world_size} ranks, the process group {dist.get_world_size()}"
         )
     return init_device_mesh(device_type, layout.sizes, mesh_dim_names=AXES)
+
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def init_distributed(backend: str | None = None, *, timeout: timedelta = timedelta(minutes=10)) -> torch.device:
+    """Join the process group that the standard launcher variables describe (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``, optional ``LOCAL_RANK``, as torchrun sets them); returns this rank's device.
+
+    ``backend``: ``"gloo"`` (CPU) or ``"nccl"`` (one GPU per rank, ``cuda:LOCAL_RANK``); None picks nccl when CUDA
+    is available. ``timeout`` bounds every collective, so a rank that died makes the others fail instead of hang.
+    Idempotent: a second call returns the device without re-initialising."""
+    missing = [name for name in _ENV_VARS if name not in os.environ]
+    if missing:
+        raise ValueError(f"init_distributed needs the launcher's variables; missing {', '.join(missing)}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' (CPU) or 'nccl' (CUDA), got {backend!r}")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def rank_device(name: str) -> torch.device:
+    """The config's device for this rank: "auto"/"cuda" mean ``cuda:LOCAL_RANK`` (when available)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return device

@@ -69,25 +69,15 @@ def score_tokens(
     """
     if position_ids is not None and attention_mask is not None:
         raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
-    if context is not None:
-        assert image_inputs is None, "context parallelism splits text rows only"
-        return _score_slices(
-            model,
-            input_ids,
-            target_mask,
-            context,
-            position_ids=position_ids,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            entropy_requires_grad=entropy_requires_grad,
-            logits_chunk_tokens=logits_chunk_tokens,
-            vocab=vocab,
-        )
     if image_inputs is not None:
         assert position_ids is None, "rows with images are right-padded, never packed"
+        assert context is None, "context parallelism splits text rows only"
         hidden = model.base_model(
             input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **image_inputs
         ).last_hidden_state
+    elif context is not None:  # this rank's slice of the rows (right-padded rows: causal alone)
+        ids, positions = context.split(input_ids, position_ids)
+        hidden = model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
     else:
         hidden = model.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
@@ -102,6 +92,7 @@ def score_tokens(
         entropy_requires_grad=entropy_requires_grad,
         logits_chunk_tokens=logits_chunk_tokens,
         vocab=vocab,
+        context=context,
     )
 
 
@@ -158,36 +149,6 @@ def score_hidden(
     logprobs = context.gather(scores.logprobs)[:, : length - 1].clone()
     entropy = None if scores.entropy is None else context.gather(scores.entropy)[:, : length - 1].clone()
     return TokenScores(logprobs=logprobs, entropy=entropy)
-
-
-def _score_slices(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    target_mask: torch.Tensor,
-    context: ContextParallel,
-    *,
-    position_ids: torch.Tensor | None,
-    temperature: float,
-    with_entropy: bool,
-    entropy_requires_grad: bool,
-    logits_chunk_tokens: int,
-    vocab: VocabShard | None,
-) -> TokenScores:
-    """`score_tokens` on this rank's slice of the sequence, gathered into the whole ``[batch, seq - 1]`` grid."""
-    ids, positions = context.split(input_ids, position_ids)  # right-padded rows: causal alone
-    hidden = model.get_decoder()(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
-    return score_hidden(
-        cast(nn.Module, model.get_output_embeddings()),
-        hidden,
-        input_ids,
-        target_mask,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_requires_grad=entropy_requires_grad,
-        logits_chunk_tokens=logits_chunk_tokens,
-        vocab=vocab,
-        context=context,
-    )
 
 
 def score_top_k(

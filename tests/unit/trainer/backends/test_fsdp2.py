@@ -202,7 +202,7 @@ def _max_loss_term(rollouts: list[Rollout], *, weight_bound: float) -> float:
 
 
 def test_init_distributed_needs_the_launcher_variables(monkeypatch):
-    from sharpen.trainer.backends.fsdp2 import init_distributed
+    from sharpen.trainer.backends.mesh import init_distributed
 
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)

@@ -47,7 +47,8 @@ def _worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir: Path
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_ranks)})
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
-    from sharpen.trainer.backends.fsdp2 import FSDP2Backend, init_distributed
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+    from sharpen.trainer.backends.mesh import init_distributed
 
     init_distributed("gloo")
     trainer = Trainer(

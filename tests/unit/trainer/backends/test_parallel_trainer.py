@@ -19,14 +19,24 @@ import torch
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.layout import LayoutError, ParallelLayout
-from sharpen.types import TrainBatch
+from support.parity import (
+    NUM_STEPS,
+    PAD,
+    TOLERANCE,
+    VOCAB,
+    WEIGHT_TOLERANCE,
+    assert_trainer_matches,
+    full,
+    max_difference,
+    parity_batch,
+    relative_difference,
+    trainer_config,
+    trainer_steps,
+)
 from support.ranks import join_process_group, launch_ranks
-from support.tiny_trainer import uneven_rollouts
 
-VOCAB, PAD = 128, 0
-NUM_STEPS = 2
-TOLERANCE = 1e-5  # the issue's bound; measured here: at most 1.4e-6 (gradients), 0 (first step's logprobs)
-WEIGHT_TOLERANCE = 5e-5  # relative, after the AdamW steps (`_relative_difference`); measured here: at most 1.5e-5
+# TOLERANCE (support.parity): measured here at most 1.4e-6 (gradients), 0 (first step's logprobs); WEIGHT_TOLERANCE:
+# at most 1.5e-5
 slow = pytest.mark.slow  # forks 2, then 4, then 2 ranks: ~1 min on 2 shared cores
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -87,35 +97,13 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _config(plan: str = "gather", *, sequence_parallel: bool = True, **overrides) -> TrainerConfig:
-    # chunked LM head (3 chunks of 8 targets), clipping active (small max_grad_norm)
-    config = {"device": "cpu", "precision": "float32", "learning_rate": 1e-2, "max_grad_norm": 0.05}
-    config |= {"logits_chunk_tokens": 8, "parallel": {"tp_plan": plan, "sequence_parallel": sequence_parallel}}
-    return TrainerConfig(**{**config, **overrides})
-
-
-def _batch(device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three right-padded rows: ids, attention mask, target mask (two rows differ in length), token advantages."""
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (3, 12), generator=generator)
-    attention = torch.ones_like(ids)
-    attention[2, 9:] = 0
-    targets = torch.zeros(3, 11, dtype=torch.bool)
-    targets[:, 4:] = True
-    targets[2, 8:] = False
-    advantages = torch.randn(3, 11, generator=generator)
-    return ids.to(device), attention.to(device), targets.to(device), advantages.to(device)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
+    return trainer_config(parallel={"tp_plan": plan, "sequence_parallel": sequence_parallel}, **overrides)
 
 
 def _steps(backend) -> list[dict]:
     """Two optimizer steps of a policy-gradient loss with an entropy bonus (temperature 0.7) on the whole batch:
     each step's logprobs, entropy, loss, every parameter's full gradient and the pre-clip norm."""
-    ids, attention, targets, advantages = _batch(backend.device)
+    ids, attention, targets, advantages = (t.to(backend.device) for t in parity_batch())
     steps = []
     for _ in range(NUM_STEPS):
         scores = backend.score_tokens(
@@ -125,7 +113,7 @@ def _steps(backend) -> list[dict]:
         count = targets.sum()
         loss = -(scores.logprobs * advantages * targets).sum() / count - 0.01 * (scores.entropy * targets).sum() / count
         loss.backward()
-        grads = {name: _full(p.grad) for name, p in backend.model.named_parameters() if p.grad is not None}
+        grads = {name: full(p.grad) for name, p in backend.model.named_parameters() if p.grad is not None}
         steps.append(
             {
                 "logprobs": scores.logprobs.detach().cpu().clone(),
@@ -136,11 +124,6 @@ def _steps(backend) -> list[dict]:
             }
         )
     return steps
-
-
-def _trainer_config(**overrides) -> TrainerConfig:
-    algorithm = {"num_mini_batches": 2, "num_epochs": 2, "entropy_coef": 0.01}
-    return _config(micro_batch_size=2, algorithm=algorithm, **overrides)
 
 
 def _packed_scores(backend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,14 +138,6 @@ def _packed_scores(backend) -> tuple[torch.Tensor, torch.Tensor]:
         scores = backend.score_tokens(ids, None, targets, temperature=1.0, position_ids=positions, with_entropy=True)
     assert scores.entropy is not None
     return scores.logprobs.clone(), scores.entropy.clone()
-
-
-def _trainer_steps(backend) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    from sharpen.trainer import Trainer
-
-    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
-    metrics = [trainer.step(TrainBatch(rollouts=uneven_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
-    return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
 
 
 def _tp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out_dir: Path) -> None:
@@ -180,12 +155,12 @@ def _tp2_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], o
         results[f"{layout}/{family}/{plan}"] = _steps(backend)
         weights = {name: tensor.clone() for name, tensor in backend.named_weights()}
         results[f"{layout}/{family}/{plan}/weights"] = weights
-    packed = _trainer_config(packing=True)
+    packed = _config(packing=True)
     backend = FSDP2Backend(packed, model_path=models["llama"], dtype="float32", layout=LAYOUTS["cp2"])
-    results["cp2/trainer"] = _trainer_steps(backend)
+    results["cp2/trainer"] = trainer_steps(backend)
     layout = LAYOUTS["tp2"]
-    backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32", layout=layout)
-    results["trainer"] = _trainer_steps(backend)
+    backend = FSDP2Backend(_config(), model_path=models["llama"], dtype="float32", layout=layout)
+    results["trainer"] = trainer_steps(backend)
     backend.save(out_dir / "checkpoint")
     backend.export(out_dir / "export")
     results["ranks"] = (backend.rank, backend.num_ranks)
@@ -210,8 +185,8 @@ def _four_rank_worker(rank: int, num_ranks: int, port: int, models: dict[str, Pa
         ("cp", ParallelLayout(cp=2, tp=2)),
         ("hsdp_cp", ParallelLayout(dp_replicate=2, cp=2)),
     ):
-        backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32", layout=layout)
-        results[name] = {"trainer": _trainer_steps(backend), "ranks": (backend.rank, backend.num_ranks)}
+        backend = FSDP2Backend(_config(), model_path=models["llama"], dtype="float32", layout=layout)
+        results[name] = {"trainer": trainer_steps(backend), "ranks": (backend.rank, backend.num_ranks)}
     if rank == 0:
         torch.save(results, out_dir / "four_ranks.pt")
     dist.destroy_process_group()
@@ -224,7 +199,7 @@ def _resume_worker(rank: int, num_ranks: int, port: int, models: dict[str, Path]
     from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 
     join_process_group(rank, num_ranks, port)
-    backend = FSDP2Backend(_trainer_config(), model_path=models["llama"], dtype="float32")
+    backend = FSDP2Backend(_config(), model_path=models["llama"], dtype="float32")
     backend.load(out_dir / "checkpoint")
     weights = {name: tensor.clone() for name, tensor in backend.named_weights()}
     if rank == 0:
@@ -249,25 +224,12 @@ def single(runs, models: dict[str, Path]) -> dict[str, object]:
         backend = SingleDeviceBackend(_config(), model_path=models[family], dtype="float32")
         results[family] = _steps(backend)
         results[f"{family}/weights"] = dict(backend.named_weights())
-    backend = SingleDeviceBackend(_trainer_config(), model_path=models["llama"], dtype="float32")
-    results["trainer"] = _trainer_steps(backend)
-    backend = SingleDeviceBackend(_trainer_config(packing=True), model_path=models["llama"], dtype="float32")
-    results["packed/trainer"] = _trainer_steps(backend)
+    backend = SingleDeviceBackend(_config(), model_path=models["llama"], dtype="float32")
+    results["trainer"] = trainer_steps(backend)
+    backend = SingleDeviceBackend(_config(packing=True), model_path=models["llama"], dtype="float32")
+    results["packed/trainer"] = trainer_steps(backend)
     results["packed"] = _packed_scores(SingleDeviceBackend(_config(), model_path=models["llama"], dtype="float32"))
     return results
-
-
-def _max_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
-    assert got.shape == expected.shape
-    return (got - expected).abs().max().item()
-
-
-def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """||got - expected|| / ||expected||: how weights are compared after AdamW steps, whose update of a near-zero
-    gradient element is about lr x its sign, so that a 1e-7 difference in the gradient can move one weight by 1e-5.
-    Bounded by `WEIGHT_TOLERANCE`, as test_fsdp2 bounds its weights."""
-    assert got.shape == expected.shape
-    return ((got - expected).norm() / expected.norm()).item()
 
 
 @slow
@@ -276,16 +238,16 @@ def test_steps_match_one_process(runs, single, layout, family, plan):
     got_steps, expected_steps = runs[0][f"{layout}/{family}/{plan}"], single[family]
     for step, (got, expected) in enumerate(zip(got_steps, expected_steps, strict=True)):
         for key in ("logprobs", "entropy", "loss"):
-            assert _max_difference(got[key], expected[key]) < TOLERANCE, (step, key)
+            assert max_difference(got[key], expected[key]) < TOLERANCE, (step, key)
         assert got["grads"].keys() == expected["grads"].keys()
         for name, grad in expected["grads"].items():
-            assert _max_difference(got["grads"][name], grad) < TOLERANCE, (step, name)
+            assert max_difference(got["grads"][name], grad) < TOLERANCE, (step, name)
         assert got["norm"] == pytest.approx(expected["norm"], rel=TOLERANCE)
     weights = runs[0][f"{layout}/{family}/{plan}/weights"]
     expected_weights = single[f"{family}/weights"]
     assert weights.keys() == expected_weights.keys()  # HF names, a tied LM head left out as on one device
     for name, tensor in expected_weights.items():
-        assert _relative_difference(weights[name], tensor) < WEIGHT_TOLERANCE, name
+        assert relative_difference(weights[name], tensor) < WEIGHT_TOLERANCE, name
 
 
 @slow
@@ -295,29 +257,14 @@ def test_the_default_plan_scores_as_one_process_does(runs, single):
     these tiny models; on SmolLM2 at tp 3 they differ by up to 3e-5, docs/parallelism.md)."""
     for family in FAMILIES:
         got, expected = runs[0][f"tp2/{family}/gather"][0]["logprobs"], single[family][0]["logprobs"]
-        assert _max_difference(got, expected) <= 1e-6, family
-
-
-def _assert_trainer_matches(got: tuple, expected: tuple) -> None:
-    got_metrics, got_weights = got
-    metrics, weights = expected
-    per_micro_batch = ("offpolicy/ess", "offpolicy/ratio_p")  # statistics of each micro-batch: change with the split
-    for got_step, step in zip(got_metrics, metrics, strict=True):
-        assert set(got_step) == set(step)
-        for name, value in step.items():
-            if name == "train/loss":  # a cancelling sum (test_fsdp2's _loss_tolerance): absolute
-                assert got_step[name] == pytest.approx(value, abs=TOLERANCE), name
-            elif not name.startswith(per_micro_batch) and not name.startswith("time/"):
-                assert got_step[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
-    for name, tensor in weights.items():
-        assert _relative_difference(got_weights[name], tensor) < WEIGHT_TOLERANCE, name
+        assert max_difference(got, expected) <= 1e-6, family
 
 
 @slow
 def test_the_trainer_on_tp2_matches_one_device(runs, single):
     assert runs[0]["ranks"] == (0, 1)  # both ranks hold the same data: one data-parallel rank
     assert runs[0]["writers"] == [True, False]  # one of them writes the files written once (export, trainer.json)
-    _assert_trainer_matches(runs[0]["trainer"], single["trainer"])
+    assert_trainer_matches(runs[0]["trainer"], single["trainer"])
 
 
 @slow
@@ -326,21 +273,21 @@ def test_the_trainer_on_tp2_x_dp2_matches_one_device(runs, single, data_axis):
     """4 ranks: the data split over 2 data-parallel ranks (FSDP2's shards, or HSDP's replicas of an unsharded
     model), each of them a tp 2 pair."""
     assert runs[1][data_axis]["ranks"] == (0, 2)
-    _assert_trainer_matches(runs[1][data_axis]["trainer"], single["trainer"])
+    assert_trainer_matches(runs[1][data_axis]["trainer"], single["trainer"])
 
 
 @slow
 def test_the_trainer_on_tp2_x_cp2_matches_one_device(runs, single):
     """4 ranks, one data shard: each half of the sequence on a tp 2 pair."""
     assert runs[1]["cp"]["ranks"] == (0, 1)
-    _assert_trainer_matches(runs[1]["cp"]["trainer"], single["trainer"])
+    assert_trainer_matches(runs[1]["cp"]["trainer"], single["trainer"])
 
 
 @slow
 def test_the_trainer_on_dp_replicate2_x_cp2_matches_one_device(runs, single):
     """4 ranks: 2 HSDP replicas, each sharded over its 2 context-parallel ranks (FSDP2's dp_shard x cp)."""
     assert runs[1]["hsdp_cp"]["ranks"] == (0, 2)
-    _assert_trainer_matches(runs[1]["hsdp_cp"]["trainer"], single["trainer"])
+    assert_trainer_matches(runs[1]["hsdp_cp"]["trainer"], single["trainer"])
 
 
 @slow
@@ -350,12 +297,12 @@ def test_packed_rows_match_one_process(runs, single, layout):
     sequence parallelism (the decoder sees a shard of the sequence, the mask is the whole rows') and split over 2
     context-parallel ranks."""
     for got, expected in zip(runs[0][f"{layout}/packed"], single["packed"], strict=True):
-        assert _max_difference(got, expected) < TOLERANCE
+        assert max_difference(got, expected) < TOLERANCE
 
 
 @slow
 def test_the_packed_trainer_on_cp2_matches_one_device(runs, single):
-    _assert_trainer_matches(runs[0]["cp2/trainer"], single["packed/trainer"])
+    assert_trainer_matches(runs[0]["cp2/trainer"], single["packed/trainer"])
 
 
 @slow
@@ -418,7 +365,7 @@ def _nccl_worker(rank: int, num_ranks: int, port: int, model_dir: Path, out_dir:
     steps = [{key: value for key, value in step.items() if key != "grads"} for step in _steps(backend)]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda()
     vocab = apply_tensor_parallel(model, init_device_mesh("cuda", (1,), mesh_dim_names=("tp",))["tp"])
-    ids, attention, targets, _ = _batch("cuda")
+    ids, attention, targets, _ = (t.cuda() for t in parity_batch())
     with torch.no_grad():
         scores = score_tokens(model, ids, attention, targets, temperature=0.7, vocab=vocab)
     torch.save({"steps": steps, "plan_logprobs": scores.logprobs.cpu()}, out_dir / "nccl.pt")
@@ -436,5 +383,5 @@ def test_every_axis_at_size_1_on_nccl_matches_the_cpu(models, tmp_path):
     expected = _steps(SingleDeviceBackend(_config(), model_path=models["llama"], dtype="float32"))
     for got_step, step in zip(got["steps"], expected, strict=True):
         for key in ("logprobs", "entropy", "loss"):
-            assert _max_difference(got_step[key], step[key]) < TOLERANCE, key
-    assert _max_difference(got["plan_logprobs"], expected[0]["logprobs"]) < TOLERANCE
+            assert max_difference(got_step[key], step[key]) < TOLERANCE, key
+    assert max_difference(got["plan_logprobs"], expected[0]["logprobs"]) < TOLERANCE

@@ -15,18 +15,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.backends.base import ScoreInputs
 from sharpen.trainer.layout import ParallelLayout
 from sharpen.types import TrainBatch
+from support.parity import (
+    NUM_STEPS,
+    PAD,
+    TOLERANCE,
+    VOCAB,
+    WEIGHT_TOLERANCE,
+    assert_trainer_matches,
+    full,
+    max_difference,
+    parity_batch,
+    relative_difference,
+    trainer_config,
+    trainer_steps,
+)
 from support.ranks import join_process_group, launch_ranks
 from support.tiny_trainer import uneven_rollouts
 
-VOCAB, PAD = 128, 0
-NUM_STEPS = 2
-TOLERANCE = 1e-5  # the issue's bound
-WEIGHT_TOLERANCE = 5e-5  # relative, after the AdamW steps (as test_parallel_trainer bounds them)
 slow = pytest.mark.slow  # forks 2, then 4, then 2 ranks
 
 ONE_F_ONE_B = ParallelLayout(pp=2)
@@ -60,44 +69,15 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save_tiny(tmp_path_factory.mktemp("pp_model"))
 
 
-def _config(**overrides) -> TrainerConfig:
-    config = {"device": "cpu", "precision": "float32", "learning_rate": 1e-2, "max_grad_norm": 0.05}
-    return TrainerConfig(**{**config, "logits_chunk_tokens": 8, **overrides})
-
-
-def _trainer_config(**overrides) -> TrainerConfig:
-    algorithm = {"num_mini_batches": 2, "num_epochs": 2, "entropy_coef": 0.01}
-    return _config(micro_batch_size=2, algorithm=algorithm, **overrides)
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Three right-padded rows: ids, attention mask, target mask (the last row shorter), token advantages."""
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (3, 12), generator=generator)
-    attention = torch.ones_like(ids)
-    attention[2, 9:] = 0
-    targets = torch.zeros(3, 11, dtype=torch.bool)
-    targets[:, 4:] = True
-    targets[2, 8:] = False
-    advantages = torch.randn(3, 11, generator=generator)
-    return ids, attention, targets, advantages
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
-
-
 def _steps(backend) -> list[dict]:
-    """Two optimizer steps of a policy-gradient loss with an entropy bonus (temperature 0.7), the rows of `_batch` as
-    three micro-batches (`ROWS`) through `train_micro_batches`: each step's logprobs and entropy ([3, 11], from the
-    micro-batches the loss saw), loss, this rank's full gradients and the pre-clip norm."""
+    """Two optimizer steps of a policy-gradient loss with an entropy bonus (temperature 0.7), the rows of
+    `parity_batch` as three micro-batches (`ROWS`) through `train_micro_batches`: each step's logprobs and entropy
+    ([3, 11], from the micro-batches the loss saw), loss, this rank's full gradients and the pre-clip norm."""
     return [_step(backend) for _ in range(NUM_STEPS)]
 
 
 def _step(backend) -> dict:
-    ids, attention, targets, advantages = _batch()
+    ids, attention, targets, advantages = parity_batch()
     count = targets.sum()
     inputs = [
         ScoreInputs(
@@ -120,19 +100,11 @@ def _step(backend) -> dict:
         return value
 
     backend.train_micro_batches(inputs, loss, temperature=0.7, with_entropy=True, entropy_requires_grad=True)
-    grads = {name: _full(p.grad) for name, p in backend.model.named_parameters() if p.grad is not None}
+    grads = {name: full(p.grad) for name, p in backend.model.named_parameters() if p.grad is not None}
     step = {"grads": grads, "norm": backend.clip_and_step()}
     if losses:  # the last stage's
         step |= {"logprobs": logprobs, "entropy": entropy, "loss": torch.stack(losses).sum()}
     return step
-
-
-def _trainer_steps(backend) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    from sharpen.trainer import Trainer
-
-    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
-    metrics = [trainer.step(TrainBatch(rollouts=uneven_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
-    return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
 
 
 def _merged(parts: list[list[dict]]) -> list[dict]:
@@ -159,18 +131,18 @@ def _two_rank_worker(rank: int, num_ranks: int, port: int, model: Path, out_dir:
     join_process_group(rank, num_ranks, port)
     results: dict[str, object] = {}
     for name, layout in (("1f1b", ONE_F_ONE_B), ("interleaved", INTERLEAVED)):
-        backend = FSDP2Backend(_config(), model_path=model, dtype="float32", layout=layout)
+        backend = FSDP2Backend(trainer_config(), model_path=model, dtype="float32", layout=layout)
         parts: list[object] = [None] * num_ranks
         dist.all_gather_object(parts, _steps(backend))
         results[f"{name}/steps"] = _merged(parts)  # pyright: ignore[reportArgumentType]
-        backend = FSDP2Backend(_trainer_config(), model_path=model, dtype="float32", layout=layout)
-        results[f"{name}/trainer"] = _trainer_steps(backend)
+        backend = FSDP2Backend(trainer_config(), model_path=model, dtype="float32", layout=layout)
+        results[f"{name}/trainer"] = trainer_steps(backend)
         if name == "1f1b":
             backend.save(out_dir / "checkpoint")
             backend.export(out_dir / "export")
             results["ranks"] = (backend.rank, backend.num_ranks)
-    backend = FSDP2Backend(_trainer_config(packing=True), model_path=model, dtype="float32", layout=ONE_F_ONE_B)
-    results["packed/trainer"] = _trainer_steps(backend)
+    backend = FSDP2Backend(trainer_config(packing=True), model_path=model, dtype="float32", layout=ONE_F_ONE_B)
+    results["packed/trainer"] = trainer_steps(backend)
     if rank == 0:
         torch.save(results, out_dir / "pp2.pt")
     dist.destroy_process_group()
@@ -184,8 +156,8 @@ def _four_rank_worker(rank: int, num_ranks: int, port: int, model: Path, out_dir
     join_process_group(rank, num_ranks, port)
     results = {}
     for name, layout in (("tp", ParallelLayout(pp=2, tp=2)), ("dp_shard", ParallelLayout(pp=2, dp_shard=2))):
-        backend = FSDP2Backend(_trainer_config(), model_path=model, dtype="float32", layout=layout)
-        results[name] = {"trainer": _trainer_steps(backend), "ranks": (backend.rank, backend.num_ranks)}
+        backend = FSDP2Backend(trainer_config(), model_path=model, dtype="float32", layout=layout)
+        results[name] = {"trainer": trainer_steps(backend), "ranks": (backend.rank, backend.num_ranks)}
     if rank == 0:
         torch.save(results, out_dir / "four_ranks.pt")
     dist.destroy_process_group()
@@ -202,7 +174,7 @@ def _resume_worker(rank: int, num_ranks: int, port: int, model: Path, out_dir: P
     join_process_group(rank, num_ranks, port)
     results = {}
     for name, layout, checkpoint in (("dp_shard", None, "checkpoint"), ("pp", ONE_F_ONE_B, "checkpoint_dp_shard")):
-        backend = FSDP2Backend(_trainer_config(), model_path=model, dtype="float32", layout=layout)
+        backend = FSDP2Backend(trainer_config(), model_path=model, dtype="float32", layout=layout)
         backend.load(out_dir / checkpoint)
         weights = {key: tensor.clone() for key, tensor in backend.named_weights()}
         if name == "dp_shard":
@@ -228,22 +200,12 @@ def runs(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, d
 def single(runs, model: Path) -> dict[str, object]:
     """The same steps on one device (after the launches: see `support.ranks.launch_ranks`)."""
     return {
-        "steps": _steps(SingleDeviceBackend(_config(), model_path=model, dtype="float32")),
-        "trainer": _trainer_steps(SingleDeviceBackend(_trainer_config(), model_path=model, dtype="float32")),
-        "packed/trainer": _trainer_steps(
-            SingleDeviceBackend(_trainer_config(packing=True), model_path=model, dtype="float32")
+        "steps": _steps(SingleDeviceBackend(trainer_config(), model_path=model, dtype="float32")),
+        "trainer": trainer_steps(SingleDeviceBackend(trainer_config(), model_path=model, dtype="float32")),
+        "packed/trainer": trainer_steps(
+            SingleDeviceBackend(trainer_config(packing=True), model_path=model, dtype="float32")
         ),
     }
-
-
-def _max_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
-    assert got.shape == expected.shape
-    return (got - expected).abs().max().item()
-
-
-def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
-    assert got.shape == expected.shape
-    return ((got - expected).norm() / expected.norm()).item()
 
 
 @slow
@@ -251,57 +213,41 @@ def _relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 def test_steps_match_one_process(runs, single, schedule):
     for step, (got, expected) in enumerate(zip(runs[0][f"{schedule}/steps"], single["steps"], strict=True)):
         for key in ("logprobs", "entropy", "loss"):
-            assert _max_difference(got[key], expected[key]) < TOLERANCE, (step, key)
+            assert max_difference(got[key], expected[key]) < TOLERANCE, (step, key)
         grads = dict(got["grads"])
         # the tied embedding's two copies (first stage: the embedding; last: the LM head) hold the two halves of the
         # one gradient a single device sums
         grads["model.embed_tokens.weight"] = grads["model.embed_tokens.weight"] + grads.pop("lm_head.weight")
         assert grads.keys() == expected["grads"].keys()
         for name, grad in expected["grads"].items():
-            assert _max_difference(grads[name], grad) < TOLERANCE, (step, name)
+            assert max_difference(grads[name], grad) < TOLERANCE, (step, name)
         assert got["norm"] == pytest.approx(expected["norm"], rel=TOLERANCE)
-
-
-def _assert_trainer_matches(got: tuple, expected: tuple) -> None:
-    got_metrics, got_weights = got
-    metrics, weights = expected
-    per_micro_batch = ("offpolicy/ess", "offpolicy/ratio_p")  # statistics of each micro-batch: change with the split
-    for got_step, step in zip(got_metrics, metrics, strict=True):
-        assert set(got_step) == set(step)
-        for name, value in step.items():
-            if name == "train/loss":  # a cancelling sum (test_fsdp2's _loss_tolerance): absolute
-                assert got_step[name] == pytest.approx(value, abs=TOLERANCE), name
-            elif not name.startswith(per_micro_batch) and not name.startswith("time/"):
-                assert got_step[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
-    assert got_weights.keys() == weights.keys()  # HF names, the tied LM head left out, from every stage
-    for name, tensor in weights.items():
-        assert _relative_difference(got_weights[name], tensor) < WEIGHT_TOLERANCE, name
 
 
 @slow
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
 def test_the_trainer_on_pp2_matches_one_device(runs, single, schedule):
     assert runs[0]["ranks"] == (0, 1)  # both stages train the same rows: one data-parallel rank
-    _assert_trainer_matches(runs[0][f"{schedule}/trainer"], single["trainer"])
+    assert_trainer_matches(runs[0][f"{schedule}/trainer"], single["trainer"])
 
 
 @slow
 def test_the_packed_trainer_on_pp2_matches_one_device(runs, single):
-    _assert_trainer_matches(runs[0]["packed/trainer"], single["packed/trainer"])
+    assert_trainer_matches(runs[0]["packed/trainer"], single["packed/trainer"])
 
 
 @slow
 def test_the_trainer_on_pp2_x_tp2_matches_one_device(runs, single):
     """4 ranks, one data shard: each stage on a tp 2 pair (sequence parallel between blocks and between stages)."""
     assert runs[1]["tp"]["ranks"] == (0, 1)
-    _assert_trainer_matches(runs[1]["tp"]["trainer"], single["trainer"])
+    assert_trainer_matches(runs[1]["tp"]["trainer"], single["trainer"])
 
 
 @slow
 def test_the_trainer_on_pp2_x_dp_shard2_matches_one_device(runs, single):
     """4 ranks: the data split over 2 FSDP2 shards, each stage sharded over its 2 data-parallel ranks."""
     assert runs[1]["dp_shard"]["ranks"] == (0, 2)
-    _assert_trainer_matches(runs[1]["dp_shard"]["trainer"], single["trainer"])
+    assert_trainer_matches(runs[1]["dp_shard"]["trainer"], single["trainer"])
 
 
 @slow
@@ -317,7 +263,7 @@ def test_a_pp2_checkpoint_resumes_on_another_layout_and_back(runs):
         for key, tensor in saved.items():
             assert torch.equal(weights[key], tensor), (name, key)
     for key, tensor in resumed["dp_shard"][1].items():
-        assert _relative_difference(resumed["pp"][1][key], tensor) < WEIGHT_TOLERANCE, key
+        assert relative_difference(resumed["pp"][1][key], tensor) < WEIGHT_TOLERANCE, key
         assert not torch.equal(tensor, saved[key]), key  # the step moved it
 
 
