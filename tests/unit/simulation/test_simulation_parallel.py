@@ -35,17 +35,24 @@ _KINDS = {  # DTensor's functional collectives -> the simulator's names
 def _counted(plan: str) -> tuple[Counter[str], Counter[str]]:
     """The functional collectives (forward, backward) of one scoring pass of a 3-layer Llama under sharpen's
     tensor-parallel ``plan`` with tp 2, counted by DTensor's CommDebugMode on a fake 2-rank process group, in a
-    forked process. DTensor keeps state process-wide (most likely its sharding-propagation cache, which holds the
+    spawned process. DTensor keeps state process-wide (most likely its sharding-propagation cache, which holds the
     vocabulary-split embedding's mask placement): run in the test process, the ranks that test_parallel_trainer
-    forks later inherited it and their embedding gradients were off by 0.5."""
+    forks later inherited it and their embedding gradients were off by 0.5. Spawned, not forked: a child forked
+    after earlier tests had started threads in this process hung on a lock those threads held (twice, here)."""
     import multiprocessing
 
-    receiver, sender = multiprocessing.get_context("fork").Pipe(duplex=False)
-    child = multiprocessing.get_context("fork").Process(target=_count_into, args=(plan, sender))
+    context = multiprocessing.get_context("spawn")
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=_count_into, args=(plan, sender))
     child.start()
     sender.close()  # the child's end alone stays open: if it dies, recv raises EOFError instead of waiting
-    counts = receiver.recv()
-    child.join()
+    try:
+        assert receiver.poll(300), "the counting process gave no answer within 300 s"
+        counts = receiver.recv()
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
     assert child.exitcode == 0
     return counts
 
