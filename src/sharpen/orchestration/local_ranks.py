@@ -17,7 +17,6 @@ runtime places them) or know what a step does.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 import traceback
@@ -30,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sharpen.config import SharpenConfig
+from sharpen.rollout.engines.server import free_port
 from sharpen.types import ImagePart, Rollout, TrainBatch
 
 _READY, _OK, _ERROR = "ready", "ok", "error"
@@ -44,7 +44,7 @@ class LocalTrainerRanks:
         self.num_ranks = runtime.trainer_ranks
         self.timeout_s = runtime.call_timeout_s
         context = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self._lock = threading.Lock()  # one call at a time (async mode snapshots weights from another thread)
         self._connections: list[Connection] = []
         self._processes: list[Any] = []
@@ -157,12 +157,6 @@ def _connection(connection: object) -> Connection:
     """`multiprocessing.connection.wait` returns the objects it was given (typed as a union)."""
     assert isinstance(connection, Connection)
     return connection
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _serve_rank(

@@ -259,8 +259,9 @@ class PipelineParallel:
         """Forward and backward of ``inputs`` through the schedule; ``loss(index, scores)`` runs on the last stage,
         in micro-batch order. Gradients accumulate on every stage (collective over the pipeline)."""
         batch = self._stack(inputs)
-        self._set_run(batch, inputs, temperature=temperature, with_entropy=with_entropy)
-        self.run.entropy_requires_grad = entropy_requires_grad
+        self._set_run(
+            inputs, temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad
+        )
 
         def schedule_loss(output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
             index = int(target[0])
@@ -282,7 +283,7 @@ class PipelineParallel:
         """The logprobs of each of ``inputs`` (forward only), computed on the last stage and broadcast to every
         stage (collective over the pipeline)."""
         batch = self._stack(inputs)
-        self._set_run(batch, inputs, temperature=temperature, with_entropy=False)
+        self._set_run(inputs, temperature=temperature, with_entropy=False)
         schedule = self._schedule(batch, loss=None)
         merged = schedule.eval(batch.tensors["input_ids"], **batch.kwargs())
         if merged is None:
@@ -296,13 +297,21 @@ class PipelineParallel:
             scores.append(TokenScores(logprobs=merged[start : start + rows, : length - 1], entropy=None))
         return scores
 
-    def _set_run(self, batch: _Batch, inputs: Sequence[ScoreInputs], *, temperature: float, with_entropy: bool) -> None:
+    def _set_run(
+        self,
+        inputs: Sequence[ScoreInputs],
+        *,
+        temperature: float,
+        with_entropy: bool,
+        entropy_requires_grad: bool = False,
+    ) -> None:
+        """What every stage needs to know about the run about to start (`_Run`)."""
         packed = inputs[0].position_ids is not None
         if any((item.position_ids is not None) != packed for item in inputs):
             raise ValueError("a pipeline runs packed or right-padded micro-batches, not both in one step")
         self.run.temperature = temperature
         self.run.with_entropy = with_entropy
-        self.run.entropy_requires_grad = False
+        self.run.entropy_requires_grad = entropy_requires_grad
         self.run.packed = packed
 
     def _stack(self, inputs: Sequence[ScoreInputs]) -> _Batch:
@@ -315,7 +324,7 @@ class PipelineParallel:
         rows = max(item.input_ids.shape[0] for item in inputs)
         length = max(item.input_ids.shape[1] for item in inputs)
         unit = self.pp * self.layout.pp_stages_per_rank
-        passes = max(unit, math.ceil(len(inputs) / unit) * unit)
+        passes = math.ceil(len(inputs) / unit) * unit
         parts: dict[str, list[torch.Tensor]] = {
             "input_ids": [],
             "attention_mask": [],
