@@ -87,10 +87,6 @@ class Trainer:
         algorithm = config.algorithm
         if config.distillation.enabled != (teacher is not None):
             raise ValueError("a teacher (TeacherPolicy) is needed exactly when trainer.distillation.enabled = true")
-        if config.distillation.enabled and config.parallel.pp > 1:
-            raise ValueError(
-                "trainer.distillation with pipeline parallelism (trainer.parallel.pp > 1) is not supported"
-            )
         if config.distillation.top_k > 0 and not isinstance(backend, SingleDeviceBackend):
             raise ValueError(
                 "trainer.distillation.top_k > 0 runs on the single-device backend only (trainer_ranks = 1)"
