@@ -13,7 +13,11 @@ ranks share the parent's pages until they write them, so this counts the model, 
 ~0.5 GB of torch), and rank 0's local bytes of parameters, gradients (after the backward) and AdamW state against the
 single model's total / (tp x pp x dp_shard): with pp, a stage holds whole layers, so its share is only near 1 / pp
 (rank 0's stage: the embedding and 2 layers). The machine has 2 cores: layouts of 4 ranks share them, so their times
-measure the overhead, not a speed-up.
+measure the overhead, not a speed-up. Then how long a weight sync's tensors take to leave the ranks, by the two paths
+of ``weight_sync.assemble`` (medians of 3, the transport to the engine not included): ``gather`` is rank 0's
+`named_weights` (every whole tensor gathered by all-gathers and, with pp, broadcasts between stages, and copied to
+the host); ``pieces`` is the slowest rank's `weight_shards` (its own boxes copied to the host, no collective) and
+``assemble`` the receiver's `assemble_weights` of every rank's pieces in one process.
 
 Part 2: SmolLM2-135M-Instruct (9 heads, 3 key/value heads: tp 3) in float32, one forward of 4 rows of 64 tokens:
 the largest difference of each plan's per-token logprobs from the single-device backend's, and whether they are
@@ -27,6 +31,7 @@ import os
 import resource
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -92,10 +97,39 @@ def _rank(rank: int, num_ranks: int, port: int, model_dir: Path, sizes: dict, nu
     config = TrainerConfig(device="cpu", precision="float32")
     backend = FSDP2Backend(config, model_path=model_dir, dtype="float32", layout=ParallelLayout(**sizes))
     seconds, params, grads, optimizer = _steps(backend, _rollouts(8, 8192), num_steps=num_steps)
+    sync = _sync_seconds(backend)
     if rank == 0:
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        queue.put((statistics.median(seconds), peak_mb, params, grads, optimizer))
+        queue.put((statistics.median(seconds), peak_mb, params, grads, optimizer, *sync))
     torch.distributed.destroy_process_group()
+
+
+def _sync_seconds(backend, *, repeats: int = 3) -> tuple[float, float, float]:
+    """Medians of: rank 0's gathered weights (collective), the slowest rank's pieces, and assembling all pieces."""
+    import torch.distributed as dist
+
+    from sharpen.weight_shards import assemble_weights
+
+    gather, pieces, assemble = [], [], []
+    for _ in range(repeats):
+        dist.barrier()
+        started = time.perf_counter()
+        for _, tensor in backend.named_weights():
+            tensor.to("cpu", copy=True)
+        gather.append(time.perf_counter() - started)
+        dist.barrier()
+        started = time.perf_counter()
+        shards = backend.weight_shards()
+        slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        pieces.append(slowest.item())
+        every_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, shards)
+        started = time.perf_counter()
+        for _ in assemble_weights(shard for rank_shards in every_rank for shard in rank_shards):
+            pass
+        assemble.append(time.perf_counter() - started)
+    return statistics.median(gather), statistics.median(pieces), statistics.median(assemble)
 
 
 def _launch(worker, num_ranks: int, *args):
@@ -131,14 +165,18 @@ def _layouts(num_steps: int) -> None:
         full = sum(p.numel() * p.element_size() for p in model.parameters())  # tied head counted once
         del model
         print(f"model: {full / 2**20:.1f} MiB of float32 parameters; expected per rank: that x (1 + 1 + 2) / share")
-        print(f"{'layout':28} {'s/step':>7} {'peak RSS MiB':>12} {'params':>7} {'grads':>7} {'AdamW':>7}  (x expected)")
+        print(
+            f"{'layout':28} {'s/step':>7} {'peak RSS MiB':>12} {'params':>7} {'grads':>7} {'AdamW':>7}  (x expected)"
+            f"  {'gather s':>8} {'pieces s':>8} {'assemble s':>10}"
+        )
         for name, (num_ranks, sizes) in LAYOUTS.items():
-            seconds, peak_mb, params, grads, optimizer = _launch(_rank, num_ranks, model_dir, sizes, num_steps)
+            result = _launch(_rank, num_ranks, model_dir, sizes, num_steps)
+            seconds, peak_mb, params, grads, optimizer, gather, pieces, assemble = result
             share = sizes.get("tp", 1) * sizes.get("pp", 1) * sizes.get("dp_shard", 1)
             expected = full / share
             print(
                 f"{name:28} {seconds:7.3f} {peak_mb:12.0f} {params / expected:7.2f} {grads / expected:7.2f} "
-                f"{optimizer / (2 * expected):7.2f}"
+                f"{optimizer / (2 * expected):7.2f}                {gather:8.4f} {pieces:8.4f} {assemble:10.4f}"
             )
 
 

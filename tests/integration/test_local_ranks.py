@@ -15,10 +15,14 @@ from sharpen.monitoring import read_jsonl
 pytestmark = pytest.mark.slow  # spawns 2 rank processes per run (each imports torch and loads its shard)
 
 
-@pytest.mark.parametrize("layout", [{}, {"trainer.parallel.pp": "2"}], ids=["dp_shard2", "pp2"])
+PIPELINE = {"trainer.parallel.pp": "2", "weight_sync.assemble": '"receiver"'}
+
+
+@pytest.mark.parametrize("layout", [{}, PIPELINE], ids=["dp_shard2", "pp2-pieces"])
 def test_two_local_trainer_ranks_match_one_device(tiny_model_path: Path, tmp_path: Path, layout, monkeypatch) -> None:
     """2 local rank processes (gloo) and the engine in this process vs the single-device backend, 3 steps: FSDP2's
-    data shards, or a 2-stage pipeline (one layer each). The ranks sum in another order, so losses agree to float32
+    data shards (synced by rank 0's gathered tensors), or a 2-stage pipeline (one layer each; synced by each rank's
+    pieces, assembled in this process). The ranks sum in another order, so losses agree to float32
     rounding, and the engine, synced with weights that close, samples the same tokens: rewards are identical."""
     from sharpen.orchestration import embedded
     from sharpen.orchestration.local_ranks import LocalTrainerRanks
@@ -39,6 +43,7 @@ def test_two_local_trainer_ranks_match_one_device(tiny_model_path: Path, tmp_pat
         )
     )
     assert len(started) == 1 and started[0].num_ranks == 2  # the run's trainer was the two rank processes
+    assert started[0].assemble_at_receiver == (layout is PIPELINE)
     assert [process.exitcode for process in started[0]._processes] == [0, 0]  # and they left the group cleanly
     one_rows, two_rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [row["reward/mean"] for row in two_rows] == [row["reward/mean"] for row in one_rows]

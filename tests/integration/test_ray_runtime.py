@@ -101,12 +101,19 @@ def test_async_mode_on_ray_actors_trains_like_async_mode_locally(tiny_model_path
     assert wait_for_free_cpus(2.0) == 2.0
 
 
-@pytest.mark.parametrize("layout", [{}, {"trainer.parallel.tp": "2"}], ids=["dp_shard2", "tp2"])
+BROADCAST = {"weight_sync.transport": '"broadcast"'}  # rank 0's gathered tensors -> the engine over gloo
+PIECES = {"weight_sync.assemble": '"receiver"'}  # each rank's pieces -> the object store -> the engine assembles
+
+
+@pytest.mark.parametrize(
+    "layout", [BROADCAST, {"trainer.parallel.tp": "2", **PIECES}], ids=["dp_shard2-broadcast", "tp2-pieces"]
+)
 def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, tmp_path: Path, layout) -> None:
     """2 trainer rank actors (gloo) + 1 engine actor vs the single-device backend in this process, 3 steps at one
-    seed: FSDP2's data shards, or one shard split by tensor parallelism (DTensor parameters, gathered for the
-    sync). The ranks reduce in another order, so losses and weights agree to float32 rounding (tolerances below),
-    and the engine, synced with weights that close, samples the same tokens: rewards are identical. Tensor
+    seed: FSDP2's data shards, synced by broadcast, or one shard split by tensor parallelism (DTensor parameters),
+    synced by pieces that the engine actor assembles. The ranks reduce in another order, so losses and weights agree
+    to float32 rounding (tolerances below), and the engine, synced with weights that close, samples the same tokens:
+    rewards are identical. Tensor
     parallelism also computes each gradient element with other kernels (column slices, the vocabulary-split
     softmax), and AdamW moves an element whose gradient is near 0 by about lr whatever its size, so its weights are
     compared by norm (measured: one element 3e-4 of its tensor's largest away after 3 steps at lr 1e-3); the
@@ -115,10 +122,9 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
 
     options = {"trainer.num_threads": "1", "run.export_model": "true"}
     one = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="one", num_steps=3, **options))
-    broadcast = {"runtime.type": '"ray"', "weight_sync.transport": '"broadcast"'}  # rank 0 -> engine over gloo
-    ranks = {"runtime.trainer_ranks": "2", **layout}
+    ranks = {"runtime.type": '"ray"', "runtime.trainer_ranks": "2", **layout}
     two = run(
-        tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **options, **broadcast, **ranks),
+        tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **options, **ranks),
         runtime=RAY_RUNTIME.model_copy(update={"trainer_ranks": 2}),
         reward_fn=vowel_reward,
     )
@@ -128,8 +134,11 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
     for got, expected in zip(two_rows, one_rows, strict=True):
         assert got["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-4, abs=1e-6)
         assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-4)
-        assert got["sync/probe_mismatch_mean"] < 1e-4  # the gathered full weights reached the engine actor
-        assert got["sync/num_receivers"] == 1.0 and got["sync/num_buckets"] >= 1  # by broadcast
+        assert got["sync/probe_mismatch_mean"] < 1e-4  # the full weights reached the engine actor
+        if layout is BROADCAST:
+            assert got["sync/num_receivers"] == 1.0 and got["sync/num_buckets"] >= 1
+        else:  # 2 tp pieces of each projection, the embedding and the head; 1 of each replicated norm
+            assert got["sync/num_pieces"] > len(load_file(tiny_model_path / "model.safetensors"))
     weights_one, weights_two = (
         load_file(one / "model" / "model.safetensors"),
         load_file(two / "model" / "model.safetensors"),
@@ -137,7 +146,7 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
     assert weights_one.keys() == weights_two.keys()
     relative = max(float((weights_two[k] - weights_one[k]).norm() / weights_one[k].norm()) for k in weights_one)
     assert relative < 5e-5, relative
-    if not layout:  # data shards only differ in the order gradients are summed: every element is that close
+    if layout is BROADCAST:  # data shards only differ in the order gradients are summed: every element is that close
         worst = max(
             float((weights_two[k] - weights_one[k]).abs().max() / weights_one[k].abs().max().clamp_min(1e-12))
             for k in weights_one

@@ -39,6 +39,17 @@ def check_scale_out(config: SharpenConfig) -> None:
             f"runtime.colocate places engine replica i beside trainer rank i: rollout.num_engines = "
             f"{config.rollout.num_engines} must equal runtime.trainer_ranks = {runtime.trainer_ranks}"
         )
+    if config.weight_sync.assemble == "receiver":
+        if config.weight_sync.transport == "broadcast":
+            raise ValueError(
+                'weight_sync.assemble = "receiver" sends each trainer rank\'s pieces through the object store; '
+                'transport = "broadcast" sends rank 0\'s whole tensors: use one or the other'
+            )
+        if config.trainer.lora.enabled:
+            raise ValueError(
+                'weight_sync.assemble = "receiver" assembles the base weights, not LoRA\'s merged or adapter '
+                'weights: use assemble = "trainer" with trainer.lora'
+            )
     if config.weight_sync.transport == "broadcast" and runtime.type != "ray":
         raise ValueError(
             'weight_sync.transport = "broadcast" sends weights between Ray actors: it needs runtime.type = "ray"'

@@ -312,6 +312,13 @@ class WeightSyncConfig(Section):
     """The broadcast's torch.distributed backend. ``auto``: NCCL when the trainer and the engines have GPUs
     (runtime.trainer_gpus and engine_gpus > 0) and are not colocated, else gloo (host memory, TCP). NCCL cannot
     join two processes on one GPU, so colocated runs use gloo."""
+    assemble: Literal["trainer", "receiver"] = "trainer"
+    """Where a sharded trainer's (runtime.trainer_ranks > 1) whole weights are put together for a sync.
+    ``trainer``: the ranks gather each tensor (all-gathers over data and tensor shards, broadcasts between pipeline
+    stages) and rank 0 sends it. ``receiver``: each rank sends only its own pieces, with no collective among the
+    ranks, and the receiver (the driver in the embedded runtime, each engine actor through Ray's object store)
+    assembles them and checks that they cover every weight exactly once. Both give the same tensors, bit for bit
+    (docs/parallelism.md). ``receiver`` needs transport = "object_store" and no LoRA."""
     bucket_mb: int = Field(default=128, ge=1)
     """Size (MiB) at which a weight-sync bucket is closed, at the next layer boundary. The sender keeps two buckets
     in shared memory and fills one while the engine loads the other."""

@@ -5,7 +5,8 @@ sharded trainer (`FSDP2Backend`, split as ``trainer.parallel`` says), joined in 
 are (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; gloo on the CPU, NCCL with a GPU a rank). Every
 call goes to every rank at once, with the same arguments, and returns rank 0's result, as the Ray runtime's
 `TrainerGroupProxy` does with actors: the trainer's collectives must run on all ranks in step. The weights leave
-rank 0 as one dict of host tensors (shared memory, not copies through the pipe). An error on any rank ends the call
+rank 0 as one dict of host tensors (shared memory, not copies through the pipe), or with ``weight_sync.assemble =
+"receiver"`` as every rank's pieces, assembled here. An error on any rank ends the call
 with that rank's traceback; a rank that does not answer within ``runtime.call_timeout_s`` ends it too, naming the
 rank; either way every rank is then stopped.
 
@@ -31,6 +32,7 @@ import torch.multiprocessing as mp
 from sharpen.config import SharpenConfig
 from sharpen.rollout.engines.server import free_port
 from sharpen.types import ImagePart, Rollout, TrainBatch
+from sharpen.weight_shards import assemble_weights
 
 _READY, _OK, _ERROR = "ready", "ok", "error"
 
@@ -42,6 +44,7 @@ class LocalTrainerRanks:
     def __init__(self, config: SharpenConfig, *, model_path: Path) -> None:
         runtime = config.runtime
         self.num_ranks = runtime.trainer_ranks
+        self.assemble_at_receiver = config.weight_sync.assemble == "receiver"
         self.timeout_s = runtime.call_timeout_s
         context = mp.get_context("spawn")
         port = free_port()
@@ -78,11 +81,19 @@ class LocalTrainerRanks:
         return self.call("kl_penalties", rollouts)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.call("full_weights").items()
+        yield from self._whole_weights()
 
     def snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
-        """The weights as host tensors that later steps do not change (rank 0's copies)."""
-        return list(self.call("full_weights").items())
+        """The weights as host tensors that later steps do not change (rank 0's copies, or assembled here)."""
+        return list(self._whole_weights())
+
+    def _whole_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rank 0's gathered tensors, or (``weight_sync.assemble = "receiver"``) every rank's pieces, assembled and
+        checked here."""
+        if self.assemble_at_receiver:
+            ranks = self.call_all("weight_shards")
+            return assemble_weights(shard for shards in ranks for shard in shards)
+        return iter(self.call("full_weights").items())
 
     def save_checkpoint(self, folder: Path) -> None:
         self.call("save_checkpoint", folder)
@@ -97,11 +108,15 @@ class LocalTrainerRanks:
 
     def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on every rank's trainer at once; rank 0's result."""
+        return self.call_all(method, *args)[0]
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every rank's trainer at once; every rank's result, in rank order."""
         with self._lock:
             for connection in self._connections:
                 connection.send((method, args))
             try:
-                return self._gather(method, timeout_s=self.timeout_s)[0]
+                return self._gather(method, timeout_s=self.timeout_s)
             except BaseException:
                 self.kill()  # the other ranks may wait in a collective for the one that failed
                 raise

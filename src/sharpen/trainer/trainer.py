@@ -42,6 +42,7 @@ from sharpen.trainer.packing import (
     unpack_scores,
 )
 from sharpen.types import ImagePart, Rollout, TrainBatch
+from sharpen.weight_shards import WeightShard
 
 
 def _pop_prefixed(sums: dict[str, float], prefix: str) -> dict[str, float]:
@@ -460,6 +461,10 @@ class Trainer:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.backend.named_weights()
+
+    def weight_shards(self) -> list[WeightShard]:
+        """This rank's pieces of the weights, for the direct weight sync (`TrainerBackend.weight_shards`)."""
+        return self.backend.weight_shards()
 
     def snapshot_weights(self) -> list[tuple[str, torch.Tensor]]:
         """The current weights copied to host memory: a snapshot that later steps do not change (async mode

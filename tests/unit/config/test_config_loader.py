@@ -272,3 +272,15 @@ def test_renamed_keys_still_load_with_one_deprecation_line_each():
     with pytest.warns(DeprecatedKeyWarning, match="rollout.engine.startup_timeout_s is now called start_timeout_s"):
         engine = load_config(None, ['rollout.engine={type = "vllm_server", startup_timeout_s = 60}']).rollout.engine
     assert engine.start_timeout_s == 60  # type: ignore[union-attr]
+
+
+def test_the_direct_weight_sync_needs_the_object_store_and_no_lora():
+    config = load_config(None, ["runtime.trainer_ranks=2", 'weight_sync.assemble="receiver"'])
+    assert config.weight_sync.assemble == "receiver"
+    ray = ['runtime.type="ray"', 'weight_sync.transport="broadcast"', 'weight_sync.assemble="receiver"']
+    with pytest.raises(
+        ConfigError, match=r'assemble = "receiver" sends each trainer rank\'s pieces through the object'
+    ):
+        load_config(None, ray)
+    with pytest.raises(ConfigError, match=r'assemble = "receiver" assembles the base weights, not LoRA\'s'):
+        load_config(None, ['weight_sync.assemble="receiver"', "trainer.lora.enabled=true"])

@@ -28,6 +28,7 @@ from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
+from sharpen.weight_shards import assemble_weights
 
 if TYPE_CHECKING:
     from sharpen.rollout.engines import InferenceEngine
@@ -150,6 +151,11 @@ class TrainerActor(SpanRecordingActor):
         weights = {name: tensor.detach().cpu() for name, tensor in self._trainer.named_weights()}
         return [ray.put(weights)]
 
+    def put_shards(self) -> list[Any]:
+        """This rank's pieces of the weights (`Trainer.weight_shards`; no collective) as one object-store entry
+        owned by this actor, inside a list as `put_weights`'."""
+        return [ray.put(self._trainer.weight_shards())]
+
     def save_checkpoint(self, folder: Path) -> None:
         self._trainer.save_checkpoint(folder)
 
@@ -220,6 +226,13 @@ class EngineActor(SpanRecordingActor):
 
     def load_weights(self, weights: dict[str, torch.Tensor], *, version: PolicyVersion) -> dict[str, float]:
         return self.engine.load_weights(weights.items(), version=version)
+
+    def load_shards(self, pieces: list[Any], *, version: PolicyVersion) -> dict[str, float]:
+        """Load the weights whose pieces each trainer rank put (``pieces``: one ObjectRef a rank), assembled and
+        checked here (`assemble_weights`: every weight covered exactly once) before the engine takes any."""
+        shards = [shard for rank_shards in ray.get(pieces) for shard in rank_shards]
+        metrics = self.engine.load_weights(assemble_weights(shards), version=version)
+        return {**metrics, "sync/num_pieces": float(len(shards))}
 
     def sleep(self) -> dict[str, float]:
         return sleepable(self.engine).sleep()

@@ -4,7 +4,8 @@ forwarded to the actor and awaited with a timeout.
 Owns the one place where a Ray failure becomes a run error (`ActorCallError`, naming the actor and the call) and
 the hand-off of weights between the two actors: `TrainerProxy.named_weights()` returns a `RemoteWeights` handle
 instead of tensors, and `EngineProxy.load_weights` has the trainer actor put its tensors into the object store and
-the engine actor take them from there, so the tensors never pass through the driver. It does not start or place
+the engine actor take them from there, so the tensors never pass through the driver (with ``weight_sync.assemble =
+"receiver"`` every rank puts its pieces and the engine actor assembles them: `WeightRefs`). It does not start or place
 actors (`runtime.py`) and holds no component state: the actors own their trainer and engine.
 
 Each call comes back with the spans the actor recorded (`actors.SpanRecordingActor.invoke`); the proxy adds them to
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +27,7 @@ from sharpen.monitoring import Span, Timeline
 from sharpen.rollout.engines import InferenceEngine, pop_engine_metrics, replicas_of, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
+from sharpen.weight_shards import assemble_weights
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +47,23 @@ def wait_for(ref: Any, *, actor: str, call: str, timeout_s: float) -> Any:
         raise ActorCallError(f"ray actor {actor!r} died during {call}(): {error}") from error
 
 
+@dataclass(frozen=True, slots=True)
+class WeightRefs:
+    """Where one version's weights lie in the object store: one ref of ``{name: tensor}`` that the trainer assembled
+    (``whole``; trainer rank 0 gathered them), or one ref of each trainer rank's pieces (``pieces``; with
+    ``weight_sync.assemble = "receiver"``), which whoever loads them assembles and checks (`assemble_weights`)."""
+
+    whole: Any = None
+    pieces: tuple[Any, ...] = ()
+
+    def fetch(self, *, actor: str, timeout_s: float) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole tensors, fetched into this process (and assembled here from the pieces)."""
+        if self.whole is not None:
+            return iter(wait_for(self.whole, actor=actor, call="named_weights", timeout_s=timeout_s).items())
+        ranks = wait_for(list(self.pieces), actor=actor, call="weight_shards", timeout_s=timeout_s)
+        return assemble_weights(shard for pieces in ranks for shard in pieces)
+
+
 class RemoteWeights:
     """The trainer actor's current weights, not yet fetched. An `EngineProxy` moves them actor to actor; any other
     consumer (an engine in the driver) iterates them like ``Trainer.named_weights()``, fetching them once."""
@@ -51,14 +71,17 @@ class RemoteWeights:
     def __init__(self, trainer: TrainerProxy) -> None:
         self.trainer = trainer
 
-    def put(self) -> Any:
-        """An ObjectRef of ``{name: tensor}``, put into the object store by the trainer actor itself."""
-        (ref,) = self.trainer.call("put_weights")  # wrapped in a list so Ray hands back the ref, not the dict
-        return ref
+    def put(self) -> WeightRefs:
+        """The weights put into the object store by the trainer's actors themselves: rank 0's whole tensors, or each
+        rank's pieces (`TrainerProxy.assemble_at_receiver`)."""
+        # each call's result is wrapped in a list so Ray hands back the ref, not the tensors
+        if self.trainer.assemble_at_receiver:
+            return WeightRefs(pieces=tuple(ref for (ref,) in self.trainer.call_all("put_shards")))
+        (ref,) = self.trainer.call("put_weights")
+        return WeightRefs(whole=ref)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        weights = wait_for(self.put(), actor=self.trainer.name, call="named_weights", timeout_s=self.trainer.timeout_s)
-        return iter(weights.items())
+        return self.put().fetch(actor=self.trainer.name, timeout_s=self.trainer.timeout_s)
 
     def freeze(self) -> FrozenWeights:
         """A snapshot of these weights as they are now (async mode publishes one per version): the object-store
@@ -70,13 +93,12 @@ class FrozenWeights:
     """Weights of one version in the object store; an `EngineProxy` loads them actor to actor, anything else
     iterates them (fetching them into this process). Iterable any number of times."""
 
-    def __init__(self, ref: Any, *, trainer: TrainerProxy) -> None:
-        self.ref = ref
+    def __init__(self, refs: WeightRefs, *, trainer: TrainerProxy) -> None:
+        self.refs = refs
         self.trainer = trainer
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        weights = wait_for(self.ref, actor=self.trainer.name, call="named_weights", timeout_s=self.trainer.timeout_s)
-        return iter(weights.items())
+        return self.refs.fetch(actor=self.trainer.name, timeout_s=self.trainer.timeout_s)
 
     def freeze(self) -> FrozenWeights:
         return self  # already a snapshot
@@ -139,6 +161,14 @@ class TrainerProxy(ActorProxy):
     """A `TrainerHandle` whose trainer lives in an actor: each method of the protocol is one call. Paths must be
     visible to the actor (one node, or a shared filesystem)."""
 
+    assemble_at_receiver = False
+    """Whether a sync's weights leave the ranks as pieces that the receiver assembles (``weight_sync.assemble =
+    "receiver"``, several ranks) rather than as rank 0's gathered tensors."""
+
+    def call_all(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result (one actor: its own)."""
+        return [self.call(method, *args)]
+
     def step(self, batch: TrainBatch) -> dict[str, float]:
         return self.call("step", batch)
 
@@ -177,6 +207,10 @@ class TrainerGroupProxy(TrainerProxy):
         self.timeout_s = timeout_s
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.call_all(method, *args, **kwargs)[0]
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Every rank's result, in rank order."""
         if args or kwargs:
             args = tuple(ray.put(arg) for arg in args)  # a top-level ObjectRef reaches the actor as its value
             kwargs = {key: ray.put(value) for key, value in kwargs.items()}
@@ -188,7 +222,7 @@ class TrainerGroupProxy(TrainerProxy):
             result, spans = wait_for(ref, actor=rank.name, call=method, timeout_s=remaining)
             rank.record_spans(spans)
             results.append(result)
-        return results[0]
+        return results
 
     def attach_timeline(self, timeline: Timeline | None) -> None:
         for rank in self.ranks:
@@ -229,14 +263,16 @@ class EngineProxy(ActorProxy):
         started = time.perf_counter()
         # Weights of a trainer actor go actor to actor; tensors already in the driver are put from here.
         if isinstance(weights, RemoteWeights):
-            ref = weights.put()
+            refs = weights.put()
         elif isinstance(weights, FrozenWeights):
-            ref = weights.ref
+            refs = weights.refs
         else:
-            ref = ray.put(dict(weights))
+            refs = WeightRefs(whole=ray.put(dict(weights)))
         put_seconds = time.perf_counter() - started
-        # A top-level ObjectRef argument reaches the actor as the dict it refers to.
-        metrics: dict[str, float] = self.call("load_weights", ref, version=version)
+        if refs.whole is not None:  # a top-level ObjectRef argument reaches the actor as the dict it refers to
+            metrics: dict[str, float] = self.call("load_weights", refs.whole, version=version)
+        else:  # refs inside a list stay refs: the engine actor fetches and assembles the ranks' pieces
+            metrics = self.call("load_shards", list(refs.pieces), version=version)
         self.policy_version = version
         return {**metrics, "sync/put_seconds": put_seconds}
 

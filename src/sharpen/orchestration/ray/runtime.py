@@ -129,6 +129,7 @@ def start_trainer(config: SharpenConfig, group: PlacementGroup, plan: Placement)
     master_addr, master_port = ranks[0].call("rendezvous_address")
     trainer.call("join", master_addr, master_port)  # every rank loads the model and takes its shard
     trainer.timeout_s = runtime.call_timeout_s
+    trainer.assemble_at_receiver = config.weight_sync.assemble == "receiver"
     return trainer
 
 

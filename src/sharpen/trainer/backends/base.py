@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from sharpen.types import ImagePart
+from sharpen.weight_shards import WeightShard
 
 PROCESSOR_FILES = (
     "tokenizer.json",
@@ -123,6 +124,12 @@ class TrainerBackend(Protocol):
     def clip_and_step(self) -> float: ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def weight_shards(self) -> list[WeightShard]:
+        """This rank's boxes of the weights `named_weights` sends whole, as host copies, for the direct weight sync
+        (the receiver assembles them: `sharpen.weight_shards`); no collective. A box other ranks hold too is sent by
+        one of them."""
+        ...
 
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
         """Sum metric sums over ranks (a name missing on a rank counts as 0)."""

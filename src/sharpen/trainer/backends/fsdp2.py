@@ -46,7 +46,7 @@ from sharpen.trainer.backends.base import (
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
-from sharpen.trainer.backends.mesh import build_device_mesh, rank_device
+from sharpen.trainer.backends.mesh import build_device_mesh, rank_device, weight_shard
 from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
@@ -56,6 +56,7 @@ from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
 from sharpen.weight_files import write_safetensors
+from sharpen.weight_shards import WeightShard
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -385,6 +386,22 @@ class FSDP2Backend(ScoresTokenLogprobs):
             return
         for name, tensor in self._sharded_weights().items():
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.detach()
+
+    @torch.no_grad()
+    def weight_shards(self) -> list[WeightShard]:
+        """This rank's boxes of the weights `named_weights` gathers (its FSDP2 and tensor-parallel shards, its pipeline
+        stages' weights), as host copies, with no collective: the direct weight sync, whose receiver assembles them
+        (`sharpen.weight_shards.assemble_weights`). A replicated box is sent by one rank (`mesh.weight_shard`)."""
+        if self.lora is not None:
+            raise ValueError(
+                'the direct weight sync (weight_sync.assemble = "receiver") sends the base weights, not LoRA\'s '
+                'merged or adapter weights: use weight_sync.assemble = "trainer"'
+            )
+        weights = self._sharded_weights()
+        if self.pipeline is not None:
+            return self.pipeline.weight_shards(weights)
+        shards = (weight_shard(name, order, tensor) for order, (name, tensor) in enumerate(weights.items()))
+        return [shard for shard in shards if shard is not None]
 
     def _reshard(self) -> None:
         # After a forward without backward a root still holds its gathered (compute-dtype) parameters; free them

@@ -1,6 +1,7 @@
 """The ranks' process group and its mesh: `init_distributed` joins the group that the launcher's variables describe
 (torchrun's, a Ray actor's, a local rank's), `rank_device` is a rank's device, and `build_device_mesh` makes a
-checked `ParallelLayout` a torch `DeviceMesh` with one named dimension per axis.
+checked `ParallelLayout` a torch `DeviceMesh` with one named dimension per axis; `weight_shard` is a rank's box of a
+(possibly distributed) weight for the direct weight sync.
 
 The mesh has the layout's axes in its order (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), sizes of 1
 included, so every backend asks for a dimension by name whatever the layout. ``torch.distributed`` must be
@@ -15,8 +16,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from sharpen.trainer.layout import AXES, LayoutError, ParallelLayout
+from sharpen.weight_shards import WeightShard
 
 
 def build_device_mesh(layout: ParallelLayout, *, device_type: str = "cpu") -> DeviceMesh:
@@ -70,3 +73,24 @@ def rank_device(name: str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return device
+
+
+def weight_shard(name: str, order: int, tensor: torch.Tensor) -> WeightShard | None:
+    """This rank's box of the weight ``name`` for the direct weight sync, as a host copy (later steps do not change
+    it), or None where another rank sends the same box: a DTensor replicated over a mesh dimension (dp_replicate,
+    a tensor-parallel norm) is sent by the rank at coordinate 0 of that dimension. A plain tensor is whole."""
+    if not isinstance(tensor, DTensor):
+        return WeightShard.whole(name, order, tensor.detach().to("cpu", copy=True))
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:  # this rank is not in the tensor's mesh
+        return None
+    for dim, placement in enumerate(tensor.placements):
+        if placement.is_partial():
+            raise ValueError(f"weight {name} holds partial sums on mesh dimension {dim}: it is not a weight")
+        if placement.is_replicate() and coordinate[dim] != 0:
+            return None
+    (chunk,) = tensor.__create_chunk_list__()  # where the local box sits (what DCP saves)
+    local = tensor.to_local().detach().to("cpu", copy=True)
+    if tuple(local.shape) != tuple(chunk.sizes):
+        raise ValueError(f"weight {name}: the local shard is {list(local.shape)}, the placements {list(chunk.sizes)}")
+    return WeightShard(name=name, order=order, shape=tuple(tensor.shape), offsets=tuple(chunk.offsets), tensor=local)

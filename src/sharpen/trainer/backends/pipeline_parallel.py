@@ -41,9 +41,11 @@ from torch.distributed.tensor import DTensor
 
 from sharpen.trainer.backends.base import MicroBatchLoss, ScoreInputs, TokenScores
 from sharpen.trainer.backends.context_parallel import ContextParallel
+from sharpen.trainer.backends.mesh import weight_shard
 from sharpen.trainer.backends.scoring import score_hidden
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.trainer.layout import LayoutError, ParallelLayout
+from sharpen.weight_shards import WeightShard
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -427,6 +429,18 @@ class PipelineParallel:
                 tensor = torch.empty(shape, dtype=dtype, device=self.device)
             dist.broadcast(tensor, src=dist.get_global_rank(self.group, owner), group=self.group)
             yield name, tensor
+
+    def weight_shards(self, sharded: dict[str, torch.Tensor]) -> list[WeightShard]:
+        """This rank's boxes of the weights its stages own (`sharded`: keyed by HF name), in the whole model's HF
+        order; no collective. A tied LM head is left out: the first stage sends the embedding."""
+        shards = []
+        for order, name in enumerate(self._specs):
+            if (self.is_tied and name == "lm_head.weight") or self._owner(name) != self.pp_rank:
+                continue
+            shard = weight_shard(name, order, sharded[name])
+            if shard is not None:
+                shards.append(shard)
+        return shards
 
     def optimizer_names(self, state: dict[str, Any], *, saving: bool) -> dict[str, Any]:
         """``state`` (`get_state_dict`'s optimizer state) with a tied LM head's copy on the last stage named as the

@@ -33,6 +33,7 @@ from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, s
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
+from sharpen.weight_shards import WeightShard
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -188,6 +189,13 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
             if is_tied and name == "lm_head.weight":
                 continue
             yield name, tensor.detach()
+
+    def weight_shards(self) -> list[WeightShard]:
+        """`named_weights`, each whole (one rank holds the model)."""
+        return [
+            WeightShard.whole(name, order, tensor.to("cpu", copy=True))
+            for order, (name, tensor) in enumerate(self.named_weights())
+        ]
 
     def save(self, folder: Path) -> None:
         from safetensors.torch import save_file
