@@ -3,6 +3,8 @@ process (float32, tiny models with a vocabulary of 128 and pad id 0)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,6 +27,27 @@ def trainer_config(**overrides) -> TrainerConfig:
     return TrainerConfig(**{**config, **overrides})
 
 
+def save_tiny_llama4(folder: Path) -> Path:
+    """A 4-layer random Llama (tied LM head) whose heads (4), key/value heads (2), hidden (32), intermediate (64) and
+    vocabulary (128) sizes divide by 2."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder / "llama4")
+    return folder / "llama4"
+
+
 def parity_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Three right-padded rows: ids, attention mask, target mask (the last row shorter), token advantages."""
     generator = torch.Generator().manual_seed(1)
@@ -45,12 +68,12 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().cpu().clone()
 
 
-def trainer_steps(backend) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+def trainer_steps(backend, *, reference=None) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     """`NUM_STEPS` steps of the real `Trainer` on `tiny_trainer.uneven_rollouts`: each step's metrics, then the
-    whole HF-named weights."""
+    whole HF-named weights. ``reference``: the reference policy of a KL term."""
     from sharpen.trainer import Trainer
 
-    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
+    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12, reference=reference)
     metrics = [trainer.step(TrainBatch(rollouts=uneven_rollouts()[: 7 - step], step=step)) for step in range(NUM_STEPS)]
     return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
 

@@ -195,6 +195,23 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
     return replicas[0] if len(replicas) == 1 else EngineRouter(replicas, failover=config.rollout.failover)
 
 
+def _sharded_reference(config: SharpenConfig, *, model_path: Path, backend: TrainerBackend) -> ReferenceScorer:
+    """The reference policy of a sharded trainer, split by its backend's layout (imported here: FSDP2's packages
+    cost ~1 s to import)."""
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+    from sharpen.trainer.backends.sharded_reference import ShardedReference
+
+    if not isinstance(backend, FSDP2Backend):
+        raise TypeError(f"runtime.trainer_ranks > 1 trains with FSDP2Backend, not {type(backend).__name__}")
+    return ShardedReference(
+        config.trainer,
+        model_path=model_path,
+        dtype=config.model.master_dtype,
+        layout=backend.layout,
+        seed=config.run.seed,
+    )
+
+
 def build_trainer(
     config: SharpenConfig, *, model_path: Path, tokenizer: Any, backend: TrainerBackend | None = None
 ) -> Trainer:
@@ -210,6 +227,8 @@ def build_trainer(
         reference = LoraReferencePolicy(  # no second model copy
             lora, device=backend.device, precision=precision, vision=backend.vision, model_path=model_path
         )
+    elif needs_reference and config.runtime.trainer_ranks > 1:  # split like the policy, not a copy a rank
+        reference = _sharded_reference(config, model_path=model_path, backend=backend)
     elif needs_reference:
         reference = ReferencePolicy(
             model_path=model_path, dtype=config.model.master_dtype, device=backend.device, precision=precision

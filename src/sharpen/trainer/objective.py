@@ -109,12 +109,14 @@ class Objective:
         extra_loss: Callable[[Aggregate], torch.Tensor] | None = None,
         selected: torch.Tensor | None = None,
         weight_normalizer: float | None = None,
+        reference_logprobs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of one micro-batch, and its metric sums added to ``sums``. ``logprobs`` [batch, seq]: the
         policy's, with gradient; ``old``: before the step's update; ``entropy``: the policy's per-token entropy (None:
         not computed). ``extra_loss``: a term added to the loss, given the aggregation (the distillation loss);
         ``selected``: the tokens the loss treats apart (`select_tokens`, on this micro-batch's rows);
-        ``weight_normalizer``: the mini-batch's importance-weight normaliser."""
+        ``weight_normalizer``: the mini-batch's importance-weight normaliser; ``reference_logprobs``: the reference
+        policy's, scored before the step (a sharded reference); None: the reference scores ``micro`` here."""
         config = self.config
         mask = micro.loss_mask
         correction = self.correction(old, micro.engine_logprobs, mask, normalizer=weight_normalizer)
@@ -138,9 +140,11 @@ class Objective:
             if config.entropy_coef > 0:
                 loss = loss - config.entropy_coef * aggregate(entropy)
         if self.reference is not None and not config.kl.in_reward:
-            ref = self.reference.token_logprobs(
-                micro.input_ids, micro.attention_mask, mask, temperature=self.temperature, images=micro.images
-            )
+            ref = reference_logprobs
+            if ref is None:
+                ref = self.reference.token_logprobs(
+                    micro.input_ids, micro.attention_mask, mask, temperature=self.temperature, images=micro.images
+                )
             kl = kl_per_token(logprobs, ref, self._kl_estimator())
             sums["kl"] += float(kl.detach()[mask].sum())
             loss = loss + self.kl_controller.coef * aggregate(kl)

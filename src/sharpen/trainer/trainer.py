@@ -28,7 +28,13 @@ from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.algorithms.offpolicy import correction_metrics
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
-from sharpen.trainer.backends.base import ReferenceScorer, ScoreInputs, TokenScores, TrainerBackend
+from sharpen.trainer.backends.base import (
+    ReferenceScorer,
+    ScoreInputs,
+    TokenScores,
+    TrainerBackend,
+    UpFrontReferenceScorer,
+)
 from sharpen.trainer.backends.teacher import TeacherPolicy
 from sharpen.trainer.critic_step import CriticStep
 from sharpen.trainer.distill_step import DistillationStep
@@ -250,6 +256,7 @@ class Trainer:
                 **_advantage_inputs(chunk, critic_step),
             )
             passes.append((chunk, is_filler, micro))
+        reference_logprobs = self._reference_logprobs([micro for _, _, micro in passes])
 
         def micro_batch_loss(index: int, policy_scores: TokenScores) -> torch.Tensor:
             """The loss of pass ``index`` (on a pipeline: on its last stage alone, in the schedule's order)."""
@@ -273,6 +280,7 @@ class Trainer:
                 extra_loss=extra_loss,
                 selected=None if selection is None else _rows_of(selection, chunk, micro.loss_mask),
                 weight_normalizer=weight_normalizer,
+                reference_logprobs=None if reference_logprobs is None else reference_logprobs[index],
             )
             if critic_step is not None:
                 value_loss = critic_step.micro_batch_loss(
@@ -291,6 +299,20 @@ class Trainer:
             with_entropy=True,
             entropy_requires_grad=algorithm.entropy_coef > 0,
         )
+
+    def _reference_logprobs(self, micros: list[MicroBatch]) -> list[torch.Tensor] | None:
+        """A sharded reference's logprobs of each of this rank's passes, scored before they train (collective: on a
+        pipeline the loss runs on the last stage alone, where the other stages cannot join a reference forward);
+        None where the reference scores inside the loss (a whole copy) or the KL is a reward."""
+        reference = self.reference
+        if not isinstance(reference, UpFrontReferenceScorer) or self.config.algorithm.kl.in_reward:
+            return None
+        inputs = [self._policy_inputs(micro) for micro in micros]
+        logprobs = reference.score_micro_batches(inputs, temperature=self.temperature)
+        return [
+            self._unpacked(micro, TokenScores(logprobs=values, entropy=None)).logprobs
+            for micro, values in zip(micros, logprobs, strict=True)
+        ]
 
     def _weight_normalizer(self, rollouts: list[Rollout], old_logprobs: dict[int, list[float]] | None) -> float | None:
         """``off_policy_normalize``: the mean of the kept importance weights over the whole mini-batch (per token,

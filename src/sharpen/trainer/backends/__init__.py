@@ -4,7 +4,8 @@
 parallel, sharded, one process per rank) behind the same methods (`base.TrainerBackend`). Below them, and importing
 none of them: `lora` (adapters), `teacher` (the distillation teacher), `frozen` (the models that score without
 gradient: the reference policies), `scoring` (the forward pass they all share), `chunked_logits` and `cpu_memory`;
-an import-linter contract keeps that order. `fsdp2` is imported from its module
+an import-linter contract keeps that order. Above them all, `sharded_reference`: a sharded trainer's reference
+policy, an `fsdp2` backend of its own. `fsdp2` is imported from its module
 (``from sharpen.trainer.backends.fsdp2 import FSDP2Backend``; ranks join with `mesh.init_distributed`), not
 re-exported here: it pulls in torch.distributed's FSDP, DTensor and checkpoint packages, about 1 s on every
 ``import sharpen.trainer``.

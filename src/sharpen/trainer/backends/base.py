@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -159,6 +159,16 @@ class ReferenceScorer(Protocol):
     ) -> torch.Tensor:
         """[batch, seq - 1] logprobs of the target tokens, without gradient; ``images``: each row's (a
         vision-language model's image rows)."""
+        ...
+
+
+@runtime_checkable
+class UpFrontReferenceScorer(ReferenceScorer, Protocol):
+    """A reference policy that scores a mini-batch's passes before they train (`sharded_reference.ShardedReference`:
+    collective, so it cannot run inside a pipeline's last-stage loss)."""
+
+    def score_micro_batches(self, inputs: Sequence[ScoreInputs], *, temperature: float) -> list[torch.Tensor]:
+        """The logprobs of each micro-batch of ``inputs``, on every rank (collective)."""
         ...
 
 

@@ -23,13 +23,13 @@ from support.parity import (
     NUM_STEPS,
     PAD,
     TOLERANCE,
-    VOCAB,
     WEIGHT_TOLERANCE,
     assert_trainer_matches,
     full,
     max_difference,
     parity_batch,
     relative_difference,
+    save_tiny_llama4,
     trainer_config,
     trainer_steps,
 )
@@ -43,30 +43,9 @@ INTERLEAVED = ParallelLayout(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per
 ROWS = ((0, 12), (1, 12), (2, 10))  # the micro-batches: one row each, the last cut to its 10 tokens
 
 
-def _save_tiny(folder: Path) -> Path:
-    """A 4-layer random Llama (tied LM head) whose heads (4), key/value heads (2), hidden (32), intermediate (64) and
-    vocabulary (128) sizes divide by 2."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder / "llama4")
-    return folder / "llama4"
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _save_tiny(tmp_path_factory.mktemp("pp_model"))
+    return save_tiny_llama4(tmp_path_factory.mktemp("pp_model"))
 
 
 def _steps(backend) -> list[dict]:
