@@ -1,0 +1,158 @@
+"""`RouterReplay` on tiny random MoE models of the three router families (Mixtral, Qwen3-MoE: softmax; DeepSeek-V3:
+sigmoid with a correction bias and expert groups): replaying a forward's own routes changes nothing; a perturbed
+router keeps the replayed routes (the experts receive them), while its gradient still flows; activation
+checkpointing recomputes with the same routes; bad input is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sharpen.trainer.backends.routing import RouterReplay, RoutingError, is_moe_model
+
+COMMON = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+COMMON |= {"num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def _model(family: str):
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
+        return transformers.MixtralForCausalLM(config)
+    if family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **COMMON, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
+        )
+        return transformers.Qwen3MoeForCausalLM(config)
+    config = transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},  # multi-head latent attention: as many as the heads
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=0,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        routed_scaling_factor=2.5,
+    )
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():  # transformers starts the routers at 0 (every token ties); give them routes to keep
+        for router in _routers(model):
+            router.weight.normal_(0, 0.5)
+            router.e_score_correction_bias.normal_(0, 0.1)
+    return model
+
+
+FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3"]
+
+
+def _routers(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def _perturb(model) -> None:
+    with torch.no_grad():
+        for router in _routers(model):
+            router.weight.add_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(2)))
+
+
+def _experts_inputs(model) -> list[torch.Tensor]:
+    """The expert indices each MoE layer's experts receive, recorded by hooks (appended per call)."""
+    received: list[torch.Tensor] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts") and hasattr(module, "gate_up_proj"):
+            module.register_forward_pre_hook(lambda _, args: received.append(args[1].clone()))
+    return received
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replaying_a_forward_own_routes_changes_nothing(family: str) -> None:
+    model = _model(family).eval()
+    replay = RouterReplay(model)
+    assert replay.num_layers == 2 and is_moe_model(model)
+    with torch.no_grad(), replay.capture() as routes:
+        plain = model(_ids()).logits
+    assert [tuple(r.shape) for r in routes.layers] == [(24, 2), (24, 2)]
+    with torch.no_grad(), replay.replay(routes):
+        replayed = model(_ids()).logits
+    assert torch.allclose(replayed, plain, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_perturbed_router_keeps_the_replayed_routes_and_its_gradient(family: str) -> None:
+    model = _model(family)
+    replay = RouterReplay(model)
+    with torch.no_grad(), replay.capture() as routes:
+        model(_ids())
+    _perturb(model)
+    with torch.no_grad(), replay.capture() as moved:
+        model(_ids())
+    changed = sum(
+        int((a.sort(-1).values != b.sort(-1).values).any(-1).sum())
+        for a, b in zip(moved.layers, routes.layers, strict=True)
+    )
+    assert changed > 0  # the perturbation moves some tokens to other experts when not replayed
+    received = _experts_inputs(model)
+    with replay.replay(routes), replay.capture() as used:
+        loss = model(_ids()).logits.logsumexp(-1).mean()
+    loss.backward()
+    for got, expected in zip(used.layers, routes.layers, strict=True):
+        assert torch.equal(got, expected)
+    for got, expected in zip(received, routes.layers, strict=True):  # what the experts ran
+        assert torch.equal(got, expected)
+    for router in _routers(model):  # the router learns through the replayed experts' probabilities
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_checkpointed_forward_is_recomputed_with_the_replayed_routes(family: str) -> None:
+    gradients = []
+    for checkpointing in (False, True):
+        model = _model(family).train()
+        replay = RouterReplay(model)
+        with torch.no_grad(), replay.capture() as routes:
+            model(_ids())
+        _perturb(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with replay.replay(routes):
+            model(_ids()).logits.logsumexp(-1).mean().backward()
+        gradients.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert gradients[0].keys() == gradients[1].keys()
+    for name, gradient in gradients[0].items():
+        assert torch.allclose(gradients[1][name], gradient, rtol=1e-5, atol=1e-7), name
+
+
+def test_bad_input_is_one_clear_error() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=48))
+    assert not is_moe_model(dense)
+    with pytest.raises(RoutingError, match="routing replay needs a Mixture-of-Experts model: tiny-llama has no"):
+        RouterReplay(dense, name="tiny-llama")
+    model = _model("mixtral")
+    replay = RouterReplay(model)
+    with pytest.raises(RoutingError, match="already wrapped"):
+        RouterReplay(model)
+    with torch.no_grad(), replay.capture() as routes:
+        model(_ids())
+    shape = r"routes for \(24, 2\) tokens x experts, the forward has 12 tokens"
+    with pytest.raises(RoutingError, match=shape), torch.no_grad(), replay.replay(routes):
+        model(_ids()[:1])
+    with (
+        pytest.raises(RoutingError, match="routes of 1 MoE layers for a model of 2"),
+        replay.replay(type(routes)(layers=routes.layers[:1])),
+    ):
+        pass
