@@ -23,7 +23,8 @@ class KnownModel:
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class BuiltModel:
-    """A small model built (seeded, so the same every time) from the tokenizer of another known model."""
+    """A model built on this machine (seeded, so the same every time) from another known model: its tokenizer, and
+    for an upcycled model its weights."""
 
     name: str
     base: str
@@ -48,6 +49,11 @@ KNOWN_MODELS: dict[str, KnownModel | BuiltModel] = {
         name="tiny-idefics3-colours",
         base="smollm2-135m-instruct",
         builder="sharpen.cli.warm_start:save_idefics3_colours",
+    ),
+    # SmolLM2 sparsely upcycled into 4 experts a layer, 2 a token (Mixtral's architecture): an MoE that answers as
+    # SmolLM2 does at the start (issue 31; sharpen/cli/upcycle.py)
+    "smollm2-135m-moe": BuiltModel(
+        name="smollm2-135m-moe", base="smollm2-135m-instruct", builder="sharpen.cli.upcycle:save_smollm2_moe"
     ),
 }
 
