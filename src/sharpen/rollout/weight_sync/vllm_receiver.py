@@ -4,7 +4,8 @@ one bucketed sync (`streaming.py`): begin, load each bucket, finish.
 vLLM mixes this class into its worker, so ``self`` is the worker. A sync is one of vLLM's in-place layerwise
 reloads spread over several calls: ``begin`` starts it (`initialize_layerwise_reload`: each layer buffers its
 tensors and is processed, e.g. repacked for the CPU kernels, as soon as all of them arrived), every bucket goes
-through the model's own ``load_weights`` (checkpoint names and fusing, as at start-up), and ``finish`` finalises
+through the model's own ``load_weights`` (checkpoint names and fusing, as at start-up; a family that transformers
+holds fused in memory, the MoE experts, is named per expert first: `checkpoint_names`), and ``finish`` finalises
 the layers that wait for the end. That is what vLLM's ``reload_weights`` does in one call; splitting it lets the
 sender stream buckets instead of materialising the whole state dict. Buckets never split a layer, so every layer
 of a bucket has been processed (copied out of the shared memory) when the call returns.
@@ -35,7 +36,30 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest
+from sharpen.rollout.weight_sync.checkpoint_names import CheckpointNames
 from sharpen.rollout.weight_sync.streaming import BucketReceiver
+
+
+def _repack_cpu_experts(model: Any, received: set[str]) -> int:
+    """Prepack again the expert weights of the CPU MoE kernels that this sync reloaded (a tensor of ``received``
+    under the layer's name); returns how many layers. vLLM 0.32 prepacks them (its grouped-gemm layout) only when
+    the kernel is first set up: a later reload copies plain weights into the packed storage and leaves the kernel
+    reading them as packed (reloading a model's own weights moved the probe by 0.048 nats/token here). Running the
+    experts' own prepack again puts them in its layout; a layer the sync did not reach is still packed."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without the CPU experts
+        return 0
+    num = 0
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        # the kernel's module is ``...experts.routed_experts``; checkpoint tensors are ``...experts.<e>.w1.weight``
+        prefix = name.removesuffix(".routed_experts") + "."
+        if isinstance(experts, CPUUnquantizedExperts) and any(r.startswith(prefix) for r in received):
+            experts.process_weights_after_loading(module)
+            num += 1
+    return num
 
 
 def _reprocess_tied_modules(model: Any) -> int:
@@ -57,6 +81,8 @@ class VllmWeightReceiver:
     _sharpen_receiver: BucketReceiver | None = None
     _sharpen_group: Any = None
     _sharpen_group_device: Any = None
+    _sharpen_names: CheckpointNames | None
+    _sharpen_received: set[str] = set()  # noqa: RUF012  (replaced per sync, never mutated here)
 
     def _sharpen_model(self) -> Any:
         return self.model_runner.get_model()  # type: ignore[attr-defined]
@@ -67,10 +93,19 @@ class VllmWeightReceiver:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
         model = self._sharpen_model()
+        if not hasattr(self, "_sharpen_names"):  # the trainer's fused MoE experts, named per expert (built once)
+            self._sharpen_names = CheckpointNames.of(self.vllm_config.model_config.hf_config)  # type: ignore[attr-defined]
+        names = self._sharpen_names
+        received = self._sharpen_received = set()
+
+        def renamed(tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+            for name, tensor in tensors if names is None else names(tensors):
+                received.add(name)
+                yield name, tensor
 
         def load_tensors(tensors: Iterable[tuple[str, Any]]) -> None:
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
-                model.load_weights(iter(tensors))
+                model.load_weights(renamed(tensors))
 
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             initialize_layerwise_reload(model)
@@ -151,6 +186,7 @@ class VllmWeightReceiver:
         with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
             finalize_layerwise_reload(model, self.vllm_config.model_config)  # type: ignore[attr-defined]
         num_tied = _reprocess_tied_modules(model)
+        _repack_cpu_experts(model, self._sharpen_received)
         self.model_runner.reset_encoder_cache()  # type: ignore[attr-defined]
         self.model_runner.reset_mm_cache()  # type: ignore[attr-defined]
         return num_tied
