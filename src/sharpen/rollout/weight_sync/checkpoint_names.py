@@ -24,11 +24,13 @@ class CheckpointNames:
 
     @staticmethod
     def of(config: Any) -> CheckpointNames | None:
-        """The renaming for a transformers ``config`` (a model's ``PretrainedConfig``), or None when its weights are
-        named alike in memory and in checkpoints."""
+        """The renaming for a transformers ``config`` (a model's ``PretrainedConfig``), or None when its family has no
+        checkpoint conversion (the dense families, the vision-language models here: nothing is built for them)."""
         from transformers import AutoModelForCausalLM
-        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping, get_model_conversion_mapping
 
+        if not get_checkpoint_conversion_mapping(config.model_type):
+            return None
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         return CheckpointNames(model) if get_model_conversion_mapping(model, add_legacy=False) else None

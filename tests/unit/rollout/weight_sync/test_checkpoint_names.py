@@ -45,3 +45,10 @@ def test_a_dense_model_has_no_renaming() -> None:
     from transformers import LlamaConfig
 
     assert CheckpointNames.of(LlamaConfig(**COMMON, intermediate_size=48)) is None
+
+
+def test_a_vision_language_model_has_no_renaming(tiny_idefics3_path: Path) -> None:
+    """Its config is not a causal LM's (nothing is built for it): vLLM's own loader names its weights as today."""
+    from transformers import AutoConfig
+
+    assert CheckpointNames.of(AutoConfig.from_pretrained(tiny_idefics3_path)) is None
