@@ -15,6 +15,7 @@ imports nothing of sharpen.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from math import prod
@@ -67,6 +68,11 @@ def assemble_weights(shards: Iterable[WeightShard]) -> Iterator[tuple[str, torch
                 )
                 whole[box] = piece.tensor
         yield name, whole
+
+
+def assemble_ranks(ranks: Iterable[Iterable[WeightShard]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`assemble_weights` of every rank's pieces (``ranks``: one list of pieces a rank, as each sends them)."""
+    return assemble_weights(itertools.chain.from_iterable(ranks))
 
 
 def _check_pieces(name: str, pieces: list[WeightShard]) -> None:

@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from sharpen.config import SharpenConfig
 from sharpen.rollout.engines.server import free_port
 from sharpen.types import ImagePart, Rollout, TrainBatch
-from sharpen.weight_shards import assemble_weights
+from sharpen.weight_shards import assemble_ranks
 
 _READY, _OK, _ERROR = "ready", "ok", "error"
 
@@ -91,8 +91,7 @@ class LocalTrainerRanks:
         """Rank 0's gathered tensors, or (``weight_sync.assemble = "receiver"``) every rank's pieces, assembled and
         checked here."""
         if self.assemble_at_receiver:
-            ranks = self.call_all("weight_shards")
-            return assemble_weights(shard for shards in ranks for shard in shards)
+            return assemble_ranks(self.call_all("weight_shards"))
         return iter(self.call("full_weights").items())
 
     def save_checkpoint(self, folder: Path) -> None:

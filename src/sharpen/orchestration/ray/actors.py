@@ -28,7 +28,7 @@ from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
-from sharpen.weight_shards import assemble_weights
+from sharpen.weight_shards import assemble_ranks
 
 if TYPE_CHECKING:
     from sharpen.rollout.engines import InferenceEngine
@@ -229,10 +229,10 @@ class EngineActor(SpanRecordingActor):
 
     def load_shards(self, pieces: list[Any], *, version: PolicyVersion) -> dict[str, float]:
         """Load the weights whose pieces each trainer rank put (``pieces``: one ObjectRef a rank), assembled and
-        checked here (`assemble_weights`: every weight covered exactly once) before the engine takes any."""
-        shards = [shard for rank_shards in ray.get(pieces) for shard in rank_shards]
-        metrics = self.engine.load_weights(assemble_weights(shards), version=version)
-        return {**metrics, "sync/num_pieces": float(len(shards))}
+        checked here (`assemble_ranks`: every weight covered exactly once) before the engine takes any."""
+        ranks = ray.get(pieces)
+        metrics = self.engine.load_weights(assemble_ranks(ranks), version=version)
+        return {**metrics, "sync/num_pieces": float(sum(len(shards) for shards in ranks))}
 
     def sleep(self) -> dict[str, float]:
         return sleepable(self.engine).sleep()

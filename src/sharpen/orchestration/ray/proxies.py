@@ -27,7 +27,7 @@ from sharpen.monitoring import Span, Timeline
 from sharpen.rollout.engines import InferenceEngine, pop_engine_metrics, replicas_of, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
-from sharpen.weight_shards import assemble_weights
+from sharpen.weight_shards import assemble_ranks
 
 if TYPE_CHECKING:
     import torch
@@ -51,7 +51,7 @@ def wait_for(ref: Any, *, actor: str, call: str, timeout_s: float) -> Any:
 class WeightRefs:
     """Where one version's weights lie in the object store: one ref of ``{name: tensor}`` that the trainer assembled
     (``whole``; trainer rank 0 gathered them), or one ref of each trainer rank's pieces (``pieces``; with
-    ``weight_sync.assemble = "receiver"``), which whoever loads them assembles and checks (`assemble_weights`)."""
+    ``weight_sync.assemble = "receiver"``), which whoever loads them assembles and checks (`assemble_ranks`)."""
 
     whole: Any = None
     pieces: tuple[Any, ...] = ()
@@ -60,8 +60,7 @@ class WeightRefs:
         """The whole tensors, fetched into this process (and assembled here from the pieces)."""
         if self.whole is not None:
             return iter(wait_for(self.whole, actor=actor, call="named_weights", timeout_s=timeout_s).items())
-        ranks = wait_for(list(self.pieces), actor=actor, call="weight_shards", timeout_s=timeout_s)
-        return assemble_weights(shard for pieces in ranks for shard in pieces)
+        return assemble_ranks(wait_for(list(self.pieces), actor=actor, call="weight_shards", timeout_s=timeout_s))
 
 
 class RemoteWeights:
