@@ -177,6 +177,56 @@ class EpisodeRecord:
         return sum(rewards) if rewards else None
 
 
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ExpertRoutes:
+    """The experts a Mixture-of-Experts model routed each token of a sequence to, compactly: for every token (prompt
+    and completion, in order), per MoE layer, its ``top_k`` expert indices, as bytes in token-major order
+    ``[tokens, layers, top_k]``: unsigned bytes (``itemsize`` 1, fewer than 255 experts; 255 marks an unknown
+    route) or little-endian int16 (``itemsize`` 2; -1 marks one). An unknown route (a token the engine never ran,
+    such as the last one sampled) leaves the trainer's router its own choice. The trainer converts them
+    (`sharpen.expert_routes.routes_tensor`)."""
+
+    data: bytes
+    num_tokens: int
+    num_layers: int
+    top_k: int
+    itemsize: Literal[1, 2] = 1
+
+    def __post_init__(self) -> None:
+        expected = self.num_tokens * self._token_bytes
+        if len(self.data) != expected:
+            raise ValueError(f"ExpertRoutes: {len(self.data)} bytes for {expected} ([tokens, layers, top_k])")
+
+    @property
+    def _token_bytes(self) -> int:
+        return self.num_layers * self.top_k * self.itemsize
+
+    def _is_known(self, token: int) -> bool:
+        size = self._token_bytes
+        unknown = b"\xff" * size  # 255 as a byte, -1 as an int16: both all ones
+        return self.data[token * size : (token + 1) * size] != unknown
+
+    def extended_by(self, later: ExpertRoutes) -> ExpertRoutes:
+        """These routes, continued by ``later``'s (a later call on the same tokens and more: the next turn of an
+        episode): a token keeps the route of the first call that ran it; ``later`` gives the rest."""
+        if (later.num_layers, later.top_k, later.itemsize) != (self.num_layers, self.top_k, self.itemsize):
+            raise ValueError("ExpertRoutes: routes of another model cannot continue these")
+        if later.num_tokens < self.num_tokens:
+            raise ValueError(f"ExpertRoutes: {later.num_tokens} later routes cannot continue {self.num_tokens}")
+        size = self._token_bytes
+        known = bytearray(later.data)
+        for token in range(self.num_tokens):
+            if self._is_known(token):
+                known[token * size : (token + 1) * size] = self.data[token * size : (token + 1) * size]
+        return ExpertRoutes(
+            data=bytes(known),
+            num_tokens=later.num_tokens,
+            num_layers=self.num_layers,
+            top_k=self.top_k,
+            itemsize=self.itemsize,
+        )
+
+
 @dataclass(kw_only=True, slots=True)
 class Rollout:
     """One trajectory: the prompt tokens, what the engine generated, and what the trainer needs from it."""
@@ -191,6 +241,9 @@ class Rollout:
     the engine and the trainer turn them into the model's pixel inputs with the model's image processor."""
     versions: list[PolicyVersion]
     """Policy version that produced each completion token (all equal in synchronous mode)."""
+    routes: ExpertRoutes | None = None
+    """A Mixture-of-Experts engine's routes of every prompt and completion token (`ExpertRoutes`), for routing replay
+    R3 (``trainer.moe.routing_replay = "r3"``); None when the engine returned none."""
     completion_text: str = ""
     is_truncated: bool = False
     """True when generation stopped at the token limit rather than at an end-of-sequence token."""
@@ -301,6 +354,9 @@ class Completion:
     versions: list[PolicyVersion] | None = None
     """Policy version of each token when they differ (weights updated while it was generated); None: all were
     made by the engine's ``policy_version`` at the end of the call."""
+    routes: ExpertRoutes | None = None
+    """A Mixture-of-Experts engine's routes of the prompt and the completion tokens (engines that return routes,
+    when asked: routing replay R3); None otherwise."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

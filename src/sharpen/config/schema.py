@@ -18,6 +18,7 @@ from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfi
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.lora import LoraConfig
+from sharpen.config.moe import MoeConfig
 from sharpen.config.parallel import ParallelConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
@@ -227,6 +228,8 @@ class TrainerConfig(Section):
     """The value model (PPO with a critic); ignored unless algorithm.advantage = "gae"."""
     distillation: DistillationConfig = Field(default_factory=DistillationConfig)
     """On-policy distillation toward a frozen teacher (off by default)."""
+    moe: MoeConfig = Field(default_factory=MoeConfig)
+    """A Mixture-of-Experts policy's routing replay (docs/moe.md)."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """How the trainer's ranks (runtime.trainer_ranks) split the model beside FSDP2's data shards: tensor
     parallelism and HSDP replicas (docs/parallelism.md)."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sharpen.expert_routes import Routes
 from sharpen.types import ImagePart, Rollout
 
 
@@ -35,6 +36,7 @@ class MicroBatch:
     packed: PackedRow | None = None  # the model's input without padding (``trainer.packing``)
     prompt_lengths: tuple[int, ...] = ()  # each row's prompt tokens (rows with equal prompts can share one pass)
     images: tuple[tuple[ImagePart, ...], ...] = ()  # each row's images (`Rollout.images`); () when no row has any
+    routes: Routes | None = None  # expert routes to replay in the forward (`trainer.routes.forward_routes`)
 
     @property
     def num_loss_tokens(self) -> int:

@@ -26,6 +26,7 @@ import torch
 
 from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
+from sharpen.expert_routes import RouterReplay, routes_tensor
 from sharpen.trainer.algorithms.offpolicy import correction_metrics
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
 from sharpen.trainer.backends.base import (
@@ -47,6 +48,7 @@ from sharpen.trainer.packing import (
     split_micro_batches_by_tokens,
     unpack_scores,
 )
+from sharpen.trainer.routes import RouteStats, forward_routes, real_tokens, rollout_routes, route_metrics
 from sharpen.types import ImagePart, Rollout, TrainBatch
 from sharpen.weight_shards import WeightShard
 
@@ -122,6 +124,11 @@ class Trainer:
         )
         self.lockstep = RankLockstep(backend)
         self.reward_kl = 0.0  # mean per-token KL measured by the last `kl_penalties` call
+        self.router: RouterReplay | None = getattr(backend, "router", None)
+        """A Mixture-of-Experts policy's routes (`RouterReplay`, the backend's); None for a dense one."""
+        self._replayed: dict[int, torch.Tensor] = {}
+        """This step's routes to replay in the policy's passes, per rollout id (``trainer.moe.routing_replay``)."""
+        self._route_stats: dict[str, RouteStats] = {}
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algorithm = self.config.algorithm
@@ -131,6 +138,7 @@ class Trainer:
         self._check_images(rollouts)
         size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
         mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
+        route_metrics_now = self._start_routes(rollouts)
         old_logprobs = None
         if self.objective.needs_old_logprobs:
             local = [r for mini_batch in mini_batches for r in self.lockstep.local_share(mini_batch)]
@@ -188,7 +196,96 @@ class Trainer:
             metrics.update(critic_step.metrics())
         if distill_step is not None:
             metrics.update(distill_step.metrics(self.backend.all_reduce_sum, self.backend.num_ranks))
+        metrics.update(route_metrics_now)
+        metrics.update(self._finish_routes())
         return metrics
+
+    def _start_routes(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """A Mixture-of-Experts step's routes: the engine's (R3) to replay, checked against the model; and, when the
+        rollouts carry engine routes, the ``moe/`` measurement of the engine's routes against the trainer's
+        (`_measure_engine_routes`) before any update. Collective; {} for a dense policy."""
+        self._replayed, self._route_stats = {}, {}
+        router = self.router
+        if router is None:
+            return {}
+        mode = self.config.moe.routing_replay
+        engine: dict[int, torch.Tensor] = {}
+        for rollout in rollouts:
+            if rollout.routes is None:
+                if mode == "r3":
+                    raise ValueError(
+                        f'trainer.moe.routing_replay = "r3": rollout {rollout.example.task_key} came without the '
+                        'engine\'s expert routes (an engine that returns routes: rollout.engine.type = "hf")'
+                    )
+                continue
+            routes = routes_tensor(rollout.routes)
+            expected = (rollout.num_tokens, router.num_layers, router.top_k)
+            if tuple(routes.shape) != expected:
+                raise ValueError(
+                    f"rollout {rollout.example.task_key}: expert routes of {tuple(routes.shape)} ([tokens, layers, "
+                    f"top_k]) for {expected[0]} tokens of a model of {expected[1]} MoE layers and top_k {expected[2]}"
+                )
+            engine[id(rollout)] = routes
+        if mode == "r3":
+            self._replayed = engine
+        self._route_stats["train"] = RouteStats(num_experts=router.num_experts)
+        has_engine_routes = self.lockstep.sum_over_ranks({"with": float(bool(engine))})["with"] > 0
+        return self._measure_engine_routes(rollouts, engine) if has_engine_routes else {}
+
+    def _measure_engine_routes(self, rollouts: list[Rollout], engine: dict[int, torch.Tensor]) -> dict[str, float]:
+        """The ``moe/`` gap between the engine's and the trainer's routes on one micro-batch of this rank's share,
+        scored twice without gradient before any update: replaying the engine's routes (how often each layer's
+        router would have chosen other experts: ``moe/engine_disagreement``) and with the trainer's own routes
+        (their expert load), and the mean absolute gap of each pass's logprobs to the engine's
+        (``moe/logprob_gap_replayed``, ``moe/logprob_gap_unreplayed``). Collective."""
+        router = self.router
+        assert router is not None
+        local = self.lockstep.local_share(rollouts)
+        with_routes = [r for r in local if id(r) in engine]
+        is_filler = not with_routes
+        chunk = split_micro_batches(with_routes, self.config.micro_batch_size)[0] if with_routes else rollouts[:1]
+        micro = pack_micro_batch(
+            [replace(r, advantage=0.0) for r in chunk], pad_token_id=self.pad_token_id, device=self.backend.device
+        )
+        stats = {name: RouteStats(num_experts=router.num_experts) for name in ("engine", "trainer")}
+        sums: dict[str, float] = defaultdict(float)
+        tokens = real_tokens(micro)
+        with torch.no_grad():
+            replays = {"engine": forward_routes(micro, [engine.get(id(r)) for r in chunk]), "trainer": None}
+            for name, routes in replays.items():
+                inputs = replace(self._policy_inputs(micro), routes=routes)
+                scores = self.backend.score_micro_batches([inputs], temperature=self.temperature)[0]
+                if is_filler:
+                    continue
+                gap = (scores.logprobs - micro.engine_logprobs).abs()[micro.loss_mask]
+                sums[f"gap_{name}"] += float(gap.sum())
+                sums["gap_tokens"] = float(gap.numel())  # the same tokens in both passes
+                if scores.routes is not None:
+                    stats[name].add(scores.routes, tokens, routes)
+        for name, stat in stats.items():
+            sums.update(stat.sums(f"{name}/"))
+        sums = self.lockstep.sum_over_ranks(dict(sums))
+        metrics = route_metrics(sums, "engine/", "engine") | route_metrics(sums, "trainer/", "trainer")
+        metrics.pop("moe/engine_load_max_over_mean", None)  # the same routes' load as the replay's
+        if sums.get("gap_tokens", 0.0) > 0:
+            metrics["moe/logprob_gap_replayed"] = sums["gap_engine"] / sums["gap_tokens"]
+            metrics["moe/logprob_gap_unreplayed"] = sums["gap_trainer"] / sums["gap_tokens"]
+        return metrics
+
+    def _finish_routes(self) -> dict[str, float]:
+        """The ``moe/train_*`` metrics of this step's training passes (collective); {} for a dense policy."""
+        stats = self._route_stats.get("train")
+        self._replayed, self._route_stats = {}, {}
+        if stats is None:
+            return {}
+        sums = self.backend.share_loss_sums(stats.sums("train/"))
+        return route_metrics(self.lockstep.sum_over_ranks(sums), "train/", "train")
+
+    def _with_routes(self, micro: MicroBatch, chunk: list[Rollout]) -> MicroBatch:
+        """``micro`` with this step's routes of ``chunk`` to replay (none: as it is)."""
+        if self._replayed:
+            micro.routes = forward_routes(micro, [self._replayed.get(id(r)) for r in chunk])
+        return micro
 
     def _check_images(self, rollouts: list[Rollout]) -> None:
         """Rollouts with images train with the policy, the reference policy, the critic and a teacher that scores the
@@ -255,13 +352,16 @@ class Trainer:
                 old_logprobs=None if old_logprobs is None or is_filler else [old_logprobs[id(r)] for r in chunk],
                 **_advantage_inputs(chunk, critic_step),
             )
-            passes.append((chunk, is_filler, micro))
+            passes.append((chunk, is_filler, self._with_routes(micro, chunk)))
         reference_logprobs = self._reference_logprobs([micro for _, _, micro in passes])
 
         def micro_batch_loss(index: int, policy_scores: TokenScores) -> torch.Tensor:
             """The loss of pass ``index`` (on a pipeline: on its last stage alone, in the schedule's order)."""
             chunk, is_filler, micro = passes[index]
             scores = self._unpacked(micro, policy_scores)
+            train_routes = self._route_stats.get("train")
+            if train_routes is not None and policy_scores.routes is not None and not is_filler:
+                train_routes.add(policy_scores.routes, real_tokens(micro), micro.routes)
             old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
             extra_loss = None
             if distill_step is not None:
@@ -360,12 +460,14 @@ class Trainer:
                 target_mask=micro.loss_mask,
                 prompt_lengths=micro.prompt_lengths if self._shares_prompts(micro) else None,
                 images=micro.images,
+                routes=micro.routes,
             )
         return ScoreInputs(
             input_ids=packed.input_ids,
             attention_mask=None,
             target_mask=packed.target_mask,
             position_ids=packed.position_ids,
+            routes=micro.routes,
         )
 
     @staticmethod
@@ -381,13 +483,15 @@ class Trainer:
         when prompts are shared)."""
         if self.config.packing:
             return split_micro_batches_by_tokens(rollouts, self.config.micro_batch_tokens)
-        by_prompt = self.config.share_prompt and self.backend.num_ranks == 1
+        by_prompt = self.config.share_prompt and self.backend.num_ranks == 1 and self.router is None
         return split_micro_batches(rollouts, self.config.micro_batch_size, by_prompt=by_prompt)
 
     def _shares_prompts(self, micro: MicroBatch) -> bool:
         """Whether ``micro`` is scored with its shared prompts computed once: ``trainer.share_prompt``, one device
         (the FSDP2 backend takes whole rows), and two rows at least with the same prompt."""
         if not self.config.share_prompt or self.backend.num_ranks != 1 or len(micro.prompt_lengths) < 2:
+            return False
+        if self.router is not None:  # routes are laid out over whole rows (trainer.routes)
             return False
         if micro.images:  # image rows run whole: the shared-prompt pass has no pixel inputs
             return False
@@ -399,13 +503,16 @@ class Trainer:
     def _score_completions(
         self,
         rollouts: list[Rollout],
-        score: Callable[[list[MicroBatch]], list[torch.Tensor]],
+        score: Callable[[list[MicroBatch]], list[TokenScores]],
         *,
         filler: list[Rollout] | None = None,
+        routes: dict[int, torch.Tensor] | None = None,
     ) -> dict[int, list[float]]:
-        """``score(micros)`` ([batch, seq - 1] each) on every rollout's completion tokens, keyed by rollout id,
-        without gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder are
-        packed. ``filler``: when ``score`` runs the (possibly sharded) policy, pad to the ranks' most micro-batches."""
+        """``score(micros)`` ([batch, seq - 1] logprobs each) on every rollout's completion tokens, keyed by rollout
+        id, without gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder
+        are packed. ``filler``: when ``score`` runs the (possibly sharded) policy, pad to the ranks' most
+        micro-batches; its passes replay this step's routes. ``routes``: filled with each rollout's captured
+        ``[tokens, layers, top_k]`` expert routes (a Mixture-of-Experts policy)."""
         if filler is None:
             chunks = [(chunk, False) for chunk in split_micro_batches(rollouts, self.config.micro_batch_size)]
         else:
@@ -420,23 +527,33 @@ class Trainer:
             )
             for chunk, _ in chunks
         ]
+        if filler is not None:
+            micros = [self._with_routes(micro, chunk) for (chunk, _), micro in zip(chunks, micros, strict=True)]
         scored: dict[int, list[float]] = {}
         for (chunk, is_filler), micro, values in zip(chunks, micros, score(micros), strict=True):
             if is_filler:
                 continue
             for row, rollout in enumerate(chunk):
-                scored[id(rollout)] = values[row][micro.loss_mask[row]].tolist()
+                scored[id(rollout)] = values.logprobs[row][micro.loss_mask[row]].tolist()
+            if routes is not None and values.routes is not None:
+                routes.update(zip(map(id, chunk), rollout_routes(micro, values.routes), strict=True))
         return scored
 
     def _old_logprobs(self, rollouts: list[Rollout], *, filler: list[Rollout]) -> dict[int, list[float]]:
         """The policy's logprobs of every completion token before this step's first update, keyed by rollout id."""
 
-        def score(micros: list[MicroBatch]) -> list[torch.Tensor]:
+        def score(micros: list[MicroBatch]) -> list[TokenScores]:
             inputs = [self._policy_inputs(micro) for micro in micros]
             scores = self.backend.score_micro_batches(inputs, temperature=self.temperature)
-            return [self._unpacked(micro, s).logprobs for micro, s in zip(micros, scores, strict=True)]
+            return [replace(self._unpacked(micro, s), routes=s.routes) for micro, s in zip(micros, scores, strict=True)]
 
-        return self._score_completions(rollouts, score, filler=filler)
+        captured: dict[int, torch.Tensor] | None = None
+        if self.config.moe.routing_replay == "r2" and self.router is not None:
+            captured = {}  # R2: the old policy's routes, replayed in this step's training passes
+        scored = self._score_completions(rollouts, score, filler=filler, routes=captured)
+        if captured is not None:
+            self._replayed = captured
+        return scored
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         """Per-token reward penalties -kl_coef * KL_t(engine || reference) for ``kl.type = "reward"``: the behaviour
@@ -447,15 +564,18 @@ class Trainer:
         kl = self._score_completions(
             rollouts,
             lambda micros: [
-                self.objective.kl_penalty_terms(
-                    micro.engine_logprobs,
-                    reference.token_logprobs(
-                        micro.input_ids,
-                        micro.attention_mask,
-                        micro.loss_mask,
-                        temperature=self.temperature,
-                        images=micro.images,
+                TokenScores(
+                    logprobs=self.objective.kl_penalty_terms(
+                        micro.engine_logprobs,
+                        reference.token_logprobs(
+                            micro.input_ids,
+                            micro.attention_mask,
+                            micro.loss_mask,
+                            temperature=self.temperature,
+                            images=micro.images,
+                        ),
                     ),
+                    entropy=None,
                 )
                 for micro in micros
             ],

@@ -29,7 +29,7 @@ def test_the_upcycled_model_scores_as_smollm2_and_routes_tokens_apart(upcycled: 
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from sharpen.trainer.backends.routing import RouterReplay
+    from sharpen.expert_routes import RouterReplay
 
     assert KNOWN_MODELS["smollm2-135m-moe"] == BuiltModel(
         name="smollm2-135m-moe", base="smollm2-135m-instruct", builder="sharpen.cli.upcycle:save_smollm2_moe"

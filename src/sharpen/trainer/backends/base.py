@@ -8,6 +8,7 @@ identities.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from sharpen.config.schema import TrainerConfig
+from sharpen.expert_routes import RouterReplay, Routes, is_moe_model
 from sharpen.types import ImagePart
 from sharpen.weight_shards import WeightShard
 
@@ -34,6 +37,9 @@ processor's settings, e.g. Idefics3's tokens per image)."""
 class TokenScores:
     logprobs: torch.Tensor  # [batch, seq - 1] float32, 0 outside the target mask
     entropy: torch.Tensor | None  # [batch, seq - 1] float32 (when asked for), 0 outside the target mask
+    routes: Routes | None = None
+    """A Mixture-of-Experts policy under routing replay (``trainer.moe``): the experts every input token went to, as
+    the backend's forward flattened them (`Routes`; replayed ones with their ``differs``)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +53,9 @@ class ScoreInputs:
     position_ids: torch.Tensor | None = None  # [batch, seq], packed rows only
     prompt_lengths: Sequence[int] | None = None
     images: Sequence[tuple[ImagePart, ...]] = ()
+    routes: Routes | None = None
+    """Expert routes to replay over the flattened ``input_ids`` (`UNROUTED` tokens route themselves); needs a
+    backend with a `RouterReplay` (``trainer.moe.routing_replay``)."""
 
 
 MicroBatchLoss = Callable[[int, TokenScores], torch.Tensor]
@@ -172,10 +181,53 @@ class UpFrontReferenceScorer(ReferenceScorer, Protocol):
         ...
 
 
+@contextlib.contextmanager
+def replaying(router: RouterReplay | None, routes: Routes | None) -> Iterator[None]:
+    """Replay ``routes`` with ``router`` inside (nothing without routes); routes without a router are an error."""
+    if routes is None:
+        yield
+        return
+    if router is None:
+        raise ValueError("expert routes to replay need trainer.moe.routing_replay and a Mixture-of-Experts policy")
+    with router.replay(routes):
+        yield
+
+
+def replay_routes_of(model: torch.nn.Module, config: TrainerConfig, *, name: str) -> RouterReplay | None:
+    """The policy's `RouterReplay`: when ``trainer.moe.routing_replay`` asks for one (a `RoutingError` for a dense
+    model or a router family without replay), or to measure the routes of an MoE of a known family without
+    replaying them; None for a dense model."""
+    if config.moe.routing_replay == "none" and not is_moe_model(model):
+        return None
+    return RouterReplay(model, name=name)
+
+
+def scored_routes(backend: TrainerBackend, item: ScoreInputs, *, replay: bool = True, **options: object) -> TokenScores:
+    """``score_tokens`` of ``item``, capturing its routes when the backend has a router (``replay`` False: the
+    caller replays ``item.routes`` around this call)."""
+    router: RouterReplay | None = getattr(backend, "router", None)
+    capturing = router.capture() if router is not None else contextlib.nullcontext(None)
+    with capturing as used, replaying(router, item.routes if replay else None):
+        scores = backend.score_tokens(
+            item.input_ids,
+            item.attention_mask,
+            item.target_mask,
+            position_ids=item.position_ids,
+            prompt_lengths=item.prompt_lengths if router is None else None,  # routes are over whole rows
+            images=item.images,
+            **options,  # pyright: ignore[reportArgumentType]
+        )
+    scores.routes = used
+    return scores
+
+
 class ScoresTokenLogprobs:
     """`TrainerBackend.token_logprobs`, `train_micro_batches`, `score_micro_batches` and `share_loss_sums` for a
     backend that has `score_tokens` and runs every micro-batch whole on each rank (both backends share it; a
-    pipeline overrides the micro-batch methods)."""
+    pipeline overrides the micro-batch methods). A backend with a `RouterReplay` in ``router`` replays each
+    micro-batch's ``routes`` in its forward and in the backward's recomputation, and returns the routes used."""
+
+    router: RouterReplay | None = None
 
     def train_micro_batches(
         self: TrainerBackend,
@@ -186,37 +238,24 @@ class ScoresTokenLogprobs:
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
     ) -> None:
-        """Forward, loss and backward of each micro-batch in turn (its graph freed before the next)."""
+        """Forward, loss and backward of each micro-batch in turn (its graph freed before the next); replayed routes
+        stay in force through the backward, where activation checkpointing recomputes the forward."""
         for index, item in enumerate(inputs):
-            scores = self.score_tokens(
-                item.input_ids,
-                item.attention_mask,
-                item.target_mask,
-                temperature=temperature,
-                with_entropy=with_entropy,
-                entropy_requires_grad=entropy_requires_grad,
-                position_ids=item.position_ids,
-                prompt_lengths=item.prompt_lengths,
-                images=item.images,
-            )
-            loss(index, scores).backward()
+            with replaying(getattr(self, "router", None), item.routes):
+                scores = scored_routes(
+                    self,
+                    item,
+                    replay=False,
+                    temperature=temperature,
+                    with_entropy=with_entropy,
+                    entropy_requires_grad=entropy_requires_grad,
+                )
+                loss(index, scores).backward()
 
     def score_micro_batches(
         self: TrainerBackend, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True
     ) -> list[TokenScores]:
-        return [
-            self.score_tokens(
-                item.input_ids,
-                item.attention_mask,
-                item.target_mask,
-                temperature=temperature,
-                use_autocast=use_autocast,
-                position_ids=item.position_ids,
-                prompt_lengths=item.prompt_lengths,
-                images=item.images,
-            )
-            for item in inputs
-        ]
+        return [scored_routes(self, item, temperature=temperature, use_autocast=use_autocast) for item in inputs]
 
     def share_loss_sums(self, sums: dict[str, float]) -> dict[str, float]:
         return sums

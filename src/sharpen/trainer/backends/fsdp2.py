@@ -42,6 +42,7 @@ from sharpen.trainer.backends.base import (
     ScoreInputs,
     ScoresTokenLogprobs,
     TokenScores,
+    replay_routes_of,
 )
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.cpu_memory import FreedMemory
@@ -51,7 +52,7 @@ from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
-from sharpen.trainer.layout import ModelShape, ParallelLayout
+from sharpen.trainer.layout import LayoutError, ModelShape, ParallelLayout
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
@@ -179,6 +180,15 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.vision = VisionProcessor.from_pretrained(self.model_path) if is_vision_model(self.model_path) else None
         """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
+        self.router = None
+        """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``), with data parallelism only yet."""
+        is_data_parallel = (self.layout.tp, self.layout.cp, self.layout.pp) == (1, 1, 1)
+        if is_data_parallel or config.moe.routing_replay != "none":
+            self.router = replay_routes_of(self.model, config, name=str(self.model_path))
+        if self.router is not None and not is_data_parallel:
+            raise LayoutError(
+                f"trainer.moe.routing_replay runs with data parallelism only yet, not {self.layout.describe()}"
+            )
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
             self.lora = apply_lora(self.model, config.lora)

@@ -19,7 +19,7 @@ import torch
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
-from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores
+from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores, replay_routes_of
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import (
     adapter_state_dict,
@@ -67,6 +67,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self.vision = VisionProcessor.from_pretrained(self.model_path) if is_vision_model(self.model_path) else None
         """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
+        self.router = replay_routes_of(self.model, config, name=str(self.model_path))
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled (self.model is its base)
         if config.lora.enabled:
             self.lora = apply_lora(self.model, config.lora)

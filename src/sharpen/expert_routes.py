@@ -4,17 +4,23 @@ A transformers MoE layer asks its router (``*TopKRouter``: ``forward(hidden) -> 
 ``top_k`` experts each token goes to and with what weights, then runs those experts. `RouterReplay` wraps every
 router of a model once, and then, per forward pass:
 - `capture` records each router's chosen expert indices (`Routes`: per MoE layer, ``[tokens, top_k]``, the tokens of
-  the forward's flattened ``[batch x seq]`` in order);
-- `replay` makes each router use given indices instead of its own top-k. The weights are the router's own
+  the forward's flattened ``[batch x seq]`` in order), or, with ``accumulate``, those of every call in turn (a
+  generation's prefill, then each decoding step);
+- `replay` makes each router use given indices instead of its own top-k; a token whose indices are `UNROUTED` (-1)
+  keeps the router's own choice (padding, or a token the engine never ran). The weights are the router's own
   probabilities at those experts, computed from its current logits as the family does (softmax or sigmoid,
   normalised over the chosen experts where the family normalises, scaled where it scales), so gradients reach the
   router weights through the chosen experts' probabilities, as routing replay (R2: the old policy's routes; R3: the
   inference engine's, arXiv 2510.11370) keeps them. A forward recomputed by activation checkpointing calls each
-  router again and gets the same routes.
+  router again and gets the same routes. Under replay, a capture also records, per layer, which replayed tokens
+  the router would have sent elsewhere on its own (`Routes.differs`: the route disagreement the trainer logs).
 
 Families: softmax routers (Mixtral, Qwen2-MoE, Qwen3-MoE) and sigmoid routers with a correction bias (DeepSeek-V3:
 the bias only chooses, so a replayed route ignores it). Any other router is refused with the family's name.
 Outside `capture` and `replay` a wrapped router runs its own forward unchanged.
+
+The rest converts between the trainer's tensors and `sharpen.types.ExpertRoutes`, the compact per-token routes a
+rollout carries from the engine to the trainer (`routes_tensor`, `expert_routes`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sharpen.types import ExpertRoutes
+
+UNROUTED = -1
+"""An expert index that replays nothing: the router chooses this token's experts itself."""
+
 _SOFTMAX = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
 _SIGMOID = ("DeepseekV3TopkRouter",)
 
@@ -39,9 +50,12 @@ class RoutingError(ValueError):
 @dataclass(kw_only=True, slots=True)
 class Routes:
     """The experts each token of one forward pass went to: per MoE layer (in the model's order), ``[tokens, top_k]``
-    int64 indices, the tokens of the flattened ``[batch x seq]`` input in order."""
+    int64 indices, the tokens of the flattened ``[batch x seq]`` input in order (`UNROUTED` where a replay leaves
+    the choice to the router). ``differs``, captured under replay: per layer, ``[tokens]`` bool, True where the
+    replayed experts are not the ones the router would have chosen itself (as a set)."""
 
     layers: list[torch.Tensor] = field(default_factory=list)
+    differs: list[torch.Tensor] | None = None
 
 
 def is_moe_model(model: nn.Module) -> bool:
@@ -65,7 +79,8 @@ class RouterReplay:
         if any(isinstance(router.forward, _Routed) for router in routers):
             raise RoutingError(f"the routers of {name} are already wrapped by another RouterReplay")
         self.routers = routers
-        self._captured: list[torch.Tensor | None] | None = None
+        self._captured: list[list[tuple[torch.Tensor, torch.Tensor | None]]] | None = None
+        self._accumulates = False
         self._replayed: Routes | None = None
         for index, router in enumerate(routers):
             router.forward = _Routed(self, index, router)  # an instance attribute: module() calls it
@@ -74,27 +89,41 @@ class RouterReplay:
     def num_layers(self) -> int:
         return len(self.routers)
 
+    @property
+    def top_k(self) -> int:
+        router: Any = self.routers[0]
+        return int(router.top_k)
+
+    @property
+    def num_experts(self) -> int:
+        router: Any = self.routers[0]
+        return int(router.weight.shape[0])
+
     @contextlib.contextmanager
-    def capture(self) -> Iterator[Routes]:
-        """Record the routes of the forward passes inside (the last pass's, per layer; inside `replay`: the
-        replayed ones)."""
+    def capture(self, *, accumulate: bool = False) -> Iterator[Routes]:
+        """Record the routes of the forward passes inside: the last pass's, per layer (a pass that activation
+        checkpointing recomputes records the same again); with ``accumulate``, every call's, concatenated in call
+        order (`concatenate_calls` puts a generation's calls back on its rows). Inside `replay`: the replayed
+        routes, with ``differs``."""
         if self._captured is not None:
             raise RoutingError("routes are already being captured")
         routes = Routes()
-        captured: list[torch.Tensor | None] = [None] * self.num_layers
-        self._captured = captured
+        captured: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(self.num_layers)]
+        self._captured, self._accumulates = captured, accumulate
         try:
             yield routes
         finally:
             self._captured = None
-        missing = [index for index, indices in enumerate(captured) if indices is None]
+        missing = [index for index, calls in enumerate(captured) if not calls]
         if missing:
             raise RoutingError(f"no forward pass reached MoE layer(s) {missing} while routes were captured")
-        routes.layers = [indices for indices in captured if indices is not None]
+        routes.layers = [torch.cat([indices for indices, _ in calls]) for calls in captured]
+        if all(differs is not None for calls in captured for _, differs in calls):
+            routes.differs = [torch.cat([d for _, d in calls if d is not None]) for calls in captured]
 
     @contextlib.contextmanager
     def replay(self, routes: Routes) -> Iterator[None]:
-        """Route every token of the forward passes inside as ``routes`` say."""
+        """Route every token of the forward passes inside as ``routes`` say (`UNROUTED`: the router's choice)."""
         if self._replayed is not None:
             raise RoutingError("routes are already being replayed")
         if len(routes.layers) != self.num_layers:
@@ -104,6 +133,14 @@ class RouterReplay:
             yield
         finally:
             self._replayed = None
+
+    def _record(self, index: int, indices: torch.Tensor, differs: torch.Tensor | None) -> None:
+        captured = self._captured
+        if captured is None:
+            return
+        if not self._accumulates:
+            captured[index].clear()
+        captured[index].append((indices.detach(), differs))
 
 
 class _Routed:
@@ -116,14 +153,22 @@ class _Routed:
         self.original = router.forward  # the bound method of the class
 
     def __call__(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits, weights, indices = self.original(hidden_states)
         replayed = self.replay._replayed
-        if replayed is None:
-            logits, weights, indices = self.original(hidden_states)
-        else:
-            logits, weights, indices = self._replayed(hidden_states, replayed.layers[self.index])
-        captured = self.replay._captured
-        if captured is not None:
-            captured[self.index] = indices.detach()
+        differs = None
+        if replayed is not None:
+            own = indices
+            given = replayed.layers[self.index].to(own.device, torch.long)
+            if tuple(given.shape) != tuple(own.shape):
+                raise RoutingError(
+                    f"MoE layer {self.index}: routes for {tuple(given.shape)} tokens x experts, the forward has "
+                    f"{own.shape[0]} tokens of top_k {own.shape[1]}"
+                )
+            is_given = given[:, 0] >= 0
+            chosen = torch.where(is_given.unsqueeze(1), given, own)
+            differs = is_given & (chosen.sort(dim=1).values != own.sort(dim=1).values).any(dim=1)
+            logits, weights, indices = self._replayed(hidden_states, chosen)
+        self.replay._record(self.index, indices, differs)
         return logits, weights, indices
 
     def _replayed(
@@ -131,12 +176,6 @@ class _Routed:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         router: Any = self.router
         hidden = hidden_states.reshape(-1, router.hidden_dim)
-        indices = indices.to(hidden.device, torch.long)
-        if tuple(indices.shape) != (hidden.shape[0], router.top_k):
-            raise RoutingError(
-                f"MoE layer {self.index}: routes for {tuple(indices.shape)} tokens x experts, the forward has "
-                f"{hidden.shape[0]} tokens of top_k {router.top_k}"
-            )
         if type(router).__name__ in _SIGMOID:  # DeepSeek-V3: the bias chose; the weights are the plain scores
             logits = F.linear(hidden.type(torch.float32), router.weight.type(torch.float32))
             weights = logits.sigmoid().gather(1, indices)
@@ -150,3 +189,37 @@ class _Routed:
         if hasattr(router, "norm_topk_prob"):  # the Qwen MoE routers return the weights in the logits' dtype
             weights = weights.to(logits.dtype)
         return logits, weights, indices
+
+
+def concatenate_calls(routes: Routes, num_rows: int) -> torch.Tensor:
+    """The ``[rows, positions, layers, top_k]`` routes of an accumulated capture over calls of ``num_rows`` rows
+    each (a generation: its prefill, then one position per decoding step), the calls' positions in order."""
+    per_layer = []
+    for indices in routes.layers:
+        if indices.shape[0] % num_rows:
+            raise RoutingError(f"{indices.shape[0]} routed tokens do not split into {num_rows} rows")
+        per_layer.append(indices.reshape(num_rows, -1, indices.shape[1]))
+    return torch.stack(per_layer, dim=2)
+
+
+def routes_tensor(routes: ExpertRoutes) -> torch.Tensor:
+    """``routes`` as a ``[tokens, layers, top_k]`` int64 tensor (`UNROUTED` where unknown)."""
+    dtype = torch.uint8 if routes.itemsize == 1 else torch.int16
+    flat = torch.frombuffer(bytearray(routes.data), dtype=dtype).to(torch.long) if routes.data else torch.empty(0)
+    if routes.itemsize == 1:
+        flat = torch.where(flat == 255, UNROUTED, flat)
+    return flat.to(torch.long).reshape(routes.num_tokens, routes.num_layers, routes.top_k)
+
+
+def expert_routes(indices: torch.Tensor, *, num_experts: int) -> ExpertRoutes:
+    """``[tokens, layers, top_k]`` expert indices (`UNROUTED` where unknown) as compact `ExpertRoutes`: one byte
+    per index for fewer than 255 experts, else two."""
+    if indices.dim() != 3:
+        raise RoutingError(f"expert routes are [tokens, layers, top_k], not {tuple(indices.shape)}")
+    itemsize = 1 if num_experts < 255 else 2
+    values = indices.detach().to("cpu", torch.long)
+    values = torch.where(values < 0, 255, values).to(torch.uint8) if itemsize == 1 else values.to(torch.int16)
+    tokens, layers, top_k = values.shape
+    return ExpertRoutes(
+        data=values.contiguous().numpy().tobytes(), num_tokens=tokens, num_layers=layers, top_k=top_k, itemsize=itemsize
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sharpen.trainer.backends.routing import RouterReplay, RoutingError, is_moe_model
+from sharpen.expert_routes import RouterReplay, RoutingError, is_moe_model
 
 COMMON = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
 COMMON |= {"num_key_value_heads": 2, "max_position_embeddings": 64}

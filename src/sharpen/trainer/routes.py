@@ -1,0 +1,130 @@
+"""Expert routes on the trainer's micro-batches: laid out for a forward pass, read back per rollout, and measured.
+
+A rollout's routes are ``[tokens, layers, top_k]`` over its prompt and completion tokens (`sharpen.expert_routes`).
+A forward pass flattens its rows: `forward_routes` puts each rollout's routes where its tokens are in the pass
+(padded rows: `UNROUTED` on the padding, which then routes itself; a packed row: end to end), and
+`rollout_routes` reads a captured pass's routes back per rollout. `RouteStats` adds up what the ``moe/*`` metrics
+report (docs/moe.md): how often a replayed route is not the one the trainer's router would choose, per layer and
+over any layer, and how evenly the experts are loaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from sharpen.expert_routes import UNROUTED, Routes
+from sharpen.trainer.packing import MicroBatch
+
+
+def forward_routes(micro: MicroBatch, per_rollout: Sequence[torch.Tensor | None]) -> Routes | None:
+    """The routes to replay in ``micro``'s forward (its packed row, or its padded rows), from each row's
+    ``[tokens, layers, top_k]`` routes (None: the row routes itself); None when no row has any."""
+    known = [routes for routes in per_rollout if routes is not None]
+    if not known:
+        return None
+    _, num_layers, top_k = known[0].shape
+    lengths = micro.attention_mask.sum(dim=1).tolist()
+    rows = []
+    for routes, length in zip(per_rollout, lengths, strict=True):
+        if routes is None:
+            routes = torch.full((length, num_layers, top_k), UNROUTED, dtype=torch.long)
+        elif routes.shape != (length, num_layers, top_k):
+            raise ValueError(
+                f"expert routes of {tuple(routes.shape)} ([tokens, layers, top_k]) for a rollout of {length} tokens "
+                f"and {num_layers} MoE layers"
+            )
+        rows.append(routes)
+    if micro.packed is not None:
+        flat = torch.cat(rows)
+    else:
+        width = micro.input_ids.shape[1]
+        grid = torch.full((len(rows), width, num_layers, top_k), UNROUTED, dtype=torch.long)
+        for row, routes in enumerate(rows):
+            grid[row, : routes.shape[0]] = routes
+        flat = grid.reshape(-1, num_layers, top_k)
+    return Routes(layers=[flat[:, layer] for layer in range(num_layers)])
+
+
+def rollout_routes(micro: MicroBatch, routes: Routes) -> list[torch.Tensor]:
+    """The ``[tokens, layers, top_k]`` routes of each of ``micro``'s rollouts in a pass that captured ``routes``."""
+    flat = torch.stack([indices.cpu() for indices in routes.layers], dim=1)  # [pass tokens, layers, top_k]
+    lengths = micro.attention_mask.sum(dim=1).tolist()
+    if micro.packed is not None:
+        return list(torch.split(flat, lengths))
+    grid = flat.reshape(micro.input_ids.shape[0], micro.input_ids.shape[1], *flat.shape[1:])
+    return [grid[row, :length] for row, length in enumerate(lengths)]
+
+
+def real_tokens(micro: MicroBatch) -> torch.Tensor:
+    """``[pass tokens]`` bool: which tokens of ``micro``'s forward are a rollout's (not padding)."""
+    if micro.packed is not None:
+        return torch.ones(micro.packed.num_tokens, dtype=torch.bool)
+    return micro.attention_mask.reshape(-1).cpu().bool()
+
+
+@dataclass(kw_only=True, slots=True)
+class RouteStats:
+    """Sums over a step's passes of one kind (counts add over passes and ranks: `sums`, then `metrics`)."""
+
+    num_experts: int
+    replayed: float = 0.0
+    """Tokens routed by a replay."""
+    differs: list[float] = field(default_factory=list[float])
+    """Per layer: replayed tokens the router would have sent to other experts."""
+    any_differs: float = 0.0
+    """Replayed tokens that some layer's router would have sent elsewhere."""
+    load: list[list[float]] = field(default_factory=list[list[float]])
+    """Per layer, per expert: token assignments of the rollouts' tokens."""
+
+    def add(self, used: Routes, tokens: torch.Tensor, replayed: Routes | None = None) -> None:
+        """A pass's captured routes ``used`` on its ``tokens`` (real ones, `real_tokens`), and what it replayed."""
+        if not self.load:
+            self.load = [[0.0] * self.num_experts for _ in used.layers]
+            self.differs = [0.0] * len(used.layers)
+        for layer, indices in enumerate(used.layers):
+            counts = torch.bincount(indices.cpu()[tokens].reshape(-1), minlength=self.num_experts)
+            self.load[layer] = [a + float(b) for a, b in zip(self.load[layer], counts.tolist(), strict=True)]
+        if replayed is None or used.differs is None:
+            return
+        given = tokens & (replayed.layers[0].cpu()[:, 0] != UNROUTED)
+        self.replayed += float(given.sum())
+        differs = torch.stack([d.cpu() & given for d in used.differs])  # [layers, pass tokens]
+        self.differs = [a + float(b) for a, b in zip(self.differs, differs.sum(dim=1).tolist(), strict=True)]
+        self.any_differs += float(differs.any(dim=0).sum())
+
+    def sums(self, prefix: str) -> dict[str, float]:
+        """Named sums (every rank names the same ones for the same model)."""
+        out = {f"{prefix}replayed": self.replayed, f"{prefix}any_differs": self.any_differs}
+        out |= {f"{prefix}differs_{layer:03d}": value for layer, value in enumerate(self.differs)}
+        out |= {
+            f"{prefix}load_{layer:03d}_{expert:04d}": value
+            for layer, counts in enumerate(self.load)
+            for expert, value in enumerate(counts)
+        }
+        return out
+
+
+def route_metrics(sums: dict[str, float], prefix: str, name: str) -> dict[str, float]:
+    """The ``moe/`` metrics of `RouteStats.sums` added over ranks: ``moe/{name}_disagreement`` (replayed tokens
+    some layer's router would route elsewhere), ``moe/{name}_disagreement/layer_NNN``, and the experts' load spread
+    ``moe/{name}_load_max_over_mean`` (the most loaded expert's tokens over the mean, averaged over layers; 1 is
+    even)."""
+    metrics: dict[str, float] = {}
+    replayed = sums.get(f"{prefix}replayed", 0.0)
+    if replayed > 0:
+        metrics[f"moe/{name}_disagreement"] = sums[f"{prefix}any_differs"] / replayed
+        for key, value in sums.items():
+            if key.startswith(f"{prefix}differs_"):
+                metrics[f"moe/{name}_disagreement/layer_{key.removeprefix(f'{prefix}differs_')}"] = value / replayed
+    loads: dict[str, list[float]] = {}
+    for key, value in sums.items():
+        if key.startswith(f"{prefix}load_"):
+            layer = key.removeprefix(f"{prefix}load_").split("_")[0]
+            loads.setdefault(layer, []).append(value)
+    spreads = [max(counts) * len(counts) / sum(counts) for counts in loads.values() if sum(counts) > 0]
+    if spreads:
+        metrics[f"moe/{name}_load_max_over_mean"] = sum(spreads) / len(spreads)
+    return metrics

@@ -1,0 +1,248 @@
+"""Routing replay in the trainer (``trainer.moe.routing_replay``) on a tiny random Mixtral: R3 replays the engine's
+routes in every pass of the policy (measured by hooks on the experts, which see the indices they are given); R2
+replays the old-policy pass's routes after an update moved the routers (and without replay the routes move: the
+control); the engine/trainer logprob gap with the engine's routes is zero against a hand-written forced-routing
+forward; packing changes nothing; bad input is one clear error."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sharpen.config.algorithm import AlgorithmConfig
+from sharpen.config.schema import TrainerConfig
+from sharpen.expert_routes import UNROUTED, RoutingError, expert_routes, routes_tensor
+from sharpen.trainer import SingleDeviceBackend, Trainer
+from sharpen.types import Example, ExpertRoutes, Message, Rollout, TrainBatch
+
+VOCAB, EXPERTS, TOP_K, LAYERS, PAD = 128, 4, 2, 2, 0
+_EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=PAD,
+    )
+    model = MixtralForCausalLM(config)
+    with torch.no_grad():  # decisive routers: a route is a clear choice, not a near tie
+        for router in _routers(model):
+            router.weight.normal_(0, 1.0)
+    folder = tmp_path_factory.mktemp("tiny_mixtral")
+    model.save_pretrained(folder)
+    return folder
+
+
+def _routers(model) -> list:
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def _engine_routes(num_tokens: int, seed: int) -> torch.Tensor:
+    """Random routes (two distinct experts per token and layer), the last token unknown, as the hf engine leaves
+    the token it sampled last."""
+    generator = torch.Generator().manual_seed(seed)
+    routes = torch.stack(
+        [
+            torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(LAYERS)])
+            for _ in range(num_tokens)
+        ]
+    )
+    routes[-1] = UNROUTED
+    return routes
+
+
+def _rollouts(*, with_routes: bool, completion_logprobs: list[list[float]] | None = None) -> list[Rollout]:
+    shapes = [([3, 4, 5], [6, 7, 8, 9]), ([10, 11], [12, 13, 14]), ([15, 16, 17, 18], [19, 20]), ([21], [22, 23])]
+    out = []
+    for index, (prompt, completion) in enumerate(shapes):
+        routes = None
+        if with_routes:
+            routes = expert_routes(_engine_routes(len(prompt) + len(completion), seed=index), num_experts=EXPERTS)
+        out.append(
+            Rollout(
+                example=_EXAMPLE,
+                prompt_ids=prompt,
+                completion_ids=completion,
+                completion_logprobs=(
+                    completion_logprobs[index] if completion_logprobs else [math.log(1 / VOCAB)] * len(completion)
+                ),
+                versions=[0] * len(completion),
+                sample_index=index,
+                advantage=[1.0, -1.0, 0.5, -0.5][index],
+                routes=routes,
+            )
+        )
+    return out
+
+
+def _trainer(moe_dir: Path, replay: str, **options) -> Trainer:
+    config = TrainerConfig.model_validate(
+        {
+            "algorithm": AlgorithmConfig(num_mini_batches=2),
+            "learning_rate": 0.05,
+            "micro_batch_size": 8,
+            "precision": "float32",
+            "moe": {"routing_replay": replay},
+            **options,
+        }
+    )
+    backend = SingleDeviceBackend(config, model_path=moe_dir, dtype="float32")
+    return Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8)
+
+
+def _record_experts(trainer: Trainer) -> list[list[torch.Tensor]]:
+    """Per MoE layer, the expert indices its experts were handed, one [tokens, top_k] tensor per forward."""
+    calls: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
+    experts = [m for m in trainer.backend.model.modules() if type(m).__name__ == "MixtralExperts"]
+    assert len(experts) == LAYERS
+    for layer, module in enumerate(experts):
+        module.register_forward_pre_hook(lambda _, args, layer=layer: calls[layer].append(args[1].clone()))
+    return calls
+
+
+def _rows(call: torch.Tensor, rollouts: list[Rollout]) -> list[torch.Tensor]:
+    """A padded forward's [tokens, top_k] indices back on ``rollouts`` (its rows: the rollouts shortest first, as
+    the trainer's micro-batches order them; right padding), each [its tokens, top_k], in ``rollouts``' order."""
+    width = max(r.num_tokens for r in rollouts)
+    grid = call.reshape(len(rollouts), width, TOP_K)
+    rows = sorted(range(len(rollouts)), key=lambda index: rollouts[index].num_tokens)
+    return [grid[rows.index(index), : r.num_tokens] for index, r in enumerate(rollouts)]
+
+
+def test_r3_replays_the_engine_routes_in_the_old_policy_and_the_training_passes(moe_dir: Path):
+    trainer = _trainer(moe_dir, "r3")
+    calls = _record_experts(trainer)
+    rollouts = _rollouts(with_routes=True)
+    metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
+    # the passes in order: the measurement with the engine's routes and with the trainer's own, the old-policy
+    # pass (all four rollouts), then one training pass per mini-batch of two
+    assert [len(layer) for layer in calls] == [5] * LAYERS
+    for layer in range(LAYERS):
+        replayed_passes = [(calls[layer][0], rollouts), (calls[layer][2], rollouts)]
+        replayed_passes += [(calls[layer][3], rollouts[:2]), (calls[layer][4], rollouts[2:])]
+        for call, rows in replayed_passes:
+            for rollout, received in zip(rows, _rows(call, rows), strict=True):
+                assert rollout.routes is not None
+                given = routes_tensor(rollout.routes)[:, layer]
+                assert torch.equal(received[:-1], given[:-1])  # the last token (unknown) routes itself
+        own = _rows(calls[layer][1], rollouts)
+        assert any(
+            not torch.equal(o[:-1].sort().values, routes_tensor(r.routes)[:-1, layer].sort().values)  # type: ignore[arg-type]
+            for o, r in zip(own, rollouts, strict=True)
+        )
+    # random engine routes disagree with the trainer's on most tokens; every replayed token was counted
+    assert 0.5 < metrics["moe/engine_disagreement"] <= 1.0
+    assert 0.5 < metrics["moe/train_disagreement"] <= 1.0
+    assert set(metrics) >= {"moe/engine_disagreement/layer_000", "moe/engine_disagreement/layer_001"}
+    assert metrics["moe/trainer_load_max_over_mean"] >= 1.0
+
+
+def _forced_routing_logprobs(moe_dir: Path, rollout: Rollout) -> list[float]:
+    """The completion logprobs of ``rollout`` with its routes forced by a router written here (Mixtral's: softmax
+    over the experts, the chosen experts' probabilities renormalised), independent of `RouterReplay`."""
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    assert rollout.routes is not None
+    given = routes_tensor(rollout.routes)
+    for layer, router in enumerate(_routers(model)):
+
+        def forced(hidden, router=router, layer=layer):
+            logits = F.linear(hidden.reshape(-1, router.weight.shape[1]), router.weight)
+            indices = given[:, layer].clone()
+            own = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1).indices
+            indices[-1] = own[-1]
+            weights = torch.softmax(logits, dim=-1).gather(1, indices)
+            return logits, weights / weights.sum(dim=-1, keepdim=True), indices
+
+        router.forward = forced
+    ids = torch.tensor([rollout.prompt_ids + rollout.completion_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+    targets = ids[0, 1:]
+    values = logprobs.gather(1, targets[:, None])[:, 0]
+    return values[len(rollout.prompt_ids) - 1 :].tolist()
+
+
+def test_the_logprob_gap_with_the_engine_routes_replayed_is_zero_against_a_hand_written_forced_routing(
+    moe_dir: Path,
+):
+    engine = _rollouts(with_routes=True)
+    forced = [_forced_routing_logprobs(moe_dir, r) for r in engine]
+    rollouts = _rollouts(with_routes=True, completion_logprobs=forced)
+    metrics = _trainer(moe_dir, "none").step(TrainBatch(rollouts=rollouts, step=0))  # measured even without replay
+    assert metrics["moe/logprob_gap_replayed"] < 1e-5
+    assert metrics["moe/logprob_gap_unreplayed"] > 1e-3  # the trainer's own routes compute other logprobs
+    assert "moe/train_disagreement" not in metrics  # nothing replayed in training
+
+
+def test_r2_replays_the_old_policy_routes_after_an_update_moved_the_routers(moe_dir: Path):
+    received = {}
+    for replay in ("r2", "none"):
+        trainer = _trainer(moe_dir, replay)
+        calls = _record_experts(trainer)
+        rollouts = _rollouts(with_routes=False)
+        metrics = trainer.step(TrainBatch(rollouts=rollouts, step=0))
+        assert [len(layer) for layer in calls] == [3] * LAYERS  # the old-policy pass, two training passes
+        received[replay] = [
+            (_rows(calls[layer][0], rollouts)[2:], _rows(calls[layer][2], rollouts[2:])) for layer in range(LAYERS)
+        ]
+        if replay == "r2":
+            assert metrics["moe/train_disagreement"] > 0  # the moved routers would have chosen otherwise
+    for old, trained in received["r2"]:  # the second mini-batch, after one update: the old routes
+        assert all(torch.equal(a, b) for a, b in zip(old, trained, strict=True))
+    moved = [not torch.equal(a, b) for old, trained in received["none"] for a, b in zip(old, trained, strict=True)]
+    assert any(moved)  # the control: without replay, the update moved some routes
+
+
+def test_packing_replays_the_same_routes_and_gives_the_same_step(moe_dir: Path):
+    metrics = {}
+    for packing in (False, True):
+        trainer = _trainer(moe_dir, "r3", packing=True, micro_batch_tokens=64) if packing else _trainer(moe_dir, "r3")
+        metrics[packing] = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=True), step=0))
+    for name in ("train/loss", "moe/train_disagreement", "moe/engine_disagreement", "moe/logprob_gap_replayed"):
+        assert metrics[True][name] == pytest.approx(metrics[False][name], rel=1e-5, abs=1e-6), name
+
+
+def test_bad_routes_are_one_clear_error(moe_dir: Path, model_dir: Path):
+    trainer = _trainer(moe_dir, "r3")
+    with pytest.raises(ValueError, match='routing_replay = "r3": rollout t/0 came without'):
+        trainer.step(TrainBatch(rollouts=_rollouts(with_routes=False), step=0))
+    rollouts = _rollouts(with_routes=True)
+    rollouts[1].routes = expert_routes(torch.zeros(3, LAYERS, TOP_K, dtype=torch.long), num_experts=EXPERTS)
+    with pytest.raises(ValueError, match=r"expert routes of \(3, 2, 2\) .* for 5 tokens"):
+        trainer.step(TrainBatch(rollouts=rollouts, step=0))
+    with pytest.raises(RoutingError, match="needs a Mixture-of-Experts model"):
+        _trainer(model_dir, "r2")
+
+
+def test_expert_routes_round_trip_compactly_and_continue_by_a_later_call():
+    indices = torch.tensor([[[0, 3], [2, 1]], [[UNROUTED] * 2] * 2])  # [tokens, layers, top_k]; token 1 unknown
+    compact = expert_routes(indices, num_experts=EXPERTS)
+    assert compact.itemsize == 1 and len(compact.data) == indices.numel()
+    assert torch.equal(routes_tensor(compact), indices)
+    wide = expert_routes(indices + 300 * (indices >= 0), num_experts=512)
+    assert wide.itemsize == 2 and torch.equal(routes_tensor(wide), indices + 300 * (indices >= 0))
+    # a later call ran both tokens again and a third: the first call's known routes stay, the rest are the later's
+    later = expert_routes(torch.tensor([[[3, 2], [0, 1]], [[0, 1], [2, 3]], [[1, 0], [3, 2]]]), num_experts=EXPERTS)
+    merged = routes_tensor(compact.extended_by(later))
+    assert merged.tolist() == [[[0, 3], [2, 1]], [[0, 1], [2, 3]], [[1, 0], [3, 2]]]
+    with pytest.raises(ValueError, match="bytes for"):
+        ExpertRoutes(data=b"\x00", num_tokens=1, num_layers=2, top_k=2)
