@@ -4,7 +4,7 @@ A transformers MoE layer asks its router (``*TopKRouter``: ``forward(hidden) -> 
 ``top_k`` experts each token goes to and with what weights, then runs those experts. `RouterReplay` wraps every
 router of a model once, and then, per forward pass:
 - `capture` records each router's chosen expert indices (`Routes`: per MoE layer, ``[tokens, top_k]``, the tokens of
-  the forward's flattened ``[batch x seq]`` in order), or, with ``accumulate``, those of every call in turn (a
+  the forward's flattened ``[batch x seq]`` in order), or, with ``rows``, those of every call in turn (a
   generation's prefill, then each decoding step);
 - `replay` makes each router use given indices instead of its own top-k; a token whose indices are `UNROUTED` (-1)
   keeps the router's own choice (padding, or a token the engine never ran). The weights are the router's own
@@ -38,6 +38,9 @@ from sharpen.types import ExpertRoutes
 
 UNROUTED = -1
 """An expert index that replays nothing: the router chooses this token's experts itself."""
+
+REPLAY_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+"""The ``model_type`` (config.json) of the families whose routers `RouterReplay` knows."""
 
 _SOFTMAX = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
 _SIGMOID = ("DeepseekV3TopkRouter",)
@@ -100,16 +103,17 @@ class RouterReplay:
         return int(router.weight.shape[0])
 
     @contextlib.contextmanager
-    def capture(self, *, accumulate: bool = False) -> Iterator[Routes]:
+    def capture(self, *, rows: int | None = None) -> Iterator[Routes]:
         """Record the routes of the forward passes inside: the last pass's, per layer (a pass that activation
-        checkpointing recomputes records the same again); with ``accumulate``, every call's, concatenated in call
-        order (`concatenate_calls` puts a generation's calls back on its rows). Inside `replay`: the replayed
-        routes, with ``differs``."""
+        checkpointing recomputes records the same again). With ``rows``: every call's, each a batch of that many
+        rows, put back on its rows and concatenated along the positions in call order (a generation's prefill,
+        then one position per decoding step): per layer ``[rows, positions, top_k]`` (`stack_layers`). Inside
+        `replay`: the replayed routes, with ``differs``."""
         if self._captured is not None:
             raise RoutingError("routes are already being captured")
         routes = Routes()
         captured: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(self.num_layers)]
-        self._captured, self._accumulates = captured, accumulate
+        self._captured, self._accumulates = captured, rows is not None
         try:
             yield routes
         finally:
@@ -117,7 +121,10 @@ class RouterReplay:
         missing = [index for index, calls in enumerate(captured) if not calls]
         if missing:
             raise RoutingError(f"no forward pass reached MoE layer(s) {missing} while routes were captured")
-        routes.layers = [torch.cat([indices for indices, _ in calls]) for calls in captured]
+        if rows is None:
+            routes.layers = [torch.cat([indices for indices, _ in calls]) for calls in captured]
+        else:
+            routes.layers = [torch.cat([_on_rows(indices, rows) for indices, _ in calls], dim=1) for calls in captured]
         if all(differs is not None for calls in captured for _, differs in calls):
             routes.differs = [torch.cat([d for _, d in calls if d is not None]) for calls in captured]
 
@@ -191,15 +198,16 @@ class _Routed:
         return logits, weights, indices
 
 
-def concatenate_calls(routes: Routes, num_rows: int) -> torch.Tensor:
-    """The ``[rows, positions, layers, top_k]`` routes of an accumulated capture over calls of ``num_rows`` rows
-    each (a generation: its prefill, then one position per decoding step), the calls' positions in order."""
-    per_layer = []
-    for indices in routes.layers:
-        if indices.shape[0] % num_rows:
-            raise RoutingError(f"{indices.shape[0]} routed tokens do not split into {num_rows} rows")
-        per_layer.append(indices.reshape(num_rows, -1, indices.shape[1]))
-    return torch.stack(per_layer, dim=2)
+def _on_rows(indices: torch.Tensor, rows: int) -> torch.Tensor:
+    """One call's ``[tokens, top_k]`` indices of a batch of ``rows`` rows as ``[rows, positions, top_k]``."""
+    if indices.shape[0] % rows:
+        raise RoutingError(f"{indices.shape[0]} routed tokens do not split into {rows} rows")
+    return indices.reshape(rows, -1, indices.shape[1])
+
+
+def stack_layers(routes: Routes) -> torch.Tensor:
+    """The ``[rows, positions, layers, top_k]`` routes of a capture with ``rows``."""
+    return torch.stack(routes.layers, dim=2)
 
 
 def routes_tensor(routes: ExpertRoutes) -> torch.Tensor:

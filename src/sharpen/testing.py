@@ -1,6 +1,7 @@
-"""Tiny random models for tests and benchmarks: a 2-layer Llama (causal LM, or a one-label reward model) with
-SmolLM2's tokenizer and chat template, and two tiny vision-language models (Qwen2-VL; Idefics3, which vLLM's CPU
-build serves) with the same tokenizer plus their image tokens, each built in a second from a fixed seed. The 49k
+"""Tiny random models for tests and benchmarks: a 2-layer Llama (causal LM, or a one-label reward model) and a
+2-layer Mixtral (Mixture-of-Experts) with SmolLM2's tokenizer and chat template, and two tiny vision-language models
+(Qwen2-VL; Idefics3, which vLLM's CPU build serves) with the same tokenizer plus their image tokens, each built in a
+second from a fixed seed. The 49k
 vocabulary dominates its size. torch and transformers are imported only when a model is built. And
 `ByteChatTokenizer`, a chat tokenizer without a model, for tests and benchmarks of the episode path."""
 
@@ -42,6 +43,41 @@ def save_tiny_llama(folder: Path, *, tokenizer_from: Path, reward_model: bool = 
             pad_token_id=2,
         )
         model = LlamaForCausalLM(config)
+    model.save_pretrained(folder)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).is_file():
+            shutil.copy2(tokenizer_from / name, Path(folder) / name)
+    return Path(folder)
+
+
+def save_tiny_mixtral(folder: Path, *, tokenizer_from: Path, hidden_size: int = 32, num_experts: int = 4) -> Path:
+    """A 2-layer random Mixtral (``num_experts`` experts, 2 per token) with the tokenizer files of
+    ``tokenizer_from``, into ``folder``; returns ``folder``. Seeded, and its routers drawn wide (std 1), so that a
+    token's two experts are a clear choice rather than a near tie that rounding could flip."""
+    import torch
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    config = MixtralConfig(
+        vocab_size=49152,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=num_experts,
+        num_experts_per_tok=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    model = MixtralForCausalLM(config)
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):  # the routers
+                weight.normal_(0, 1.0)
     model.save_pretrained(folder)
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).is_file():

@@ -206,6 +206,19 @@ class ExpertRoutes:
         unknown = b"\xff" * size  # 255 as a byte, -1 as an int16: both all ones
         return self.data[token * size : (token + 1) * size] != unknown
 
+    def padded_to(self, num_tokens: int) -> ExpertRoutes:
+        """These routes with unknown ones for tokens after them, up to ``num_tokens``."""
+        if num_tokens < self.num_tokens:
+            raise ValueError(f"ExpertRoutes: cannot pad {self.num_tokens} routes to {num_tokens}")
+        extra = b"\xff" * ((num_tokens - self.num_tokens) * self._token_bytes)
+        return ExpertRoutes(
+            data=self.data + extra,
+            num_tokens=num_tokens,
+            num_layers=self.num_layers,
+            top_k=self.top_k,
+            itemsize=self.itemsize,
+        )
+
     def extended_by(self, later: ExpertRoutes) -> ExpertRoutes:
         """These routes, continued by ``later``'s (a later call on the same tokens and more: the next turn of an
         episode): a token keeps the route of the first call that ran it; ``later`` gives the rest."""

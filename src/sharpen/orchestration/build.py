@@ -25,6 +25,7 @@ from sharpen.environments.base import EnvironmentFactory
 from sharpen.environments.registry import environment_tasks, episode_limits, open_sandbox
 from sharpen.environments.sandbox import SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandboxPool
+from sharpen.expert_routes import REPLAY_MODEL_TYPES
 from sharpen.monitoring import (
     DIGEST_FILE_NAME,
     ParityProbe,
@@ -47,6 +48,7 @@ from sharpen.trainer.backends.base import ReferenceScorer, TrainerBackend
 from sharpen.trainer.backends.frozen import LoraReferencePolicy
 from sharpen.trainer.backends.single_device import resolve_device
 from sharpen.trainer.backends.teacher import TeacherPolicy, TeacherPrompt, check_same_vocabulary
+from sharpen.trainer.layout import ModelShape
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import Example, prompt_images
 
@@ -94,6 +96,36 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
     if isinstance(environment, BrowserEnvironmentConfig) and environment.observation != "text":
         where = f'environment.observation = "{environment.observation}" (browser screenshots)'
         raise text_only_error(where, 1, f"model.path {model_path}")
+
+
+def check_moe(config: SharpenConfig) -> None:
+    """One line (a `ConfigError`) before anything starts when ``trainer.moe`` cannot run: routing replay on a dense
+    model or a family whose routers sharpen cannot replay, R3 with an engine that returns no routes, replay with a
+    trainer layout other than data parallelism (docs/moe.md)."""
+    replay = config.trainer.moe.routing_replay
+    if replay == "none":
+        return
+    model_path = resolve_model_path(config.model.path)
+    model_config = json.loads((model_path / "config.json").read_text())
+    text = model_config.get("text_config") or model_config
+    model_type = text.get("model_type", "")
+    asked = f'trainer.moe.routing_replay = "{replay}"'
+    if not ModelShape.from_hf_config(model_config).num_experts:
+        raise ConfigError(f"{asked} needs a Mixture-of-Experts model; {model_path} ({model_type}) is dense")
+    if model_type not in REPLAY_MODEL_TYPES:
+        raise ConfigError(
+            f"{asked}: sharpen replays the routers of {', '.join(REPLAY_MODEL_TYPES)}, not {model_type} ({model_path})"
+        )
+    engine = config.rollout.engine.type
+    if replay == "r3" and engine != "hf":
+        raise ConfigError(
+            f"{asked} replays the engine's routes, and rollout.engine.type = \"{engine}\" returns none here (vLLM's "
+            'CPU build cannot: docs/moe.md); use rollout.engine.type = "hf", or r2'
+        )
+    parallel = config.trainer.parallel
+    split = [f"{axis} = {getattr(parallel, axis)}" for axis in ("tp", "cp", "pp") if getattr(parallel, axis) > 1]
+    if split:
+        raise ConfigError(f"{asked} runs with data parallelism only yet, not trainer.parallel {', '.join(split)}")
 
 
 def check_vllm_loads(model_path: Path) -> None:

@@ -26,6 +26,7 @@ from sharpen.orchestration.build import (
     build_episode_runner,
     build_parity_probe,
     build_reward_fn,
+    check_moe,
     load_run_examples,
     load_tokenizer,
     uses_ray_reward_models,
@@ -79,6 +80,7 @@ def run_session(
     with contextlib.ExitStack() as stack:
         stack.callback(close_environment_factory, make_environment)  # its browsers, its replica client
         examples = load_run_examples(config)
+        check_moe(config)
         sandbox = build_sandbox(config.environment, config.sandbox)  # probes the host's isolation now
         if sandbox is not None:
             stack.callback(sandbox.close)

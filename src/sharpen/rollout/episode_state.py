@@ -19,7 +19,16 @@ from sharpen.data.vision import VisionProcessor
 from sharpen.environments import EpisodeContext
 from sharpen.environments.base import AgentEnvironment, Environment
 from sharpen.rollout.agent_session import Segment
-from sharpen.types import EpisodeRecord, Example, ImagePart, Message, Rollout, RolloutGroup, prompt_images
+from sharpen.types import (
+    EpisodeRecord,
+    Example,
+    ExpertRoutes,
+    ImagePart,
+    Message,
+    Rollout,
+    RolloutGroup,
+    prompt_images,
+)
 
 
 @dataclass(kw_only=True)
@@ -38,6 +47,10 @@ class EpisodeState:
     logprobs: list[float] = field(default_factory=list[float])
     versions: list[int] = field(default_factory=list[int])
     loss_mask: list[bool] = field(default_factory=list[bool])
+    routes: ExpertRoutes | None = None
+    """A Mixture-of-Experts engine's routes of the tokens so far (each token's from the first call that ran it);
+    None once a call returned none."""
+    routes_lost: bool = False
     last_text: str = ""
     env_seconds: float = 0.0
     deadline: float | None = None
@@ -46,6 +59,13 @@ class EpisodeState:
     is_truncated: bool = False
     segments: list[Segment] = field(default_factory=list[Segment])
     """An agent episode's earlier segments (its history was rewritten); the tokens above are its last one."""
+
+    def add_routes(self, routes: ExpertRoutes | None) -> None:
+        """The routes a model call returned for the episode's tokens before it and the ones it generated."""
+        if routes is None or self.routes_lost:
+            self.routes, self.routes_lost = None, True
+            return
+        self.routes = routes if self.routes is None else self.routes.extended_by(routes)
 
     def end(self, reason: str, *, is_truncated: bool) -> None:
         self.is_done = True
@@ -131,6 +151,7 @@ class Groups:
 
 def rollout_of(example: Example, episode: EpisodeState) -> Rollout:
     is_multi_turn = not all(episode.loss_mask)
+    num_tokens = len(episode.prompt_ids) + len(episode.completion_ids)  # the last observation's routes are unknown
     segments = [
         Rollout(
             example=example,
@@ -152,6 +173,7 @@ def rollout_of(example: Example, episode: EpisodeState) -> Rollout:
         completion_logprobs=episode.logprobs,
         versions=episode.versions,
         images=episode.images,
+        routes=None if episode.routes is None else episode.routes.padded_to(num_tokens),
         completion_text=episode.last_text,
         is_truncated=episode.is_truncated,
         loss_mask=episode.loss_mask if is_multi_turn else None,

@@ -313,6 +313,7 @@ class EpisodeRunner:
                 raise self._timeout_error(batcher) from None
             assert completion.versions is not None  # the batcher stamps every completion's tokens
             _append(episode, completion.token_ids, completion.logprobs, versions=completion.versions, is_generated=True)
+            episode.add_routes(completion.routes)
             episode.last_text = completion.text
             result = await _step(episode, completion.text)
             renderers = {"tokenizer": self.tokenizer, "vision": self.vision}
@@ -352,6 +353,7 @@ class EpisodeRunner:
             for episode, completion in zip(live, completions, strict=True):
                 versions = completion.versions or [version] * len(completion.token_ids)
                 _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
+                episode.add_routes(completion.routes)
                 episode.last_text = completion.text
             results = await asyncio.gather(*(_step(e, c.text) for e, c in zip(live, completions, strict=True)))
             for episode, completion, result in zip(live, completions, results, strict=True):

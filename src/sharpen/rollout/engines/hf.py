@@ -9,12 +9,17 @@ transformers a one-hot choice, so what a request samples does not depend on whic
 runner's batches depend on timing) and the behaviour logprobs are kept from that distribution. Requests without a
 seed draw from torch's global generator, under a process-wide lock.
 
+A Mixture-of-Experts model of a family `sharpen.expert_routes` knows returns its routes with each completion
+(`Completion.routes`: every prompt token's and every generated token's experts, as its forward passes chose them, the
+last sampled token's unknown: it never ran), for routing replay R3 (``trainer.moe.routing_replay = "r3"``).
+
 Sleep (``runtime.colocate``) frees every parameter's storage; waking allocates them again filled with NaN, and
 the next `load_weights` must replace every one of them (a weight it misses is an error, not stale numbers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -24,8 +29,9 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class, text_only_error
+from sharpen.expert_routes import UNROUTED, RouterReplay, expert_routes, is_moe_model, stack_layers
 from sharpen.rollout.engines.base import EngineError
-from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ExpertRoutes, ImagePart, PolicyVersion, SamplingParams
 
 _GLOBAL_RNG = threading.Lock()
 """Held while a batch samples: rows without a seed, and transformers' own draw of the one-hot choice, use torch's one
@@ -44,6 +50,8 @@ class HfEngine:
         self.model_path = Path(model_path)
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
+        self.router = RouterReplay(self.model, name=str(model_path)) if is_moe_model(self.model) else None
+        """A Mixture-of-Experts model's routes, captured while it generates (`Completion.routes`)."""
         self.batch_size = batch_size
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
@@ -147,19 +155,23 @@ class HfEngine:
             }
         else:
             sampling_kwargs = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-        # the auto class's return type does not satisfy `generate`'s self protocol in transformers' stubs
-        result = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            **image_inputs,  # pixel values and the placeholders' types (M-RoPE positions) of an image prompt
-            **sampling_kwargs,
-            max_new_tokens=param.max_new_tokens,
-            eos_token_id=eos,
-            pad_token_id=self.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
+        capturing = self.router.capture(rows=len(prompts)) if self.router is not None else contextlib.nullcontext()
+        with capturing as captured:
+            # the auto class's return type does not satisfy `generate`'s self protocol in transformers' stubs
+            result = self.model.generate(  # pyright: ignore[reportAttributeAccessIssue]
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                **image_inputs,  # pixel values and the placeholders' types (M-RoPE positions) of an image prompt
+                **sampling_kwargs,
+                max_new_tokens=param.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=self.pad_token_id,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
         new_tokens = result.sequences[:, width:]  # [batch, steps]
+        # [batch, width + steps - 1, layers, top_k]: the prefill's positions, then one per decoding step
+        routes = None if captured is None else stack_layers(captured)
         if sampler is not None:  # the sampler kept the logprobs of its draws under temperature / top-p
             logprobs = torch.stack(sampler.logprobs, dim=1)  # [batch, steps]
         else:  # greedy: scores are the processed logits, their log-softmax the behaviour policy
@@ -181,9 +193,18 @@ class HfEngine:
                     logprobs=logprobs[row, :num].tolist(),
                     text=self.tokenizer.decode(ids, skip_special_tokens=True),
                     finish_reason="stop" if finished else "length",
+                    routes=None if routes is None else self._row_routes(routes[row], len(prompts[row]), width, num),
                 )
             )
         return completions
+
+    def _row_routes(self, routes: torch.Tensor, prompt_length: int, width: int, num_new: int) -> ExpertRoutes:
+        """One row's routes (``routes``: [positions, layers, top_k] of its left-padded row) on its prompt and its
+        ``num_new`` generated tokens, the last of which never ran."""
+        assert self.router is not None
+        ran = routes[width - prompt_length : width + num_new - 1]
+        unknown = torch.full((1, *ran.shape[1:]), UNROUTED, dtype=ran.dtype, device=ran.device)
+        return expert_routes(torch.cat([ran, unknown]), num_experts=self.router.num_experts)
 
     def _check_takes_images(self, num_images: int) -> None:
         if num_images and self.vision is None:

@@ -1,0 +1,72 @@
+"""The hf engine returns a Mixture-of-Experts model's routes with each completion (routing replay R3 on a CPU):
+every prompt and generated token's experts, the last sampled token's unknown; they equal the routes of one full
+forward of the same tokens with the same weights (the trainer's view) on nearly every token; and a trainer step
+that replays them reproduces the engine's logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from sharpen.config.schema import TrainerConfig
+from sharpen.expert_routes import UNROUTED, RouterReplay, routes_tensor
+from sharpen.rollout.engines.hf import HfEngine
+from sharpen.testing import save_tiny_mixtral
+from sharpen.trainer import SingleDeviceBackend, Trainer
+from sharpen.types import Example, Message, Rollout, SamplingParams, TrainBatch
+
+PROMPTS = [[1, 400, 500, 600, 700], [1, 41, 42], [1, 9000, 9001, 9002, 9003, 9004, 9005]]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    return save_tiny_mixtral(tmp_path_factory.mktemp("tiny-moe"), tokenizer_from=smollm2_path)
+
+
+def _full_forward_routes(model_path: Path, tokens: list[int]) -> torch.Tensor:
+    """[tokens, layers, top_k]: one forward of ``tokens`` (no cache, no padding) with its own routes."""
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    replay = RouterReplay(model)
+    with torch.no_grad(), replay.capture() as routes:
+        model(input_ids=torch.tensor([tokens]))
+    return torch.stack(routes.layers, dim=1)
+
+
+def test_the_hf_engine_returns_the_routes_of_every_token_and_a_replaying_trainer_matches_its_logprobs(
+    tiny_moe_path: Path,
+):
+    engine = HfEngine(tiny_moe_path)
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=seed) for seed in range(len(PROMPTS))]
+    completions = engine.generate(PROMPTS, params)
+    same = total = 0
+    rollouts = []
+    for prompt, completion in zip(PROMPTS, completions, strict=True):
+        assert completion.routes is not None
+        routes = routes_tensor(completion.routes)
+        tokens = prompt + completion.token_ids
+        assert routes.shape == (len(tokens), 2, 2)
+        assert (routes[-1] == UNROUTED).all() and (routes[:-1] >= 0).all()  # the last sampled token never ran
+        full = _full_forward_routes(tiny_moe_path, tokens)[:-1].sort(dim=-1).values
+        agree = (routes[:-1].sort(dim=-1).values == full).all(dim=-1)  # [tokens - 1, layers]
+        same, total = same + int(agree.sum()), total + agree.numel()
+        rollouts.append(
+            Rollout(
+                example=Example(task_key=f"t/{len(rollouts)}", prompt=(Message(role="user", content="q"),)),
+                prompt_ids=prompt,
+                completion_ids=completion.token_ids,
+                completion_logprobs=completion.logprobs,
+                versions=[0] * len(completion.token_ids),
+                advantage=1.0,
+                routes=completion.routes,
+            )
+        )
+    assert same / total >= 0.9  # a KV-cached decode and a full forward round differently only at near ties
+    config = TrainerConfig.model_validate({"precision": "float32", "moe": {"routing_replay": "r3"}})
+    backend = SingleDeviceBackend(config, model_path=tiny_moe_path, dtype="float32")
+    metrics = Trainer(config, backend=backend, pad_token_id=2).step(TrainBatch(rollouts=rollouts, step=0))
+    assert metrics["moe/engine_disagreement"] <= 0.1
+    assert metrics["moe/logprob_gap_replayed"] < 1e-4  # the engine's logprobs, from the engine's routes
