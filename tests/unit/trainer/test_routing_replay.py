@@ -2,7 +2,8 @@
 routes in every pass of the policy (measured by hooks on the experts, which see the indices they are given); R2
 replays the old-policy pass's routes after an update moved the routers (and without replay the routes move: the
 control); the engine/trainer logprob gap with the engine's routes is zero against a hand-written forced-routing
-forward; packing changes nothing; bad input is one clear error."""
+forward; packing changes nothing; two FSDP2 ranks take the same step as one device; bad input is one clear
+error."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sharpen.config.schema import TrainerConfig
 from sharpen.expert_routes import UNROUTED, RoutingError, expert_routes, routes_tensor
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.types import Example, ExpertRoutes, Message, Rollout, TrainBatch
+from support.ranks import join_process_group, launch_ranks
 
 VOCAB, EXPERTS, TOP_K, LAYERS, PAD = 128, 4, 2, 2, 0
 _EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
@@ -92,19 +94,92 @@ def _rollouts(*, with_routes: bool, completion_logprobs: list[list[float]] | Non
     return out
 
 
-def _trainer(moe_dir: Path, replay: str, **options) -> Trainer:
-    config = TrainerConfig.model_validate(
+def _config(replay: str, **options) -> TrainerConfig:
+    return TrainerConfig.model_validate(
         {
             "algorithm": AlgorithmConfig(num_mini_batches=2),
             "learning_rate": 0.05,
             "micro_batch_size": 8,
             "precision": "float32",
             "moe": {"routing_replay": replay},
+            "device": "cpu",
             **options,
         }
     )
+
+
+def _trainer(moe_dir: Path, replay: str, **options) -> Trainer:
+    config = _config(replay, **options)
     backend = SingleDeviceBackend(config, model_path=moe_dir, dtype="float32")
     return Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8)
+
+
+def _record_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    """Each optimizer step's whole gradients (before clipping), by parameter name, recorded as the step runs."""
+    from torch.distributed.tensor import DTensor
+
+    backend = trainer.backend
+    step = backend.clip_and_step
+    recorded: list[dict[str, torch.Tensor]] = []
+
+    def recording() -> float:
+        model = backend.model  # pyright: ignore[reportAttributeAccessIssue]
+        grads = {}
+        for name, param in model.named_parameters():
+            grad = param.grad
+            if grad is not None:
+                grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+        recorded.append(grads)
+        return step()
+
+    backend.clip_and_step = recording  # pyright: ignore[reportAttributeAccessIssue]
+    return recorded
+
+
+def _fsdp2_worker(rank: int, num_ranks: int, port: int, moe_dir: Path, out: Path) -> None:
+    import torch.distributed as dist
+
+    from sharpen.trainer.backends.fsdp2 import FSDP2Backend
+
+    join_process_group(rank, num_ranks, port)
+    results = {}
+    for replay in ("r3", "r2"):
+        config = _config(replay)
+        backend = FSDP2Backend(config, model_path=moe_dir, dtype="float32")
+        trainer = Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8)
+        gradients = _record_gradients(trainer)
+        metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
+        results[replay] = {"metrics": metrics, "gradients": gradients}
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fsdp2_results(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """R3 and R2 steps on 2 FSDP2 ranks (launched before this module trains on one device: forked ranks)."""
+    out = tmp_path_factory.mktemp("fsdp2_moe") / "results.pt"
+    launch_ranks(_fsdp2_worker, 2, moe_dir, out)
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("replay", ["r3", "r2"])
+def test_two_fsdp2_ranks_replay_and_step_as_one_device(fsdp2_results: dict, moe_dir: Path, replay: str):
+    trainer = _trainer(moe_dir, replay)
+    gradients = _record_gradients(trainer)
+    metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
+    sharded = fsdp2_results[replay]
+    names = [name for name in metrics if name.startswith("moe/")] + ["train/loss", "train/grad_norm"]
+    assert "moe/train_disagreement" in names
+    for name in names:
+        assert sharded["metrics"][name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-6), name
+    # the gradients of both optimizer steps (the second after an update moved the routers), every parameter; not
+    # the weights: AdamW's first update, about lr * g / |g|, magnifies the rounding of gradients near 0
+    assert len(gradients) == len(sharded["gradients"]) == 2
+    for mine, theirs in zip(gradients, sharded["gradients"], strict=True):
+        assert mine.keys() == theirs.keys()
+        for name, gradient in mine.items():
+            torch.testing.assert_close(theirs[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def _record_experts(trainer: Trainer) -> list[list[torch.Tensor]]:
