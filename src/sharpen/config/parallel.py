@@ -49,6 +49,12 @@ class ParallelConfig(Section):
     that split for one over heads, so the heads (per tensor-parallel rank) must divide by it. Right-padded and
     packed rows; FSDP2 shards parameters over dp_shard x cp."""
 
+    ep: int = Field(default=1, ge=1)
+    """Expert-parallel ranks of a Mixture-of-Experts model: each MoE layer's experts are split over ep ranks, and
+    every token goes to the rank of each expert it is routed to (all-to-all) and comes back. Carved out of the
+    data-parallel ranks (dp_shard), which it must divide, as must the model's experts; FSDP2 shards the experts
+    over the ranks that hold the same ones. Data parallelism (dp_shard) only, so far (docs/moe.md)."""
+
     @property
     def ranks_per_shard(self) -> int:
         """The ranks one data shard spans on the other axes (``runtime.trainer_ranks`` must be a multiple)."""

@@ -128,6 +128,7 @@ class ParallelLayout:
             dp_replicate=parallel.dp_replicate,
             pp=parallel.pp,
             cp=parallel.cp,
+            ep=parallel.ep,
             pp_schedule=parallel.pp_schedule,
             pp_stages_per_rank=parallel.pp_stages_per_rank,
         )
@@ -209,17 +210,20 @@ class ParallelLayout:
             self._check_micro_batches(num_micro_batches)
 
     def check_built(self) -> None:
-        """Raise `LayoutError` for an axis whose trainer is not built yet (expert parallelism), or a pair of axes
-        (pipeline with context parallelism); data, tensor, context and pipeline parallelism are."""
+        """Raise `LayoutError` for axes whose trainer is not built together yet: pipeline with context parallelism,
+        expert parallelism with any axis but dp_shard."""
         if self.pp > 1 and self.cp > 1:
             raise LayoutError(
                 f"pipeline and context parallelism together (pp {self.pp} x cp {self.cp}) are not built yet: use one "
                 "of them (docs/parallelism.md)"
             )
-        if self.ep > 1:
+        others = [
+            f"{axis} {getattr(self, axis)}" for axis in ("pp", "dp_replicate", "cp", "tp") if getattr(self, axis) > 1
+        ]
+        if self.ep > 1 and others:
             raise LayoutError(
-                f"the trainer runs data, tensor, context and pipeline parallelism; {self.describe()} asks for expert "
-                "parallelism, which is not built yet (docs/parallelism.md)"
+                f"expert parallelism (ep {self.ep}) runs with data parallelism (dp_shard) alone so far, not with "
+                f"{' and '.join(others)} (docs/moe.md)"
             )
 
     def check_features(self, *, lora: bool, vision: bool, distillation: bool) -> None:
@@ -238,6 +242,10 @@ class ParallelLayout:
             )
         if distillation and self.pp > 1:
             raise LayoutError("trainer.distillation with pipeline parallelism (pp > 1) is not supported: use pp = 1")
+        if self.ep > 1 and (lora or vision):
+            raise LayoutError(
+                f"expert parallelism (ep {self.ep}) takes neither trainer.lora nor a vision-language model"
+            )
 
     def _check_model(self, model: ModelShape) -> None:
         tp, cp = self.tp, self.cp

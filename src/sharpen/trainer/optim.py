@@ -17,5 +17,24 @@ import torch
 def build_adamw(
     parameters: Iterable[torch.nn.Parameter], *, learning_rate: float, betas: tuple[float, float], weight_decay: float
 ) -> torch.optim.AdamW:
-    """AdamW over ``parameters`` (plain tensors or FSDP2's DTensor shards, on the CPU or a CUDA device)."""
-    return torch.optim.AdamW(list(parameters), lr=learning_rate, betas=betas, weight_decay=weight_decay, fused=True)
+    """AdamW over ``parameters`` (plain tensors or FSDP2's DTensor shards, on the CPU or a CUDA device). Shards on
+    different meshes (expert parallelism's experts beside the rest) go in separate parameter groups: a fused step
+    runs per group, and one kernel call cannot take DTensors of two meshes."""
+    groups = mesh_groups(list(parameters))
+    return torch.optim.AdamW(
+        [{"params": group} for group in groups] if len(groups) > 1 else groups[0] if groups else [],
+        lr=learning_rate,
+        betas=betas,
+        weight_decay=weight_decay,
+        fused=True,
+    )
+
+
+def mesh_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by their DTensor mesh (plain tensors together), each group in the given order."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+    return list(groups.values())

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -46,6 +46,7 @@ from sharpen.trainer.backends.base import (
 )
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.cpu_memory import FreedMemory
+from sharpen.trainer.backends.expert_parallel import apply_expert_parallel, expert_modules
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
 from sharpen.trainer.backends.mesh import build_device_mesh, rank_device, weight_shard
 from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
@@ -53,7 +54,7 @@ from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, s
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.trainer.layout import LayoutError, ModelShape, ParallelLayout
-from sharpen.trainer.optim import build_adamw
+from sharpen.trainer.optim import build_adamw, mesh_groups
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
 from sharpen.weight_files import write_safetensors
@@ -199,6 +200,12 @@ class FSDP2Backend(ScoresTokenLogprobs):
             self.vocab_shard = apply_tensor_parallel(
                 self.model, mesh["tp"], plan=config.parallel.tp_plan, sequence_parallel=sequence_parallel
             )
+        expert_mesh = None
+        """Expert parallelism (ep > 1): the data ranks as ``[edp, ep]``; ep groups are neighbouring ranks."""
+        if self.layout.ep > 1:
+            shape = (self.layout.dp_shard // self.layout.ep, self.layout.ep)
+            expert_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("edp", "ep"))
+            apply_expert_parallel(self.model, expert_mesh["ep"])
         self.context_parallel: ContextParallel | None = None
         """Context parallelism (cp > 1): this rank's slice of every row's sequence (Ulysses attention); with
         sequence parallelism alone, the whole rows' attention mask."""
@@ -234,6 +241,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
             self._root = _ScoringRoot(self.model, is_vision_model=self.vision is not None)
             roots = [self._root]
         for layer in layers:
+            if expert_mesh is not None:  # a layer's experts: over the ranks that hold the same experts
+                for experts in expert_modules(layer):
+                    fully_shard(experts, mesh=expert_mesh["edp"], mp_policy=policy)
             fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
         self._fsdp_roots = [cast(FSDPModule, fully_shard(root, mesh=fsdp_mesh, mp_policy=policy)) for root in roots]
         for root in self._fsdp_roots:
@@ -352,7 +362,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
         if pipeline is not None:
             total_norm = pipeline.norm_over_stages(total_norm)
         if torch.isfinite(total_norm):  # the global norm: every rank skips a non-finite step together
-            torch.nn.utils.clip_grads_with_norm_(parameters, self.config.max_grad_norm, total_norm)
+            # one call cannot take DTensors of two meshes (expert parallelism's experts beside the rest)
+            for group in mesh_groups(list[torch.Tensor](parameters)):
+                torch.nn.utils.clip_grads_with_norm_(group, self.config.max_grad_norm, total_norm)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.freed_memory is not None:
@@ -410,7 +422,13 @@ class FSDP2Backend(ScoresTokenLogprobs):
         weights = self._sharded_weights()
         if self.pipeline is not None:
             return self.pipeline.weight_shards(weights)
-        shards = (weight_shard(name, order, tensor) for order, (name, tensor) in enumerate(weights.items()))
+        # a plain tensor (a buffer FSDP2 does not shard, such as DeepSeek-V3's expert bias) is on every rank: rank 0
+        # sends it
+        shards = (
+            weight_shard(name, order, tensor)
+            for order, (name, tensor) in enumerate(weights.items())
+            if isinstance(tensor, DTensor) or self.is_writer
+        )
         return [shard for shard in shards if shard is not None]
 
     def _reshard(self) -> None:
