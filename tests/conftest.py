@@ -1,5 +1,5 @@
 """Shared fixtures: the real small model (pulled by `make test`), and tiny random models (a Llama, a Qwen2-VL, an
-Idefics3) with its tokenizer."""
+Idefics3, a Mixtral) with its tokenizer."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sharpen.config.models import ModelNotFoundError, resolve_model_path
-from sharpen.testing import save_tiny_idefics3, save_tiny_llama, save_tiny_qwen2_vl
+from sharpen.testing import save_tiny_idefics3, save_tiny_llama, save_tiny_mixtral, save_tiny_qwen2_vl
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +23,12 @@ def smollm2_path() -> Path:
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
     """A 2-layer random Llama with SmolLM2's tokenizer and chat template (the 49k vocab dominates its cost)."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
+    """A 2-layer random Mixtral (4 experts, 2 a token) with SmolLM2's tokenizer and chat template."""
+    return save_tiny_mixtral(tmp_path_factory.mktemp("tiny-moe"), tokenizer_from=smollm2_path)
 
 
 @pytest.fixture(scope="session")

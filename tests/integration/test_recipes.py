@@ -51,10 +51,16 @@ def test_every_algorithm_has_a_recipe() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_recipe_runs_with_the_tiny_model(
-    recipe: Path, tiny_model_path: Path, tiny_vlm_path: Path, tiny_idefics3_path: Path, tmp_path: Path
+    recipe: Path,
+    tiny_model_path: Path,
+    tiny_moe_path: Path,
+    tiny_vlm_path: Path,
+    tiny_idefics3_path: Path,
+    tmp_path: Path,
 ) -> None:
+    replays_routes = load_config(recipe).trainer.moe.routing_replay != "none"  # needs a Mixture-of-Experts model
     overrides = [
-        f"model.path={json.dumps(str(tiny_model_path))}",
+        f"model.path={json.dumps(str(tiny_moe_path if replays_routes else tiny_model_path))}",
         f"run.output_dir={json.dumps(str(tmp_path))}",
         "run.num_steps=2",
         "run.export_model=false",
@@ -105,6 +111,9 @@ def test_recipe_runs_with_the_tiny_model(
         assert rows[-1]["reward/kl_penalty"] != 0.0  # the policy moved away from the frozen reference
     elif config.trainer.algorithm.kl.needs_reference:
         assert rows[-1]["train/kl"] > 0.0  # the reference is a separate, frozen copy
+    if replays_routes:  # the engine's routes came with every rollout and were measured against the trainer's
+        assert all(0.0 <= row["moe/engine_disagreement"] <= 0.1 for row in rows)
+        assert all(row["moe/logprob_gap_replayed"] < 1e-4 for row in rows)
     if config.trainer.algorithm.advantage.needs_critic:
         assert all(math.isfinite(row["critic/value_loss"]) for row in rows)
         assert rows[0]["critic/value_mean"] == 0.0  # the fresh head predicts exactly 0

@@ -10,12 +10,6 @@ import pytest
 from sharpen.config import ConfigError
 from sharpen.config.schema import SharpenConfig
 from sharpen.orchestration.build import check_moe
-from sharpen.testing import save_tiny_mixtral
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return save_tiny_mixtral(tmp_path_factory.mktemp("tiny-moe"), tokenizer_from=smollm2_path)
 
 
 def _config(model: Path, replay: str, *, engine: str = "hf", **parallel: int) -> SharpenConfig:

@@ -7,22 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.expert_routes import UNROUTED, RouterReplay, routes_tensor
 from sharpen.rollout.engines.hf import HfEngine
-from sharpen.testing import save_tiny_mixtral
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.types import Example, Message, Rollout, SamplingParams, TrainBatch
 
 PROMPTS = [[1, 400, 500, 600, 700], [1, 41, 42], [1, 9000, 9001, 9002, 9003, 9004, 9005]]
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: Path) -> Path:
-    return save_tiny_mixtral(tmp_path_factory.mktemp("tiny-moe"), tokenizer_from=smollm2_path)
 
 
 def _full_forward_routes(model_path: Path, tokens: list[int]) -> torch.Tensor:

@@ -2,8 +2,8 @@
 routes in every pass of the policy (measured by hooks on the experts, which see the indices they are given); R2
 replays the old-policy pass's routes after an update moved the routers (and without replay the routes move: the
 control); the engine/trainer logprob gap with the engine's routes is zero against a hand-written forced-routing
-forward; packing changes nothing; two FSDP2 ranks take the same step as one device; bad input is one clear
-error."""
+forward; packing changes nothing; two FSDP2 ranks take the same step as one device, also with the experts split
+over them (expert parallelism); bad input is one clear error."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.config.schema import TrainerConfig
 from sharpen.expert_routes import UNROUTED, RoutingError, expert_routes, routes_tensor
 from sharpen.trainer import SingleDeviceBackend, Trainer
+from sharpen.trainer.layout import ParallelLayout
 from sharpen.types import Example, ExpertRoutes, Message, Rollout, TrainBatch
 from support.ranks import join_process_group, launch_ranks
 
@@ -143,13 +144,14 @@ def _fsdp2_worker(rank: int, num_ranks: int, port: int, moe_dir: Path, out: Path
 
     join_process_group(rank, num_ranks, port)
     results = {}
-    for replay in ("r3", "r2"):
+    for name, replay, ep in (("r3", "r3", 1), ("r2", "r2", 1), ("r3, ep 2", "r3", 2)):
         config = _config(replay)
-        backend = FSDP2Backend(config, model_path=moe_dir, dtype="float32")
+        layout = ParallelLayout(dp_shard=2, ep=ep)
+        backend = FSDP2Backend(config, model_path=moe_dir, dtype="float32", layout=layout)
         trainer = Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8)
         gradients = _record_gradients(trainer)
         metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
-        results[replay] = {"metrics": metrics, "gradients": gradients}
+        results[name] = {"metrics": metrics, "gradients": gradients}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -163,12 +165,14 @@ def fsdp2_results(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     return torch.load(out)
 
 
-@pytest.mark.parametrize("replay", ["r3", "r2"])
-def test_two_fsdp2_ranks_replay_and_step_as_one_device(fsdp2_results: dict, moe_dir: Path, replay: str):
+@pytest.mark.parametrize("layout", ["r3", "r2", "r3, ep 2"])
+def test_two_fsdp2_ranks_replay_and_step_as_one_device(fsdp2_results: dict, moe_dir: Path, layout: str):
+    """FSDP2 on 2 ranks, and with the experts split over them (ep 2)."""
+    replay = layout.split(",")[0]
     trainer = _trainer(moe_dir, replay)
     gradients = _record_gradients(trainer)
     metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
-    sharded = fsdp2_results[replay]
+    sharded = fsdp2_results[layout]
     names = [name for name in metrics if name.startswith("moe/")] + ["train/loss", "train/grad_norm"]
     assert "moe/train_disagreement" in names
     for name in names:
