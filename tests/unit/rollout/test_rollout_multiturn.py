@@ -203,3 +203,36 @@ def test_episode_seeds_depend_on_task_and_sample_not_on_batching(tokenizer):
     again = _run(tokenizer, ["<answer>1</answer>"], CalculatorEnvironment, EpisodeLimits(max_turns=2), num_samples=3)
     assert [r.episode.seed for r in again.rollouts] == seeds
     json.dumps([t.info for r in group.rollouts for t in r.episode.turns])  # records are JSON-serialisable
+
+
+def test_an_episode_keeps_each_token_route_from_the_first_call_that_ran_it(tokenizer):
+    """A Mixture-of-Experts engine's routes (R3) through a two-turn episode: each call returns routes for its whole
+    context and what it generated (its last token unknown); the rollout keeps each token's from the first call that
+    ran it, here marked by the call's number."""
+    import torch
+
+    from sharpen.expert_routes import UNROUTED, expert_routes, routes_tensor
+
+    engine = _engine(tokenizer, [TOOL_CALL, "<answer>19</answer>"])
+    generate = engine.generate
+    calls = []
+
+    def with_routes(prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        completions = generate(prompts, params)
+        for prompt, completion in zip(prompts, completions, strict=True):
+            marks = torch.full((len(prompt) + len(completion.token_ids), 1, 2), len(calls), dtype=torch.long)
+            marks[-1] = UNROUTED  # the last sampled token never ran
+            completion.routes = expert_routes(marks, num_experts=8)
+        calls.append(prompts)
+        return completions
+
+    engine.generate = with_routes  # type: ignore[method-assign]
+    [group] = EpisodeRunner(
+        tokenizer=tokenizer, make_environment=CalculatorEnvironment, limits=EpisodeLimits(max_turns=4)
+    ).generate_groups(engine, [_example()], sampling=SamplingParams(max_new_tokens=64), num_samples=1, seed=0)
+    [rollout] = group.rollouts
+    assert rollout.routes is not None and len(calls) == 2
+    marks = routes_tensor(rollout.routes)[:, 0, 0].tolist()
+    first_call = len(calls[0][0]) + rollout.loss_mask.index(False) - 1  # the prompt and turn 0 but its last token
+    assert len(marks) == rollout.num_tokens
+    assert marks == [0] * first_call + [1] * (rollout.num_tokens - first_call - 1) + [UNROUTED]
