@@ -130,16 +130,16 @@ class RouterReplay:
 
     @contextlib.contextmanager
     def replay(self, routes: Routes) -> Iterator[None]:
-        """Route every token of the forward passes inside as ``routes`` say (`UNROUTED`: the router's choice)."""
-        if self._replayed is not None:
-            raise RoutingError("routes are already being replayed")
+        """Route every token of the forward passes inside as ``routes`` say (`UNROUTED`: the router's choice).
+        Nested, the inner routes hold until its end, then the outer ones again (a LoRA policy's reference pass, its
+        adapters off, inside the policy's training pass)."""
         if len(routes.layers) != self.num_layers:
             raise RoutingError(f"routes of {len(routes.layers)} MoE layers for a model of {self.num_layers}")
-        self._replayed = routes
+        outer, self._replayed = self._replayed, routes
         try:
             yield
         finally:
-            self._replayed = None
+            self._replayed = outer
 
     def _record(self, index: int, indices: torch.Tensor, differs: torch.Tensor | None) -> None:
         captured = self._captured

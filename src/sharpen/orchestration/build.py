@@ -257,13 +257,22 @@ def build_trainer(
     needs_reference = config.trainer.algorithm.kl.needs_reference
     if needs_reference and isinstance(backend, SingleDeviceBackend) and lora is not None:
         reference = LoraReferencePolicy(  # no second model copy
-            lora, device=backend.device, precision=precision, vision=backend.vision, model_path=model_path
+            lora,
+            device=backend.device,
+            precision=precision,
+            vision=backend.vision,
+            model_path=model_path,
+            router=backend.router,
         )
     elif needs_reference and config.runtime.trainer_ranks > 1:  # split like the policy, not a copy a rank
         reference = _sharded_reference(config, model_path=model_path, backend=backend)
     elif needs_reference:
         reference = ReferencePolicy(
-            model_path=model_path, dtype=config.model.master_dtype, device=backend.device, precision=precision
+            model_path=model_path,
+            dtype=config.model.master_dtype,
+            device=backend.device,
+            precision=precision,
+            replay_routes=config.trainer.moe.routing_replay != "none",
         )
     critic = None
     if config.trainer.algorithm.advantage.needs_critic:

@@ -143,7 +143,12 @@ class Objective:
             ref = reference_logprobs
             if ref is None:
                 ref = self.reference.token_logprobs(
-                    micro.input_ids, micro.attention_mask, mask, temperature=self.temperature, images=micro.images
+                    micro.input_ids,
+                    micro.attention_mask,
+                    mask,
+                    temperature=self.temperature,
+                    images=micro.images,
+                    routes=micro.row_routes,
                 )
             kl = kl_per_token(logprobs, ref, self._kl_estimator())
             sums["kl"] += float(kl.detach()[mask].sum())

@@ -37,6 +37,7 @@ class MicroBatch:
     prompt_lengths: tuple[int, ...] = ()  # each row's prompt tokens (rows with equal prompts can share one pass)
     images: tuple[tuple[ImagePart, ...], ...] = ()  # each row's images (`Rollout.images`); () when no row has any
     routes: Routes | None = None  # expert routes to replay in the forward (`trainer.routes.forward_routes`)
+    row_routes: Routes | None = None  # the same on the padded rows (what a reference policy scores)
 
     @property
     def num_loss_tokens(self) -> int:

@@ -19,9 +19,12 @@ from sharpen.expert_routes import UNROUTED, Routes
 from sharpen.trainer.packing import MicroBatch
 
 
-def forward_routes(micro: MicroBatch, per_rollout: Sequence[torch.Tensor | None]) -> Routes | None:
-    """The routes to replay in ``micro``'s forward (its packed row, or its padded rows), from each row's
-    ``[tokens, layers, top_k]`` routes (None: the row routes itself); None when no row has any."""
+def forward_routes(
+    micro: MicroBatch, per_rollout: Sequence[torch.Tensor | None], *, packed: bool | None = None
+) -> Routes | None:
+    """The routes to replay in ``micro``'s forward (its packed row, or its padded rows; ``packed`` False: its
+    padded rows even when it has a packed one), from each row's ``[tokens, layers, top_k]`` routes (None: the row
+    routes itself); None when no row has any."""
     known = [routes for routes in per_rollout if routes is not None]
     if not known:
         return None
@@ -37,7 +40,7 @@ def forward_routes(micro: MicroBatch, per_rollout: Sequence[torch.Tensor | None]
                 f"and {num_layers} MoE layers"
             )
         rows.append(routes)
-    if micro.packed is not None:
+    if (micro.packed is not None) if packed is None else packed:
         flat = torch.cat(rows)
     else:
         width = micro.input_ids.shape[1]

@@ -282,9 +282,14 @@ class Trainer:
         return route_metrics(self.lockstep.sum_over_ranks(sums), "train/", "train")
 
     def _with_routes(self, micro: MicroBatch, chunk: list[Rollout]) -> MicroBatch:
-        """``micro`` with this step's routes of ``chunk`` to replay (none: as it is)."""
+        """``micro`` with this step's routes of ``chunk`` to replay, over its forward and over its padded rows (a
+        reference policy's); none: as it is."""
         if self._replayed:
-            micro.routes = forward_routes(micro, [self._replayed.get(id(r)) for r in chunk])
+            per_rollout = [self._replayed.get(id(r)) for r in chunk]
+            micro.routes = forward_routes(micro, per_rollout)
+            micro.row_routes = (
+                micro.routes if micro.packed is None else forward_routes(micro, per_rollout, packed=False)
+            )
         return micro
 
     def _check_images(self, rollouts: list[Rollout]) -> None:

@@ -300,6 +300,25 @@ def test_packing_replays_the_same_routes_and_gives_the_same_step(moe_dir: Path):
         assert metrics[True][name] == pytest.approx(metrics[False][name], rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.parametrize("reference_replays", [True, False])
+def test_the_kl_reference_replays_the_routes_the_policy_replays(moe_dir: Path, reference_replays: bool):
+    """R3 with a KL term, one mini-batch: before any update the reference is the policy, so with the engine's routes
+    replayed in both the KL is 0; a reference that routes itself (the control) sees other experts."""
+    from sharpen.trainer.backends import ReferencePolicy
+
+    config = _config("r3", algorithm=AlgorithmConfig.model_validate({"kl": {"type": "loss", "coef": 0.1}}))
+    backend = SingleDeviceBackend(config, model_path=moe_dir, dtype="float32")
+    reference = ReferencePolicy(
+        model_path=moe_dir, dtype="float32", device=backend.device, precision="float32", replay_routes=reference_replays
+    )
+    trainer = Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8, reference=reference)
+    metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=True), step=0))
+    if reference_replays:
+        assert abs(metrics["train/kl"]) < 1e-7
+    else:
+        assert metrics["train/kl"] > 1e-6  # measured 1.4e-5: over 100 times the bound above
+
+
 def test_bad_routes_are_one_clear_error(moe_dir: Path, model_dir: Path):
     trainer = _trainer(moe_dir, "r3")
     with pytest.raises(ValueError, match='routing_replay = "r3": rollout t/0 came without'):

@@ -165,9 +165,11 @@ class ReferenceScorer(Protocol):
         *,
         temperature: float,
         images: Sequence[tuple[ImagePart, ...]] = (),
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         """[batch, seq - 1] logprobs of the target tokens, without gradient; ``images``: each row's (a
-        vision-language model's image rows)."""
+        vision-language model's image rows); ``routes``: a Mixture-of-Experts reference's expert routes to replay
+        over the flattened rows (the policy's, under ``trainer.moe.routing_replay``)."""
         ...
 
 

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
+from sharpen.expert_routes import RouterReplay, Routes
+from sharpen.trainer.backends.base import replaying
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.precision import Precision
 from sharpen.types import ImagePart
@@ -40,6 +42,8 @@ class FrozenScorer:
         self.is_bf16 = precision == "bf16"
         self.vision = vision
         self.model_path = model_path
+        self.router: RouterReplay | None = None
+        """A Mixture-of-Experts model's routes, replayed when `token_logprobs` is given some."""
 
     def frozen_model(self) -> contextlib.AbstractContextManager[PreTrainedModel]:
         """The model to run, for the duration of one forward pass."""
@@ -54,11 +58,17 @@ class FrozenScorer:
         *,
         temperature: float,
         images: Sequence[tuple[ImagePart, ...]] = (),
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         """[batch, seq - 1] logprobs of the target tokens (`scoring.score_tokens`); ``images``: each row's, for a
-        vision-language model's rows that hold image placeholders."""
+        vision-language model's rows that hold image placeholders; ``routes``: expert routes to replay (a
+        Mixture-of-Experts model with a ``router``; a scorer built without one routes its tokens itself)."""
         image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
-        with self.frozen_model() as model, autocast_bf16(self.device, enabled=self.is_bf16):
+        with (
+            self.frozen_model() as model,
+            autocast_bf16(self.device, enabled=self.is_bf16),
+            replaying(self.router, routes if self.router is not None else None),  # without one: its own routes
+        ):
             return score_tokens(
                 model, input_ids, attention_mask, target_mask, temperature=temperature, image_inputs=image_inputs
             ).logprobs
@@ -67,7 +77,10 @@ class FrozenScorer:
 class ReferencePolicy(FrozenScorer):
     """A frozen copy of the initial policy for the KL term; built only when the KL coefficient is positive."""
 
-    def __init__(self, *, model_path: Path, dtype: str, device: torch.device, precision: Precision) -> None:
+    def __init__(
+        self, *, model_path: Path, dtype: str, device: torch.device, precision: Precision, replay_routes: bool = False
+    ) -> None:
+        """``replay_routes``: a Mixture-of-Experts reference replays the routes it is given (routing replay)."""
         model_path = Path(model_path)
         vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
         super().__init__(device=device, precision=precision, vision=vision, model_path=model_path)
@@ -75,6 +88,8 @@ class ReferencePolicy(FrozenScorer):
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model: PreTrainedModel = model.to(device)  # pyright: ignore[reportArgumentType]
         self.model.eval().requires_grad_(False)
+        if replay_routes:
+            self.router = RouterReplay(self.model, name=str(model_path))
 
     def frozen_model(self) -> contextlib.AbstractContextManager[PreTrainedModel]:
         return contextlib.nullcontext(self.model)
@@ -92,10 +107,13 @@ class LoraReferencePolicy(FrozenScorer):
         precision: Precision,
         vision: VisionProcessor | None = None,
         model_path: Path | None = None,
+        router: RouterReplay | None = None,
     ) -> None:
-        """``vision``: the policy backend's processor, for a vision-language model's image rows."""
+        """``vision``: the policy backend's processor, for a vision-language model's image rows; ``router``: the
+        policy backend's (its routers are this model's)."""
         super().__init__(device=device, precision=precision, vision=vision, model_path=model_path)
         self.peft_model = peft_model
+        self.router = router
 
     @contextlib.contextmanager
     def frozen_model(self) -> Iterator[PreTrainedModel]:

@@ -21,6 +21,7 @@ import torch
 
 from sharpen.config.lora import LoraConfig
 from sharpen.config.schema import TrainerConfig
+from sharpen.expert_routes import Routes
 from sharpen.trainer.backends.base import ScoreInputs
 from sharpen.trainer.backends.fsdp2 import FSDP2Backend
 from sharpen.trainer.layout import ParallelLayout
@@ -54,9 +55,14 @@ class ShardedReference:
         *,
         temperature: float,
         images: Sequence[tuple[ImagePart, ...]] = (),
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         """`ReferenceScorer.token_logprobs` of one micro-batch (collective: every rank scores the same rows)."""
         inputs = ScoreInputs(
-            input_ids=input_ids, attention_mask=attention_mask, target_mask=target_mask, images=tuple(images)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            target_mask=target_mask,
+            images=tuple(images),
+            routes=routes,
         )
         return self.score_micro_batches([inputs], temperature=temperature)[0]

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from sharpen.expert_routes import Routes
 from sharpen.trainer.backends.frozen import ReferencePolicy
 from sharpen.trainer.backends.scoring import autocast_bf16, score_top_k
 from sharpen.trainer.precision import Precision
@@ -62,10 +63,14 @@ class TeacherPolicy(ReferencePolicy):
         *,
         temperature: float,
         images: Sequence[tuple[ImagePart, ...]] = (),
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         """[batch, seq - 1] logprobs of the target tokens, without gradient (`FrozenScorer.token_logprobs`), at the
         teacher's temperature when it has one, else at ``temperature``; ``images``: each row's (a vision-language
-        teacher scoring the student's image rows)."""
+        teacher scoring the student's image rows). A teacher routes its own tokens: ``routes`` (the student's) are
+        refused."""
+        if routes is not None:
+            raise ValueError("a distillation teacher routes its own tokens; it takes no replayed routes")
         return super().token_logprobs(
             input_ids, attention_mask, target_mask, temperature=self.temperature or temperature, images=images
         )
