@@ -31,10 +31,9 @@ def build_adamw(
 
 
 def mesh_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` grouped by their DTensor mesh (plain tensors together), each group in the given order."""
-    from torch.distributed.tensor import DTensor
-
+    """``tensors`` grouped by their DTensor mesh (plain tensors together), each group in the given order. A DTensor is
+    known by its ``device_mesh``: DTensor itself is imported only under trainer/backends (an import fence)."""
     groups: dict[object, list[torch.Tensor]] = {}
     for tensor in tensors:
-        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+        groups.setdefault(getattr(tensor, "device_mesh", None), []).append(tensor)
     return list(groups.values())
