@@ -9,49 +9,18 @@ import pytest
 import torch
 
 from sharpen.expert_routes import RouterReplay, RoutingError, is_moe_model
-
-COMMON = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
-COMMON |= {"num_key_value_heads": 2, "max_position_embeddings": 64}
+from support.tiny_moe import COMMON, FAMILIES, tiny_moe
 
 
 def _model(family: str):
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
-        return transformers.MixtralForCausalLM(config)
-    if family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **COMMON, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
-        )
-        return transformers.Qwen3MoeForCausalLM(config)
-    config = transformers.DeepseekV3Config(
-        **{**COMMON, "num_key_value_heads": 4},  # multi-head latent attention: as many as the heads
-        intermediate_size=48,
-        moe_intermediate_size=24,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=0,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        routed_scaling_factor=2.5,
-    )
-    model = transformers.DeepseekV3ForCausalLM(config)
+    if family != "deepseek_v3":
+        return tiny_moe(family)
+    model = tiny_moe(family, routed_scaling_factor=2.5)
     with torch.no_grad():  # transformers starts the routers at 0 (every token ties); give them routes to keep
         for router in _routers(model):
             router.weight.normal_(0, 0.5)
             router.e_score_correction_bias.normal_(0, 0.1)
     return model
-
-
-FAMILIES = ["mixtral", "qwen3_moe", "deepseek_v3"]
 
 
 def _routers(model) -> list:

@@ -21,6 +21,7 @@ from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.trainer.layout import ParallelLayout
 from sharpen.types import Example, ExpertRoutes, Message, Rollout, TrainBatch
 from support.ranks import join_process_group, launch_ranks
+from support.tiny_moe import tiny_moe
 
 VOCAB, EXPERTS, TOP_K, LAYERS, PAD = 128, 4, 2, 2, 0
 _EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
@@ -28,23 +29,7 @@ _EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(0)
-    config = MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=EXPERTS,
-        num_experts_per_tok=TOP_K,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        pad_token_id=PAD,
-    )
-    model = MixtralForCausalLM(config)
+    model = tiny_moe("mixtral", vocab_size=VOCAB, tie_word_embeddings=True, pad_token_id=PAD)
     with torch.no_grad():  # decisive routers: a route is a clear choice, not a near tie
         for router in _routers(model):
             router.weight.normal_(0, 1.0)

@@ -9,27 +9,14 @@ import pytest
 import torch
 
 from sharpen.rollout.weight_sync.checkpoint_names import CheckpointNames
-
-COMMON = {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
-COMMON |= {"num_key_value_heads": 2, "max_position_embeddings": 64}
-
-
-def _model(family: str):
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
-        return transformers.MixtralForCausalLM(config)
-    config = transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2)
-    return transformers.Qwen3MoeForCausalLM(config)
+from support.tiny_moe import COMMON, tiny_moe
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_in_memory_weights_become_the_checkpoint_weights(family: str, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    model = _model(family)
+    model = tiny_moe(family)
     model.save_pretrained(tmp_path)
     written = load_file(str(tmp_path / "model.safetensors"))
     names = CheckpointNames.of(model.config)

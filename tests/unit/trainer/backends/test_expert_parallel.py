@@ -15,43 +15,11 @@ from sharpen.config.schema import TrainerConfig
 from sharpen.trainer.layout import LayoutError, ParallelLayout
 from sharpen.weight_shards import assemble_ranks
 from support.ranks import join_process_group, launch_ranks
-
-FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
-VOCAB = 64
-COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
-COMMON |= {"num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": False}
+from support.tiny_moe import FAMILIES, VOCAB, tiny_moe
 
 
 def _save(family: str, folder: Path) -> Path:
-    import transformers
-
-    torch.manual_seed(0)
-    if family == "mixtral":
-        config = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)
-        model = transformers.MixtralForCausalLM(config)
-    elif family == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **COMMON, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, norm_topk_prob=True
-        )
-        model = transformers.Qwen3MoeForCausalLM(config)
-    else:
-        config = transformers.DeepseekV3Config(
-            **{**COMMON, "num_key_value_heads": 4},
-            intermediate_size=48,
-            moe_intermediate_size=24,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_shared_experts=1,
-            n_group=2,
-            topk_group=1,
-            first_k_dense_replace=0,
-            q_lora_rank=16,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=8,
-            v_head_dim=8,
-        )
-        model = transformers.DeepseekV3ForCausalLM(config)
+    model = tiny_moe(family, tie_word_embeddings=False)
     with torch.no_grad():  # routers that choose clearly, and experts that differ (transformers starts some at 0)
         for name, parameter in model.named_parameters():
             if name.endswith(("mlp.gate.weight", "gate_up_proj", "down_proj")):

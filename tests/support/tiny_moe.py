@@ -1,0 +1,50 @@
+"""Tiny random Mixture-of-Experts models of the three router families sharpen knows, built from a config in a
+second: Mixtral and Qwen3-MoE (softmax routers) and DeepSeek-V3 (a sigmoid router with expert groups, a correction
+bias and a shared expert). 2 layers, hidden 32, 4 experts, 2 a token, vocabulary 64; seeded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
+VOCAB = 64
+COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+COMMON |= {"num_key_value_heads": 2, "max_position_embeddings": 64}
+
+
+def tiny_moe(family: str, **overrides: Any):
+    """The random model of ``family`` (``torch.manual_seed(0)`` first); ``overrides`` replace or add to its
+    config's values."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(
+            **{**COMMON, "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2, **overrides}
+        )
+        return transformers.MixtralForCausalLM(config)
+    if family == "qwen3_moe":
+        shape = {"moe_intermediate_size": 24, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}
+        config = transformers.Qwen3MoeConfig(**{**COMMON, **shape, **overrides})
+        return transformers.Qwen3MoeForCausalLM(config)
+    assert family == "deepseek_v3", family
+    shape = {
+        "num_key_value_heads": 4,  # multi-head latent attention: as many as the heads
+        "intermediate_size": 48,
+        "moe_intermediate_size": 24,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "n_shared_experts": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 0,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8,
+        "v_head_dim": 8,
+    }
+    config = transformers.DeepseekV3Config(**{**COMMON, **shape, **overrides})
+    return transformers.DeepseekV3ForCausalLM(config)
