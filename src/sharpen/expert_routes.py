@@ -55,10 +55,14 @@ class Routes:
     """The experts each token of one forward pass went to: per MoE layer (in the model's order), ``[tokens, top_k]``
     int64 indices, the tokens of the flattened ``[batch x seq]`` input in order (`UNROUTED` where a replay leaves
     the choice to the router). ``differs``, captured under replay: per layer, ``[tokens]`` bool, True where the
-    replayed experts are not the ones the router would have chosen itself (as a set)."""
+    replayed experts are not the ones the router would have chosen itself (as a set). ``probs``, captured by a pass
+    with gradient: per layer, ``[tokens, experts]`` float32, the router's probability of each expert (softmax of its
+    logits; a sigmoid router's scores over their sum), with the router's graph (the load-balancing loss,
+    `balance_loss`)."""
 
     layers: list[torch.Tensor] = field(default_factory=list)
     differs: list[torch.Tensor] | None = None
+    probs: list[torch.Tensor] | None = None
 
 
 def is_moe_model(model: nn.Module) -> bool:
@@ -82,7 +86,7 @@ class RouterReplay:
         if any(isinstance(router.forward, _Routed) for router in routers):
             raise RoutingError(f"the routers of {name} are already wrapped by another RouterReplay")
         self.routers = routers
-        self._captured: list[list[tuple[torch.Tensor, torch.Tensor | None]]] | None = None
+        self._captured: list[list[_Call]] | None = None
         self._accumulates = False
         self._replayed: Routes | None = None
         for index, router in enumerate(routers):
@@ -112,7 +116,7 @@ class RouterReplay:
         if self._captured is not None:
             raise RoutingError("routes are already being captured")
         routes = Routes()
-        captured: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = [[] for _ in range(self.num_layers)]
+        captured: list[list[_Call]] = [[] for _ in range(self.num_layers)]
         self._captured, self._accumulates = captured, rows is not None
         try:
             yield routes
@@ -122,11 +126,14 @@ class RouterReplay:
         if missing:
             raise RoutingError(f"no forward pass reached MoE layer(s) {missing} while routes were captured")
         if rows is None:
-            routes.layers = [torch.cat([indices for indices, _ in calls]) for calls in captured]
+            routes.layers = [torch.cat([call.indices for call in calls]) for calls in captured]
         else:
-            routes.layers = [torch.cat([_on_rows(indices, rows) for indices, _ in calls], dim=1) for calls in captured]
-        if all(differs is not None for calls in captured for _, differs in calls):
-            routes.differs = [torch.cat([d for _, d in calls if d is not None]) for calls in captured]
+            routes.layers = [torch.cat([_on_rows(call.indices, rows) for call in calls], dim=1) for calls in captured]
+        calls = [call for layer in captured for call in layer]
+        if all(call.differs is not None for call in calls):
+            routes.differs = [torch.cat([c.differs for c in layer if c.differs is not None]) for layer in captured]
+        if rows is None and all(call.probs is not None for call in calls):
+            routes.probs = [torch.cat([c.probs for c in layer if c.probs is not None]) for layer in captured]
 
     @contextlib.contextmanager
     def replay(self, routes: Routes) -> Iterator[None]:
@@ -141,13 +148,48 @@ class RouterReplay:
         finally:
             self._replayed = outer
 
-    def _record(self, index: int, indices: torch.Tensor, differs: torch.Tensor | None) -> None:
+    def _record(self, index: int, indices: torch.Tensor, differs: torch.Tensor | None, logits: torch.Tensor) -> None:
         captured = self._captured
         if captured is None:
             return
         if not self._accumulates:
             captured[index].clear()
-        captured[index].append((indices.detach(), differs))
+        probs = None
+        if torch.is_grad_enabled() and not self._accumulates:  # a training pass: the balancing loss's probabilities
+            probs = _expert_probs(self.routers[index], logits)
+        captured[index].append(_Call(indices.detach(), differs, probs))
+
+    def update_bias(self, loads: list[list[float]], rate: float) -> None:
+        """DeepSeek-V3's balancing without an auxiliary loss: each router's ``e_score_correction_bias`` moves by
+        ``rate`` toward balance given its layer's expert ``loads`` (token assignments): up for an expert loaded below
+        the layer's mean, down above it, unchanged at the mean."""
+        if len(loads) != self.num_layers:
+            raise RoutingError(f"expert loads of {len(loads)} MoE layers for a model of {self.num_layers}")
+        for router, counts in zip(self.routers, loads, strict=True):
+            bias = getattr(router, "e_score_correction_bias", None)
+            if bias is None:
+                raise RoutingError(f"{type(router).__name__} has no expert bias to update (DeepSeek-V3's routers do)")
+            load = torch.tensor(counts, dtype=torch.float32)
+            step = rate * torch.sign(load.mean() - load)
+            with torch.no_grad():
+                bias.add_(step.to(bias.device, bias.dtype))
+
+
+@dataclass(slots=True)
+class _Call:
+    """What one router call chose (`Routes`)."""
+
+    indices: torch.Tensor
+    differs: torch.Tensor | None
+    probs: torch.Tensor | None
+
+
+def _expert_probs(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """``[tokens, experts]`` float32: the router's probability of each expert, from its ``logits``."""
+    if type(router).__name__ in _SIGMOID:
+        scores = logits.float().sigmoid()
+        return scores / scores.sum(dim=-1, keepdim=True)
+    return torch.softmax(logits.float(), dim=-1)
 
 
 class _Routed:
@@ -175,7 +217,7 @@ class _Routed:
             chosen = torch.where(is_given.unsqueeze(1), given, own)
             differs = is_given & (chosen.sort(dim=1).values != own.sort(dim=1).values).any(dim=1)
             logits, weights, indices = self._replayed(hidden_states, chosen)
-        self.replay._record(self.index, indices, differs)
+        self.replay._record(self.index, indices, differs, logits)
         return logits, weights, indices
 
     def _replayed(

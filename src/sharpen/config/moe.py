@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from sharpen.config.section import Section
 
 
 class MoeConfig(Section):
-    """Routing replay for a Mixture-of-Experts policy (docs/moe.md). A dense model takes only the defaults."""
+    """Routing replay and load balancing for a Mixture-of-Experts policy (docs/moe.md). A dense model takes only the
+    defaults."""
 
     routing_replay: Literal["none", "r2", "r3"] = "none"
     """Which expert routes the trainer's forward passes use. ``none``: the trainer's routers choose (the engine and
@@ -22,3 +25,16 @@ class MoeConfig(Section):
     the inference engine's routes, returned with each rollout's tokens, are replayed in every trainer pass of the
     policy (old-policy and training); needs an engine that returns routes (``rollout.engine.type = "hf"`` here). The
     routers keep their gradient through the replayed experts' probabilities."""
+
+    aux_loss_coef: float = Field(default=0.0, ge=0.0)
+    """The weight of the load-balancing loss added to the policy's loss. The loss is Switch Transformer's, as
+    transformers computes it for Mixtral (``router_aux_loss_coef`` weighs the same quantity): per MoE layer, the number
+    of experts times the sum over experts of the share of top-k assignments and the mean router probability (``top_k``
+    at perfect balance); averaged over layers, computed per micro-batch over its real tokens, the micro-batches
+    weighted by their tokens. 0 (the default): no balancing loss during RL, as the routing-replay work trains; its value
+    is logged either way (``moe/train_aux_loss``). Data-parallel layouts only, as routing replay."""
+    expert_bias_update_rate: float = Field(default=0.0, ge=0.0)
+    """DeepSeek-V3's balancing without an auxiliary loss: after each step, every router's expert bias
+    (``e_score_correction_bias``, which only chooses experts) moves by this rate toward balance, up for an expert the
+    step's training routes loaded below the mean and down above it (the same on every rank: the loads are summed over
+    them). 0 (the default): the bias stays frozen during RL. Needs routers with such a bias (``deepseek_v3``)."""

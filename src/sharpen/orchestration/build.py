@@ -99,33 +99,52 @@ def check_image_inputs(config: SharpenConfig, examples: list[Example]) -> None:
 
 
 def check_moe(config: SharpenConfig) -> None:
-    """One line (a `ConfigError`) before anything starts when ``trainer.moe`` cannot run: routing replay on a dense
-    model or a family whose routers sharpen cannot replay, R3 with an engine that returns no routes, replay with a
-    trainer layout other than data parallelism (docs/moe.md)."""
-    replay = config.trainer.moe.routing_replay
-    if replay == "none":
+    """One line (a `ConfigError`) before anything starts when ``trainer.moe`` cannot run: routing replay or load
+    balancing on a dense model or a family whose routers sharpen cannot replay, R3 with an engine that returns no
+    routes, an expert-bias update on routers without a bias or with LoRA (the bias would not reach the engine), any of
+    them with a trainer layout other than data parallelism (docs/moe.md)."""
+    moe = config.trainer.moe
+    asked = [
+        f"{key} = {value}"
+        for key, value, is_on in (
+            ("trainer.moe.routing_replay", f'"{moe.routing_replay}"', moe.routing_replay != "none"),
+            ("trainer.moe.aux_loss_coef", moe.aux_loss_coef, moe.aux_loss_coef > 0),
+            ("trainer.moe.expert_bias_update_rate", moe.expert_bias_update_rate, moe.expert_bias_update_rate > 0),
+        )
+        if is_on
+    ]
+    if not asked:
         return
     model_path = resolve_model_path(config.model.path)
     model_config = json.loads((model_path / "config.json").read_text())
     text = model_config.get("text_config") or model_config
     model_type = text.get("model_type", "")
-    asked = f'trainer.moe.routing_replay = "{replay}"'
     if not ModelShape.from_hf_config(model_config).num_experts:
-        raise ConfigError(f"{asked} needs a Mixture-of-Experts model; {model_path} ({model_type}) is dense")
+        raise ConfigError(f"{asked[0]} needs a Mixture-of-Experts model; {model_path} ({model_type}) is dense")
     if model_type not in REPLAY_MODEL_TYPES:
         raise ConfigError(
-            f"{asked}: sharpen replays the routers of {', '.join(REPLAY_MODEL_TYPES)}, not {model_type} ({model_path})"
+            f"{asked[0]}: sharpen knows the routers of {', '.join(REPLAY_MODEL_TYPES)}, not {model_type} ({model_path})"
         )
     engine = config.rollout.engine.type
-    if replay == "r3" and engine != "hf":
+    if moe.routing_replay == "r3" and engine != "hf":
         raise ConfigError(
-            f"{asked} replays the engine's routes, and rollout.engine.type = \"{engine}\" returns none here (vLLM's "
-            'CPU build cannot: docs/moe.md); use rollout.engine.type = "hf", or r2'
+            f'trainer.moe.routing_replay = "r3" replays the engine\'s routes, and rollout.engine.type = "{engine}" '
+            'returns none here (vLLM\'s CPU build cannot: docs/moe.md); use rollout.engine.type = "hf", or r2'
         )
+    if moe.expert_bias_update_rate > 0:
+        if model_type != "deepseek_v3":
+            raise ConfigError(
+                f"trainer.moe.expert_bias_update_rate moves DeepSeek-V3's expert bias; {model_type} routers have none"
+            )
+        if config.trainer.lora.enabled:
+            raise ConfigError(
+                "trainer.moe.expert_bias_update_rate with trainer.lora: the bias is not an adapter weight and would "
+                "not reach the engine; set the rate to 0 or train without LoRA"
+            )
     parallel = config.trainer.parallel
     split = [f"{axis} = {getattr(parallel, axis)}" for axis in ("tp", "cp", "pp") if getattr(parallel, axis) > 1]
     if split:
-        raise ConfigError(f"{asked} runs with data parallelism only yet, not trainer.parallel {', '.join(split)}")
+        raise ConfigError(f"{asked[0]} runs with data parallelism only yet, not trainer.parallel {', '.join(split)}")
 
 
 def check_vllm_loads(model_path: Path) -> None:

@@ -5,7 +5,7 @@ A forward pass flattens its rows: `forward_routes` puts each rollout's routes wh
 (padded rows: `UNROUTED` on the padding, which then routes itself; a packed row: end to end), and
 `rollout_routes` reads a captured pass's routes back per rollout. `RouteStats` adds up what the ``moe/*`` metrics
 report (docs/moe.md): how often a replayed route is not the one the trainer's router would choose, per layer and
-over any layer, and how evenly the experts are loaded.
+over any layer, how evenly the experts are loaded, and the load-balancing loss (`balance_loss`).
 """
 
 from __future__ import annotations
@@ -81,6 +81,10 @@ class RouteStats:
     """Replayed tokens that some layer's router would have sent elsewhere."""
     load: list[list[float]] = field(default_factory=list[list[float]])
     """Per layer, per expert: token assignments of the rollouts' tokens."""
+    probs: list[list[float]] = field(default_factory=list[list[float]])
+    """Per layer, per expert: the router's probabilities summed over the real tokens of passes that kept them."""
+    prob_tokens: float = 0.0
+    """The real tokens in ``probs``."""
 
     def add(self, used: Routes, tokens: torch.Tensor, replayed: Routes | None = None) -> None:
         """A pass's captured routes ``used`` on its ``tokens`` (real ones, `real_tokens`), and what it replayed."""
@@ -90,6 +94,13 @@ class RouteStats:
         for layer, indices in enumerate(used.layers):
             counts = torch.bincount(indices.cpu()[tokens].reshape(-1), minlength=self.num_experts)
             self.load[layer] = [a + float(b) for a, b in zip(self.load[layer], counts.tolist(), strict=True)]
+        if used.probs is not None:
+            if not self.probs:
+                self.probs = [[0.0] * self.num_experts for _ in used.probs]
+            for layer, probs in enumerate(used.probs):
+                summed = probs.detach()[tokens.to(probs.device)].sum(dim=0).tolist()
+                self.probs[layer] = [a + b for a, b in zip(self.probs[layer], summed, strict=True)]
+            self.prob_tokens += float(tokens.sum())
         if replayed is None or used.differs is None:
             return
         given = tokens & (replayed.layers[0].cpu()[:, 0] != UNROUTED)
@@ -101,11 +112,17 @@ class RouteStats:
     def sums(self, prefix: str) -> dict[str, float]:
         """Named sums (every rank names the same ones for the same model)."""
         out = {f"{prefix}replayed": self.replayed, f"{prefix}any_differs": self.any_differs}
+        out[f"{prefix}tokens_with_probs"] = self.prob_tokens
         out |= {f"{prefix}differs_{layer:03d}": value for layer, value in enumerate(self.differs)}
         out |= {
             f"{prefix}load_{layer:03d}_{expert:04d}": value
             for layer, counts in enumerate(self.load)
             for expert, value in enumerate(counts)
+        }
+        out |= {
+            f"{prefix}prob_{layer:03d}_{expert:04d}": value
+            for layer, sums in enumerate(self.probs)
+            for expert, value in enumerate(sums)
         }
         return out
 
@@ -114,20 +131,55 @@ def route_metrics(sums: dict[str, float], prefix: str, name: str) -> dict[str, f
     """The ``moe/`` metrics of `RouteStats.sums` added over ranks: ``moe/{name}_disagreement`` (replayed tokens
     some layer's router would route elsewhere), ``moe/{name}_disagreement/layer_NNN``, and the experts' load spread
     ``moe/{name}_load_max_over_mean`` (the most loaded expert's tokens over the mean, averaged over layers; 1 is
-    even)."""
+    even), and ``moe/{name}_aux_loss``: `balance_loss` over all the passes' real tokens at once (whatever the
+    micro-batches and ranks: ``top_k`` at perfect balance), where the passes kept the routers' probabilities."""
     metrics: dict[str, float] = {}
+    num_tokens = sums.get(f"{prefix}tokens_with_probs", 0.0)
+    if num_tokens > 0:
+        loads, probs = layer_loads(sums, f"{prefix}load_"), layer_loads(sums, f"{prefix}prob_")
+        per_layer = [
+            len(counts) * sum(c / num_tokens * p / num_tokens for c, p in zip(counts, prob, strict=True))
+            for counts, prob in zip(loads, probs, strict=True)
+        ]
+        metrics[f"moe/{name}_aux_loss"] = sum(per_layer) / len(per_layer)
     replayed = sums.get(f"{prefix}replayed", 0.0)
     if replayed > 0:
         metrics[f"moe/{name}_disagreement"] = sums[f"{prefix}any_differs"] / replayed
         for key, value in sums.items():
             if key.startswith(f"{prefix}differs_"):
                 metrics[f"moe/{name}_disagreement/layer_{key.removeprefix(f'{prefix}differs_')}"] = value / replayed
-    loads: dict[str, list[float]] = {}
-    for key, value in sums.items():
-        if key.startswith(f"{prefix}load_"):
-            layer = key.removeprefix(f"{prefix}load_").split("_")[0]
-            loads.setdefault(layer, []).append(value)
-    spreads = [max(counts) * len(counts) / sum(counts) for counts in loads.values() if sum(counts) > 0]
+    loads = layer_loads(sums, f"{prefix}load_")
+    spreads = [max(counts) * len(counts) / sum(counts) for counts in loads if sum(counts) > 0]
     if spreads:
         metrics[f"moe/{name}_load_max_over_mean"] = sum(spreads) / len(spreads)
     return metrics
+
+
+def layer_loads(sums: dict[str, float], prefix: str) -> list[list[float]]:
+    """Per layer, per expert, the values named ``{prefix}LLL_EEEE`` in `RouteStats.sums` (added over ranks), in
+    order: ``.../load_``, the token assignments; ``.../prob_``, the summed router probabilities."""
+    loads: dict[int, dict[int, float]] = {}
+    for key, value in sums.items():
+        if key.startswith(prefix):
+            layer, expert = key.removeprefix(prefix).split("_")
+            loads.setdefault(int(layer), {})[int(expert)] = value
+    return [[counts[expert] for expert in sorted(counts)] for _, counts in sorted(loads.items())]
+
+
+def balance_loss(routes: Routes, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Switch Transformer's load-balancing loss of one pass (arXiv 2101.03961, eq. 4-6) over its real ``tokens``
+    (`real_tokens`): per MoE layer, the number of experts times the sum over experts of the expert's share of the
+    layer's top-k assignments (``f``, summing to ``top_k``) and its mean router probability (``P``, with the router's
+    gradient), averaged over layers; ``top_k`` at perfect balance. transformers' Mixtral pools ``f`` and ``P`` over
+    all layers before the product; this keeps each layer's own, as the paper adds one loss per layer. None when the
+    pass kept no probabilities (no gradient) or has no real token."""
+    if routes.probs is None or not bool(tokens.any()):
+        return None
+    losses = []
+    for indices, probs in zip(routes.layers, routes.probs, strict=True):
+        mask = tokens.to(probs.device)
+        num_experts = probs.shape[1]
+        assignments = torch.bincount(indices[mask].reshape(-1), minlength=num_experts).to(probs.dtype)
+        share = assignments / mask.sum()
+        losses.append(num_experts * (share * probs[mask].mean(dim=0)).sum())
+    return torch.stack(losses).mean()

@@ -26,7 +26,7 @@ import torch
 
 from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
-from sharpen.expert_routes import RouterReplay, routes_tensor
+from sharpen.expert_routes import RouterReplay, Routes
 from sharpen.trainer.algorithms.offpolicy import correction_metrics
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
 from sharpen.trainer.backends.base import (
@@ -48,7 +48,8 @@ from sharpen.trainer.packing import (
     split_micro_batches_by_tokens,
     unpack_scores,
 )
-from sharpen.trainer.routes import RouteStats, forward_routes, real_tokens, rollout_routes, route_metrics
+from sharpen.trainer.route_step import RouteStep
+from sharpen.trainer.routes import rollout_routes
 from sharpen.types import ImagePart, Rollout, TrainBatch
 from sharpen.weight_shards import WeightShard
 
@@ -126,9 +127,11 @@ class Trainer:
         self.reward_kl = 0.0  # mean per-token KL measured by the last `kl_penalties` call
         self.router: RouterReplay | None = getattr(backend, "router", None)
         """A Mixture-of-Experts policy's routes (`RouterReplay`, the backend's); None for a dense one."""
-        self._replayed: dict[int, torch.Tensor] = {}
-        """This step's routes to replay in the policy's passes, per rollout id (``trainer.moe.routing_replay``)."""
-        self._route_stats: dict[str, RouteStats] = {}
+        moe = config.moe
+        if self.router is None and (moe.routing_replay != "none" or moe.aux_loss_coef or moe.expert_bias_update_rate):
+            raise ValueError("trainer.moe needs a Mixture-of-Experts policy whose backend replays its routes")
+        self._routes: RouteStep | None = None
+        """This step's expert routes (a Mixture-of-Experts policy; `RouteStep`)."""
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         algorithm = self.config.algorithm
@@ -139,6 +142,14 @@ class Trainer:
         size = math.ceil(len(rollouts) / algorithm.num_mini_batches)
         mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
         route_metrics_now = self._start_routes(rollouts)
+        try:
+            return self._step(rollouts, mini_batches) | route_metrics_now | self._finish_routes()
+        finally:
+            self._routes = None
+
+    def _step(self, rollouts: list[Rollout], mini_batches: list[list[Rollout]]) -> dict[str, float]:
+        """`step`'s optimizer steps over ``mini_batches`` and their metrics (the routes' are `RouteStep`'s)."""
+        algorithm = self.config.algorithm
         old_logprobs = None
         if self.objective.needs_old_logprobs:
             local = [r for mini_batch in mini_batches for r in self.lockstep.local_share(mini_batch)]
@@ -196,101 +207,34 @@ class Trainer:
             metrics.update(critic_step.metrics())
         if distill_step is not None:
             metrics.update(distill_step.metrics(self.backend.all_reduce_sum, self.backend.num_ranks))
-        metrics.update(route_metrics_now)
-        metrics.update(self._finish_routes())
         return metrics
 
     def _start_routes(self, rollouts: list[Rollout]) -> dict[str, float]:
-        """A Mixture-of-Experts step's routes: the engine's (R3) to replay, checked against the model; and, when the
-        rollouts carry engine routes, the ``moe/`` measurement of the engine's routes against the trainer's
-        (`_measure_engine_routes`) before any update. Collective; {} for a dense policy."""
-        self._replayed, self._route_stats = {}, {}
-        router = self.router
-        if router is None:
+        """A Mixture-of-Experts step's `RouteStep`, and the ``moe/`` measurement of the engine's routes against the
+        trainer's before any update. Collective; {} for a dense policy."""
+        if self.router is None:
             return {}
-        mode = self.config.moe.routing_replay
-        engine: dict[int, torch.Tensor] = {}
-        for rollout in rollouts:
-            if rollout.routes is None:
-                if mode == "r3":
-                    raise ValueError(
-                        f'trainer.moe.routing_replay = "r3": rollout {rollout.example.task_key} came without the '
-                        'engine\'s expert routes (an engine that returns routes: rollout.engine.type = "hf")'
-                    )
-                continue
-            routes = routes_tensor(rollout.routes)
-            expected = (rollout.num_tokens, router.num_layers, router.top_k)
-            if tuple(routes.shape) != expected:
-                raise ValueError(
-                    f"rollout {rollout.example.task_key}: expert routes of {tuple(routes.shape)} ([tokens, layers, "
-                    f"top_k]) for {expected[0]} tokens of a model of {expected[1]} MoE layers and top_k {expected[2]}"
-                )
-            engine[id(rollout)] = routes
-        if mode == "r3":
-            self._replayed = engine
-        self._route_stats["train"] = RouteStats(num_experts=router.num_experts)
-        has_engine_routes = self.lockstep.sum_over_ranks({"with": float(bool(engine))})["with"] > 0
-        return self._measure_engine_routes(rollouts, engine) if has_engine_routes else {}
+        self._routes = RouteStep(self.router, self.config.moe, rollouts, lockstep=self.lockstep)
 
-    def _measure_engine_routes(self, rollouts: list[Rollout], engine: dict[int, torch.Tensor]) -> dict[str, float]:
-        """The ``moe/`` gap between the engine's and the trainer's routes on one micro-batch of this rank's share,
-        scored twice without gradient before any update: replaying the engine's routes (how often each layer's
-        router would have chosen other experts: ``moe/engine_disagreement``) and with the trainer's own routes
-        (their expert load), and the mean absolute gap of each pass's logprobs to the engine's
-        (``moe/logprob_gap_replayed``, ``moe/logprob_gap_unreplayed``). Collective."""
-        router = self.router
-        assert router is not None
-        local = self.lockstep.local_share(rollouts)
-        with_routes = [r for r in local if id(r) in engine]
-        is_filler = not with_routes
-        chunk = split_micro_batches(with_routes, self.config.micro_batch_size)[0] if with_routes else rollouts[:1]
-        micro = pack_micro_batch(
-            [replace(r, advantage=0.0) for r in chunk], pad_token_id=self.pad_token_id, device=self.backend.device
+        def score(micro: MicroBatch, routes: Routes | None) -> TokenScores:
+            inputs = replace(self._policy_inputs(micro), routes=routes)
+            return self.backend.score_micro_batches([inputs], temperature=self.temperature)[0]
+
+        return self._routes.measure_engine(
+            rollouts,
+            score=score,
+            micro_batch_size=self.config.micro_batch_size,
+            pad_token_id=self.pad_token_id,
+            device=self.backend.device,
         )
-        stats = {name: RouteStats(num_experts=router.num_experts) for name in ("engine", "trainer")}
-        sums: dict[str, float] = defaultdict(float)
-        tokens = real_tokens(micro)
-        with torch.no_grad():
-            replays = {"engine": forward_routes(micro, [engine.get(id(r)) for r in chunk]), "trainer": None}
-            for name, routes in replays.items():
-                inputs = replace(self._policy_inputs(micro), routes=routes)
-                scores = self.backend.score_micro_batches([inputs], temperature=self.temperature)[0]
-                if is_filler:
-                    continue
-                gap = (scores.logprobs - micro.engine_logprobs).abs()[micro.loss_mask]
-                sums[f"gap_{name}"] += float(gap.sum())
-                sums["gap_tokens"] = float(gap.numel())  # the same tokens in both passes
-                if scores.routes is not None:
-                    stats[name].add(scores.routes, tokens, routes)
-        for name, stat in stats.items():
-            sums.update(stat.sums(f"{name}/"))
-        sums = self.lockstep.sum_over_ranks(dict(sums))
-        metrics = route_metrics(sums, "engine/", "engine") | route_metrics(sums, "trainer/", "trainer")
-        metrics.pop("moe/engine_load_max_over_mean", None)  # the same routes' load as the replay's
-        if sums.get("gap_tokens", 0.0) > 0:
-            metrics["moe/logprob_gap_replayed"] = sums["gap_engine"] / sums["gap_tokens"]
-            metrics["moe/logprob_gap_unreplayed"] = sums["gap_trainer"] / sums["gap_tokens"]
-        return metrics
 
     def _finish_routes(self) -> dict[str, float]:
         """The ``moe/train_*`` metrics of this step's training passes (collective); {} for a dense policy."""
-        stats = self._route_stats.get("train")
-        self._replayed, self._route_stats = {}, {}
-        if stats is None:
-            return {}
-        sums = self.backend.share_loss_sums(stats.sums("train/"))
-        return route_metrics(self.lockstep.sum_over_ranks(sums), "train/", "train")
+        return {} if self._routes is None else self._routes.finish(self.backend.share_loss_sums)
 
     def _with_routes(self, micro: MicroBatch, chunk: list[Rollout]) -> MicroBatch:
-        """``micro`` with this step's routes of ``chunk`` to replay, over its forward and over its padded rows (a
-        reference policy's); none: as it is."""
-        if self._replayed:
-            per_rollout = [self._replayed.get(id(r)) for r in chunk]
-            micro.routes = forward_routes(micro, per_rollout)
-            micro.row_routes = (
-                micro.routes if micro.packed is None else forward_routes(micro, per_rollout, packed=False)
-            )
-        return micro
+        """``micro`` with this step's routes of ``chunk`` to replay (`RouteStep.with_routes`)."""
+        return micro if self._routes is None else self._routes.with_routes(micro, chunk)
 
     def _check_images(self, rollouts: list[Rollout]) -> None:
         """Rollouts with images train with the policy, the reference policy, the critic and a teacher that scores the
@@ -346,6 +290,7 @@ class Trainer:
         normalizer = self.objective.normalizer([r.num_loss_tokens for r in rollouts])
         selection = self._selection(rollouts, critic_step)
         weight_normalizer = self._weight_normalizer(rollouts, old_logprobs)
+        mini_batch_tokens = sum(r.num_tokens for r in rollouts)
         local = self.lockstep.local_share(rollouts)
         passes: list[tuple[list[Rollout], bool, MicroBatch]] = []
         for chunk, is_filler in self.lockstep.chunks(local, filler=rollouts[:1], split=self._split_micro_batches):
@@ -364,9 +309,9 @@ class Trainer:
             """The loss of pass ``index`` (on a pipeline: on its last stage alone, in the schedule's order)."""
             chunk, is_filler, micro = passes[index]
             scores = self._unpacked(micro, policy_scores)
-            train_routes = self._route_stats.get("train")
-            if train_routes is not None and policy_scores.routes is not None and not is_filler:
-                train_routes.add(policy_scores.routes, real_tokens(micro), micro.routes)
+            balance = None
+            if self._routes is not None and not is_filler:
+                balance = self._routes.training_pass(micro, policy_scores.routes, mini_batch_tokens=mini_batch_tokens)
             old = micro.old_logprobs if micro.old_logprobs is not None else scores.logprobs.detach()
             extra_loss = None
             if distill_step is not None:
@@ -395,6 +340,8 @@ class Trainer:
                     constant_length=self.objective.constant_length,
                 )
                 value_loss.backward()
+            if balance is not None:  # trainer.moe.aux_loss_coef
+                loss = loss + balance
             return loss * 0.0 if is_filler else loss  # a filler pass only keeps the ranks' collectives in step
 
         self.backend.train_micro_batches(
@@ -552,12 +499,13 @@ class Trainer:
             scores = self.backend.score_micro_batches(inputs, temperature=self.temperature)
             return [replace(self._unpacked(micro, s), routes=s.routes) for micro, s in zip(micros, scores, strict=True)]
 
+        route_step = self._routes
         captured: dict[int, torch.Tensor] | None = None
-        if self.config.moe.routing_replay == "r2" and self.router is not None:
+        if route_step is not None and route_step.captures_old_policy:
             captured = {}  # R2: the old policy's routes, replayed in this step's training passes
         scored = self._score_completions(rollouts, score, filler=filler, routes=captured)
-        if captured is not None:
-            self._replayed = captured
+        if route_step is not None and captured is not None:
+            route_step.replay_old_policy(captured)
         return scored
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:

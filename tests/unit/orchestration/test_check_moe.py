@@ -1,5 +1,6 @@
-"""`check_moe`: routing replay that cannot run is one line before anything starts (a dense model, R3 with an
-engine that returns no routes, a trainer layout other than data parallelism); what can run passes."""
+"""`check_moe`: routing replay or load balancing that cannot run is one line before anything starts (a dense
+model, R3 with an engine that returns no routes, an expert bias the routers lack, a trainer layout other than data
+parallelism); what can run passes."""
 
 from __future__ import annotations
 
@@ -12,12 +13,18 @@ from sharpen.config.schema import SharpenConfig
 from sharpen.orchestration.build import check_moe
 
 
-def _config(model: Path, replay: str, *, engine: str = "hf", **parallel: int) -> SharpenConfig:
+def _config(
+    model: Path, replay: str, *, engine: str = "hf", moe: dict | None = None, lora: bool = False, **parallel: int
+) -> SharpenConfig:
     return SharpenConfig.model_validate(
         {
             "model": {"path": str(model)},
             "rollout": {"engine": {"type": engine}},
-            "trainer": {"moe": {"routing_replay": replay}, "parallel": parallel},
+            "trainer": {
+                "moe": {"routing_replay": replay, **(moe or {})},
+                "parallel": parallel,
+                "lora": {"enabled": lora},
+            },
             "runtime": {"trainer_ranks": 2 if parallel else 1},
         }
     )
@@ -33,3 +40,20 @@ def test_routing_replay_that_cannot_run_is_one_line(tiny_moe_path: Path, tiny_mo
     check_moe(_config(tiny_moe_path, "r3"))
     check_moe(_config(tiny_moe_path, "r2", engine="vllm"))
     check_moe(_config(tiny_model_path, "none"))  # a dense model takes the default
+
+
+def test_load_balancing_that_cannot_run_is_one_line(tiny_moe_path: Path, tiny_model_path: Path, tmp_path: Path):
+    from support.tiny_moe import tiny_moe
+
+    deepseek = tmp_path / "deepseek"
+    tiny_moe("deepseek_v3").config.save_pretrained(deepseek)  # check_moe reads config.json alone
+    with pytest.raises(ConfigError, match=r"aux_loss_coef = 0.01 needs a Mixture-of-Experts model; .* \(llama\)"):
+        check_moe(_config(tiny_model_path, "none", moe={"aux_loss_coef": 0.01}))
+    with pytest.raises(ConfigError, match=r"expert_bias_update_rate moves DeepSeek-V3's expert bias; mixtral routers"):
+        check_moe(_config(tiny_moe_path, "none", moe={"expert_bias_update_rate": 0.001}))
+    with pytest.raises(ConfigError, match=r"expert_bias_update_rate with trainer.lora: the bias is not an adapter"):
+        check_moe(_config(deepseek, "none", moe={"expert_bias_update_rate": 0.001}, lora=True))
+    with pytest.raises(ConfigError, match=r"aux_loss_coef = 0.01 runs with data parallelism only yet, not .* pp = 2"):
+        check_moe(_config(tiny_moe_path, "none", moe={"aux_loss_coef": 0.01}, pp=2))
+    check_moe(_config(tiny_moe_path, "none", moe={"aux_loss_coef": 0.01}))
+    check_moe(_config(deepseek, "r2", moe={"expert_bias_update_rate": 0.001}))
