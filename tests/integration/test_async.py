@@ -188,12 +188,18 @@ def test_two_async_runs_train_on_identical_batches(tiny_model_path: Path, tmp_pa
     assert {v for _, rs in first_batches for r in rs for v in r["versions"]} == {0, 1}  # really stale tokens
 
 
-def test_async_resume_after_a_crash_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", ["dense", "moe"])
+def test_async_resume_after_a_crash_reproduces_the_uninterrupted_run(
+    tiny_model_path: Path, tiny_moe_path: Path, tmp_path: Path, model: str
+) -> None:
+    """Also on a tiny Mixtral with R3: the kept batches' rollouts carry the engine's routes through the checkpoint,
+    and the resumed run replays the same ones (every moe/ metric equal)."""
     options = {"rollout.max_staleness": "2", "run.checkpoint_every": "2"}
-    full = run_embedded(
-        async_config(tiny_model_path, tmp_path, name="full", num_steps=5, **options), reward_fn=vowel_reward
-    )
-    config = async_config(tiny_model_path, tmp_path, name="crash", num_steps=5, **options)
+    path = tiny_model_path
+    if model == "moe":
+        path, options["trainer.moe.routing_replay"] = tiny_moe_path, '"r3"'
+    full = run_embedded(async_config(path, tmp_path, name="full", num_steps=5, **options), reward_fn=vowel_reward)
+    config = async_config(path, tmp_path, name="crash", num_steps=5, **options)
     trainer, engine = components(config, engine="hf")
     with pytest.raises(RuntimeError, match="died in step 3"):
         trainer.fail_at = 3  # after the checkpoint at step 2, which keeps batches 2 and 3 (made by versions 0, 1)
@@ -207,3 +213,6 @@ def test_async_resume_after_a_crash_reproduces_the_uninterrupted_run(tiny_model_
     assert [row["step"] for row in resumed_rows] == [0, 1, 2, 3, 4]
     assert resumed_rows[2:] == full_rows[2:]
     assert full_rows[2]["async/staleness_max"] == 2.0  # the kept batches really were stale
+    if model == "moe":  # the compared steps replayed the engine's routes, from older weights: the routers had moved
+        assert all("moe/engine_disagreement" in row for row in full_rows[2:])
+        assert any(row["moe/train_disagreement"] > 0 for row in full_rows[2:])

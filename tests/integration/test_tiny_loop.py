@@ -129,6 +129,25 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path
 
 
 @pytest.mark.slow
+def test_a_resumed_moe_run_replays_the_same_routes(tiny_moe_path: Path, tmp_path: Path) -> None:
+    """R3 on a tiny Mixtral: the engine's routes ride in each rollout, and a run resumed from step 2 replays the
+    same ones (every moe/ metric, the loss and the rewards of steps 2 and 3 equal the uninterrupted run's)."""
+    moe = {"trainer.moe.routing_replay": '"r3"', "trainer.algorithm.num_mini_batches": "2"}
+    full = run_embedded(tiny_config(tiny_moe_path, tmp_path, name="full", num_steps=4, **moe), reward_fn=vowel_reward)
+    run_embedded(tiny_config(tiny_moe_path, tmp_path, name="split", num_steps=2, **moe), reward_fn=vowel_reward)
+    split = run_embedded(
+        tiny_config(tiny_moe_path, tmp_path, name="split", num_steps=4, **moe), resume=True, reward_fn=vowel_reward
+    )
+    full_rows = stable(read_jsonl(full / "metrics.jsonl"))
+    split_rows = stable(read_jsonl(split / "metrics.jsonl"))
+    assert [r["step"] for r in split_rows] == [0, 1, 2, 3]
+    for row in full_rows[2:]:  # the compared steps replayed the engine's routes and moved the routers
+        assert row["moe/logprob_gap_replayed"] < 1e-4 and "moe/train_disagreement" in row
+    assert full_rows[3]["moe/train_disagreement"] > 0
+    assert split_rows[2:] == full_rows[2:]
+
+
+@pytest.mark.slow
 def test_a_nan_in_training_skips_the_step_dumps_the_batch_and_the_run_goes_on(
     tiny_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
