@@ -32,7 +32,7 @@ class MoeConfig(Section):
     of experts times the sum over experts of the share of top-k assignments and the mean router probability (``top_k``
     at perfect balance); averaged over layers, computed per micro-batch over its real tokens, the micro-batches
     weighted by their tokens. 0 (the default): no balancing loss during RL, as the routing-replay work trains; its value
-    is logged either way (``moe/train_aux_loss``). Data-parallel layouts only, as routing replay."""
+    is logged either way (``moe/train_aux_loss``). Not with tensor or pipeline parallelism yet, as routing replay."""
     expert_bias_update_rate: float = Field(default=0.0, ge=0.0)
     """DeepSeek-V3's balancing without an auxiliary loss: after each step, every router's expert bias
     (``e_score_correction_bias``, which only chooses experts) moves by this rate toward balance, up for an expert the

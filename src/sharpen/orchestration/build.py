@@ -102,7 +102,7 @@ def check_moe(config: SharpenConfig) -> None:
     """One line (a `ConfigError`) before anything starts when ``trainer.moe`` cannot run: routing replay or load
     balancing on a dense model or a family whose routers sharpen cannot replay, R3 with an engine that returns no
     routes, an expert-bias update on routers without a bias or with LoRA (the bias would not reach the engine), any of
-    them with a trainer layout other than data parallelism (docs/moe.md)."""
+    them with tensor or pipeline parallelism (docs/moe.md)."""
     moe = config.trainer.moe
     asked = [
         f"{key} = {value}"
@@ -142,9 +142,11 @@ def check_moe(config: SharpenConfig) -> None:
                 "not reach the engine; set the rate to 0 or train without LoRA"
             )
     parallel = config.trainer.parallel
-    split = [f"{axis} = {getattr(parallel, axis)}" for axis in ("tp", "cp", "pp") if getattr(parallel, axis) > 1]
+    split = [f"{axis} = {getattr(parallel, axis)}" for axis in ("tp", "pp") if getattr(parallel, axis) > 1]
     if split:
-        raise ConfigError(f"{asked[0]} runs with data parallelism only yet, not trainer.parallel {', '.join(split)}")
+        raise ConfigError(
+            f"{asked[0]} runs with data and context parallelism only yet, not trainer.parallel {', '.join(split)}"
+        )
 
 
 def check_vllm_loads(model_path: Path) -> None:

@@ -1,5 +1,5 @@
 """`check_moe`: routing replay or load balancing that cannot run is one line before anything starts (a dense
-model, R3 with an engine that returns no routes, an expert bias the routers lack, a trainer layout other than data
+model, R3 with an engine that returns no routes, an expert bias the routers lack, tensor or pipeline
 parallelism); what can run passes."""
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ def test_routing_replay_that_cannot_run_is_one_line(tiny_moe_path: Path, tiny_mo
         check_moe(_config(tiny_model_path, "r2"))
     with pytest.raises(ConfigError, match=r'"r3" replays the engine\'s routes, and rollout.engine.type = "vllm"'):
         check_moe(_config(tiny_moe_path, "r3", engine="vllm"))
-    with pytest.raises(ConfigError, match=r"data parallelism only yet, not trainer\.parallel tp = 2"):
+    with pytest.raises(ConfigError, match=r"data and context parallelism only yet, not trainer\.parallel tp = 2"):
         check_moe(_config(tiny_moe_path, "r2", tp=2))
     check_moe(_config(tiny_moe_path, "r3"))
     check_moe(_config(tiny_moe_path, "r2", engine="vllm"))
+    check_moe(_config(tiny_moe_path, "r3", cp=2))  # context parallelism replays too
     check_moe(_config(tiny_model_path, "none"))  # a dense model takes the default
 
 
@@ -53,7 +54,9 @@ def test_load_balancing_that_cannot_run_is_one_line(tiny_moe_path: Path, tiny_mo
         check_moe(_config(tiny_moe_path, "none", moe={"expert_bias_update_rate": 0.001}))
     with pytest.raises(ConfigError, match=r"expert_bias_update_rate with trainer.lora: the bias is not an adapter"):
         check_moe(_config(deepseek, "none", moe={"expert_bias_update_rate": 0.001}, lora=True))
-    with pytest.raises(ConfigError, match=r"aux_loss_coef = 0.01 runs with data parallelism only yet, not .* pp = 2"):
+    with pytest.raises(
+        ConfigError, match=r"aux_loss_coef = 0.01 runs with data and context parallelism only yet, not .* pp = 2"
+    ):
         check_moe(_config(tiny_moe_path, "none", moe={"aux_loss_coef": 0.01}, pp=2))
     check_moe(_config(tiny_moe_path, "none", moe={"aux_loss_coef": 0.01}))
     check_moe(_config(deepseek, "r2", moe={"expert_bias_update_rate": 0.001}))

@@ -129,9 +129,8 @@ def _fsdp2_worker(rank: int, num_ranks: int, port: int, moe_dir: Path, out: Path
 
     join_process_group(rank, num_ranks, port)
     results = {}
-    for name, replay, ep in (("r3", "r3", 1), ("r2", "r2", 1), ("r3, ep 2", "r3", 2)):
-        config = _config(replay)
-        layout = ParallelLayout(dp_shard=2, ep=ep)
+    for name, (replay, layout, options) in FSDP2_CASES.items():
+        config = _config(replay, **options)
         backend = FSDP2Backend(config, model_path=moe_dir, dtype="float32", layout=layout)
         trainer = Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8)
         gradients = _record_gradients(trainer)
@@ -142,6 +141,22 @@ def _fsdp2_worker(rank: int, num_ranks: int, port: int, moe_dir: Path, out: Path
     dist.destroy_process_group()
 
 
+FSDP2_CASES = {  # name: routing replay, layout, trainer options
+    "r3": ("r3", ParallelLayout(dp_shard=2), {}),
+    "r2": ("r2", ParallelLayout(dp_shard=2), {}),
+    "r3, ep 2": ("r3", ParallelLayout(dp_shard=2, ep=2), {}),
+    # context parallelism: each rank routes its slice of every row (the cp ranks share their rows, so the
+    # micro-batches, and with them the per-pass balancing loss, are one device's)
+    "r3, cp 2": ("r3", ParallelLayout(dp_shard=1, cp=2), {}),
+    "r2, cp 2, packed": ("r2", ParallelLayout(dp_shard=1, cp=2), {"packing": True, "micro_batch_tokens": 16}),
+    "r3, cp 2, aux loss": (
+        "r3",
+        ParallelLayout(dp_shard=1, cp=2),
+        {"moe": {"routing_replay": "r3", "aux_loss_coef": 0.5}},
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def fsdp2_results(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     """R3 and R2 steps on 2 FSDP2 ranks (launched before this module trains on one device: forked ranks)."""
@@ -150,11 +165,11 @@ def fsdp2_results(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     return torch.load(out)
 
 
-@pytest.mark.parametrize("layout", ["r3", "r2", "r3, ep 2"])
+@pytest.mark.parametrize("layout", list(FSDP2_CASES))
 def test_two_fsdp2_ranks_replay_and_step_as_one_device(fsdp2_results: dict, moe_dir: Path, layout: str):
-    """FSDP2 on 2 ranks, and with the experts split over them (ep 2)."""
-    replay = layout.split(",")[0]
-    trainer = _trainer(moe_dir, replay)
+    """FSDP2 on 2 ranks, with the experts split over them (ep 2), and context parallelism (cp 2)."""
+    replay, _, options = FSDP2_CASES[layout]
+    trainer = _trainer(moe_dir, replay, **options)
     gradients = _record_gradients(trainer)
     metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
     sharded = fsdp2_results[layout]
@@ -163,12 +178,15 @@ def test_two_fsdp2_ranks_replay_and_step_as_one_device(fsdp2_results: dict, moe_
     for name in names:
         assert sharded["metrics"][name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-6), name
     # the gradients of both optimizer steps (the second after an update moved the routers), every parameter; not
-    # the weights: AdamW's first update, about lr * g / |g|, magnifies the rounding of gradients near 0
+    # the weights: AdamW's first update, about lr * g / |g|, magnifies the rounding of gradients near 0, so the
+    # second step's gradients are taken at weights that differ by more than rounding (measured: the first step's
+    # within 5e-7, the second's within 3e-6 with cp 2 and the balancing loss, of gradients up to 0.8)
     assert len(gradients) == len(sharded["gradients"]) == 2
-    for mine, theirs in zip(gradients, sharded["gradients"], strict=True):
+    for step, (mine, theirs) in enumerate(zip(gradients, sharded["gradients"], strict=True)):
         assert mine.keys() == theirs.keys()
         for name, gradient in mine.items():
-            torch.testing.assert_close(theirs[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+            atol = 1e-6 if step == 0 else 1e-5
+            torch.testing.assert_close(theirs[name], gradient, rtol=1e-5, atol=atol, msg=f"step {step}: {name}")
 
 
 def _record_experts(trainer: Trainer) -> list[list[torch.Tensor]]:

@@ -204,12 +204,34 @@ def replay_routes_of(model: torch.nn.Module, config: TrainerConfig, *, name: str
     return RouterReplay(model, name=name)
 
 
+class RouteView(Protocol):
+    """How a backend's routers see a micro-batch's tokens when the backend splits its rows (context parallelism:
+    each rank routes its slice of every row; `context_parallel.ContextParallel`)."""
+
+    def local_routes(self, routes: Routes, rows: int, length: int) -> Routes:
+        """Routes over whole rows -> this rank's."""
+        ...
+
+    def whole_routes(self, routes: Routes, rows: int, length: int) -> Routes:
+        """This rank's captured routes -> over whole rows (collective)."""
+        ...
+
+
+def local_routes(backend: object, item: ScoreInputs) -> Routes | None:
+    """The routes of ``item`` as the backend's routers see its tokens (`RouteView`; as they are without one)."""
+    view: RouteView | None = getattr(backend, "route_view", None)
+    if item.routes is None or view is None:
+        return item.routes
+    rows, length = item.input_ids.shape
+    return view.local_routes(item.routes, rows, length)
+
+
 def scored_routes(backend: TrainerBackend, item: ScoreInputs, *, replay: bool = True, **options: object) -> TokenScores:
-    """``score_tokens`` of ``item``, capturing its routes when the backend has a router (``replay`` False: the
-    caller replays ``item.routes`` around this call)."""
+    """``score_tokens`` of ``item``, capturing its routes (over its whole rows) when the backend has a router
+    (``replay`` False: the caller replays ``local_routes(backend, item)`` around this call)."""
     router: RouterReplay | None = getattr(backend, "router", None)
     capturing = router.capture() if router is not None else contextlib.nullcontext(None)
-    with capturing as used, replaying(router, item.routes if replay else None):
+    with capturing as used, replaying(router, local_routes(backend, item) if replay else None):
         scores = backend.score_tokens(
             item.input_ids,
             item.attention_mask,
@@ -219,6 +241,9 @@ def scored_routes(backend: TrainerBackend, item: ScoreInputs, *, replay: bool = 
             images=item.images,
             **options,  # pyright: ignore[reportArgumentType]
         )
+    view: RouteView | None = getattr(backend, "route_view", None)
+    if used is not None and view is not None:
+        used = view.whole_routes(used, *item.input_ids.shape)
     scores.routes = used
     return scores
 
@@ -243,7 +268,7 @@ class ScoresTokenLogprobs:
         """Forward, loss and backward of each micro-batch in turn (its graph freed before the next); replayed routes
         stay in force through the backward, where activation checkpointing recomputes the forward."""
         for index, item in enumerate(inputs):
-            with replaying(getattr(self, "router", None), item.routes):
+            with replaying(getattr(self, "router", None), local_routes(self, item)):
                 scores = scored_routes(
                     self,
                     item,

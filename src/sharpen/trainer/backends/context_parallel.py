@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
+from sharpen.expert_routes import UNROUTED, Routes
+
 ATTENTION = "sharpen_ulysses"
 """The name `ulysses_attention` is registered under in transformers' AttentionInterface."""
 _ATTRIBUTE = "sharpen_context"
@@ -76,8 +78,7 @@ class ContextParallel:
         (`padded_length`): right-padded rows (no ``position_ids``; where the padding starts does not matter, see
         below) or packed rows (``position_ids``, each sequence restarting at 0)."""
         batch, length = input_ids.shape
-        step = self.size * self.multiple
-        padded = -(-length // step) * step
+        padded, local = self._slices(length)
         extra = padded - length
         device = input_ids.device
         if position_ids is None:
@@ -91,10 +92,45 @@ class ContextParallel:
             same_sequence = (sequence[:, :, None] == sequence[:, None, :]).unsqueeze(1)
             causal = torch.ones(padded, padded, dtype=torch.bool, device=device).tril()
             mask = causal & same_sequence
-        local = slice(self.rank * (padded // self.size), (self.rank + 1) * (padded // self.size))
         self.rows = _Rows(mask=mask, local=local, padded=padded)
         ids = F.pad(input_ids, (0, extra), value=0)
         return ids[:, local], position_ids[:, local]
+
+    def _slices(self, length: int) -> tuple[int, slice]:
+        """Rows of ``length`` tokens: their padded length, and this rank's slice of it."""
+        step = self.size * self.multiple
+        padded = -(-length // step) * step
+        return padded, slice(self.rank * (padded // self.size), (self.rank + 1) * (padded // self.size))
+
+    def local_routes(self, routes: Routes, rows: int, length: int) -> Routes:
+        """Expert routes over ``rows`` whole rows of ``length`` tokens (flattened row by row, as a forward's
+        routers see them without a split: `sharpen.expert_routes`) -> those of this rank's slice of the padded rows,
+        as its routers see them (the padding `UNROUTED`: routed by the router itself)."""
+        padded, local = self._slices(length)
+
+        def cut(indices: torch.Tensor) -> torch.Tensor:
+            grid = indices.reshape(rows, length, *indices.shape[1:])
+            padding = grid.new_full((rows, padded - length, *indices.shape[1:]), UNROUTED)
+            return torch.cat([grid, padding], dim=1)[:, local].reshape(-1, *indices.shape[1:])
+
+        return Routes(layers=[cut(indices) for indices in routes.layers])
+
+    def whole_routes(self, routes: Routes, rows: int, length: int) -> Routes:
+        """What this rank's routers captured on its slice of ``rows`` rows of ``length`` tokens -> the same over the
+        whole rows, gathered from every rank of the group (collective). The routers' probabilities keep their
+        gradient: a loss on them that is the same on every rank hands each rank its own slice's, once, as
+        `gather` does the scores'."""
+        padded, _ = self._slices(length)
+
+        def whole(local: torch.Tensor) -> torch.Tensor:
+            grid = self.gather(local.reshape(rows, padded // self.size, *local.shape[1:]))
+            return grid[:, :length].reshape(rows * length, *local.shape[1:])
+
+        return Routes(
+            layers=[whole(indices) for indices in routes.layers],
+            differs=None if routes.differs is None else [whole(d.to(torch.uint8)).bool() for d in routes.differs],
+            probs=None if routes.probs is None else [whole(probs) for probs in routes.probs],
+        )
 
     @property
     def local(self) -> slice | None:

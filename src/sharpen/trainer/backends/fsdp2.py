@@ -182,13 +182,14 @@ class FSDP2Backend(ScoresTokenLogprobs):
         """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
         self.router = None
-        """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``), with data parallelism only yet."""
-        is_data_parallel = (self.layout.tp, self.layout.cp, self.layout.pp) == (1, 1, 1)
-        if is_data_parallel or config.moe.routing_replay != "none":
+        """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``): with data and context parallelism yet."""
+        routes_run = (self.layout.tp, self.layout.pp) == (1, 1)
+        if routes_run or config.moe.routing_replay != "none":
             self.router = replay_routes_of(self.model, config, name=str(self.model_path))
-        if self.router is not None and not is_data_parallel:
+        if self.router is not None and not routes_run:
             raise LayoutError(
-                f"trainer.moe.routing_replay runs with data parallelism only yet, not {self.layout.describe()}"
+                f"trainer.moe.routing_replay runs with data and context parallelism only yet, not "
+                f"{self.layout.describe()}"
             )
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
@@ -216,6 +217,8 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 group, cp_mesh.get_local_rank(), cp_mesh.size(), multiple=self.layout.tp if sequence_parallel else 1
             )
             self.context_parallel.attach(self.model)
+        self.route_view = self.context_parallel if self.layout.cp > 1 else None
+        """Context parallelism: each rank's routers route its slice of every row (`base.RouteView`)."""
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model.train()
