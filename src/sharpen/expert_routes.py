@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,26 @@ class Routes:
     layers: list[torch.Tensor] = field(default_factory=list)
     differs: list[torch.Tensor] | None = None
     probs: list[torch.Tensor] | None = None
+
+
+class Routers(Protocol):
+    """What a trainer step needs of a policy's routers, however its layers are placed: `RouterReplay` (every MoE
+    layer on this rank), or a pipeline's stages together (`pipeline_parallel.PipelineRouters`)."""
+
+    @property
+    def num_layers(self) -> int:
+        """The model's MoE layers (all of them, wherever they run)."""
+        ...
+
+    @property
+    def top_k(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
+
+    def update_bias(self, loads: list[list[float]], rate: float) -> None:
+        """`RouterReplay.update_bias` with the loads of every MoE layer of the model."""
+        ...
 
 
 def is_moe_model(model: nn.Module) -> bool:

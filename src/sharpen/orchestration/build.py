@@ -102,7 +102,8 @@ def check_moe(config: SharpenConfig) -> None:
     """One line (a `ConfigError`) before anything starts when ``trainer.moe`` cannot run: routing replay or load
     balancing on a dense model or a family whose routers sharpen cannot replay, R3 with an engine that returns no
     routes, an expert-bias update on routers without a bias or with LoRA (the bias would not reach the engine), any of
-    them with tensor or pipeline parallelism (docs/moe.md)."""
+    them with tensor parallelism, context and pipeline parallelism together, the balancing loss on a pipeline
+    (docs/moe.md)."""
     moe = config.trainer.moe
     asked = [
         f"{key} = {value}"
@@ -142,10 +143,17 @@ def check_moe(config: SharpenConfig) -> None:
                 "not reach the engine; set the rate to 0 or train without LoRA"
             )
     parallel = config.trainer.parallel
-    split = [f"{axis} = {getattr(parallel, axis)}" for axis in ("tp", "pp") if getattr(parallel, axis) > 1]
-    if split:
+    if parallel.tp > 1:
+        raise ConfigError(f"{asked[0]} cannot run with trainer.parallel.tp = {parallel.tp} (an MoE takes no tp yet)")
+    if parallel.pp > 1 and parallel.cp > 1:
         raise ConfigError(
-            f"{asked[0]} runs with data and context parallelism only yet, not trainer.parallel {', '.join(split)}"
+            f"{asked[0]} runs with context or pipeline parallelism, not both yet (trainer.parallel cp = {parallel.cp}, "
+            f"pp = {parallel.pp})"
+        )
+    if moe.aux_loss_coef > 0 and parallel.pp > 1:
+        raise ConfigError(
+            "trainer.moe.aux_loss_coef: a pipeline keeps the routers' probabilities on their stages, where the loss "
+            "is not (trainer.parallel.pp > 1); set it to 0 or use data or context parallelism"
         )
 
 

@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 
 from sharpen.config.moe import MoeConfig
-from sharpen.expert_routes import RouterReplay, Routes, routes_tensor
+from sharpen.expert_routes import Routers, Routes, routes_tensor
 from sharpen.trainer.backends.base import TokenScores
 from sharpen.trainer.lockstep import RankLockstep
 from sharpen.trainer.packing import MicroBatch, pack_micro_batch, split_micro_batches
@@ -42,9 +42,7 @@ ScorePass = Callable[[MicroBatch, Routes | None], TokenScores]
 class RouteStep:
     """One step's routes (see the module docstring)."""
 
-    def __init__(
-        self, router: RouterReplay, config: MoeConfig, rollouts: list[Rollout], *, lockstep: RankLockstep
-    ) -> None:
+    def __init__(self, router: Routers, config: MoeConfig, rollouts: list[Rollout], *, lockstep: RankLockstep) -> None:
         self.router = router
         self.config = config
         self.lockstep = lockstep
@@ -150,7 +148,7 @@ class RouteStep:
         return route_metrics(sums, "train/", "train")
 
 
-def _engine_routes(router: RouterReplay, config: MoeConfig, rollouts: list[Rollout]) -> dict[int, torch.Tensor]:
+def _engine_routes(router: Routers, config: MoeConfig, rollouts: list[Rollout]) -> dict[int, torch.Tensor]:
     """Each rollout's engine routes as ``[tokens, layers, top_k]``, per rollout id, checked against the model; a
     rollout without any is an error under R3."""
     engine: dict[int, torch.Tensor] = {}

@@ -26,7 +26,7 @@ import torch
 
 from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
-from sharpen.expert_routes import RouterReplay, Routes
+from sharpen.expert_routes import Routers, Routes
 from sharpen.trainer.algorithms.offpolicy import correction_metrics
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
 from sharpen.trainer.backends.base import (
@@ -125,8 +125,8 @@ class Trainer:
         )
         self.lockstep = RankLockstep(backend)
         self.reward_kl = 0.0  # mean per-token KL measured by the last `kl_penalties` call
-        self.router: RouterReplay | None = getattr(backend, "router", None)
-        """A Mixture-of-Experts policy's routes (`RouterReplay`, the backend's); None for a dense one."""
+        self.router: Routers | None = getattr(backend, "routers", None)
+        """A Mixture-of-Experts policy's routers (the backend's); None for a dense one."""
         moe = config.moe
         if self.router is None and (moe.routing_replay != "none" or moe.aux_loss_coef or moe.expert_bias_update_rate):
             raise ValueError("trainer.moe needs a Mixture-of-Experts policy whose backend replays its routes")
@@ -344,13 +344,17 @@ class Trainer:
                 loss = loss + balance
             return loss * 0.0 if is_filler else loss  # a filler pass only keeps the ranks' collectives in step
 
-        self.backend.train_micro_batches(
+        trained_routes = self.backend.train_micro_batches(
             [self._policy_inputs(micro) for _, _, micro in passes],
             micro_batch_loss,
             temperature=self.temperature,
             with_entropy=True,
             entropy_requires_grad=algorithm.entropy_coef > 0,
         )
+        if trained_routes is not None and self._routes is not None:  # a pipeline's, known after its run
+            for (_, is_filler, micro), routes in zip(passes, trained_routes, strict=True):
+                if not is_filler:
+                    self._routes.training_pass(micro, routes, mini_batch_tokens=mini_batch_tokens)
 
     def _reference_logprobs(self, micros: list[MicroBatch]) -> list[torch.Tensor] | None:
         """A sharded reference's logprobs of each of this rank's passes, scored before they train (collective: on a

@@ -1,9 +1,10 @@
 """`check_moe`: routing replay or load balancing that cannot run is one line before anything starts (a dense
-model, R3 with an engine that returns no routes, an expert bias the routers lack, tensor or pipeline
-parallelism); what can run passes."""
+model, R3 with an engine that returns no routes, an expert bias the routers lack, tensor parallelism,
+context and pipeline parallelism together, the balancing loss on a pipeline); what can run passes."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,7 @@ def _config(
                 "parallel": parallel,
                 "lora": {"enabled": lora},
             },
-            "runtime": {"trainer_ranks": 2 if parallel else 1},
+            "runtime": {"trainer_ranks": math.prod(parallel.values()) if parallel else 1},
         }
     )
 
@@ -35,11 +36,14 @@ def test_routing_replay_that_cannot_run_is_one_line(tiny_moe_path: Path, tiny_mo
         check_moe(_config(tiny_model_path, "r2"))
     with pytest.raises(ConfigError, match=r'"r3" replays the engine\'s routes, and rollout.engine.type = "vllm"'):
         check_moe(_config(tiny_moe_path, "r3", engine="vllm"))
-    with pytest.raises(ConfigError, match=r"data and context parallelism only yet, not trainer\.parallel tp = 2"):
+    with pytest.raises(ConfigError, match=r'"r2" cannot run with trainer\.parallel\.tp = 2 \(an MoE takes no tp yet\)'):
         check_moe(_config(tiny_moe_path, "r2", tp=2))
     check_moe(_config(tiny_moe_path, "r3"))
     check_moe(_config(tiny_moe_path, "r2", engine="vllm"))
-    check_moe(_config(tiny_moe_path, "r3", cp=2))  # context parallelism replays too
+    check_moe(_config(tiny_moe_path, "r3", cp=2))  # context parallelism replays too, and a pipeline
+    check_moe(_config(tiny_moe_path, "r3", pp=2))
+    with pytest.raises(ConfigError, match=r"with context or pipeline parallelism, not both yet \(.* cp = 2, pp = 2\)"):
+        check_moe(_config(tiny_moe_path, "r3", cp=2, pp=2))
     check_moe(_config(tiny_model_path, "none"))  # a dense model takes the default
 
 
@@ -54,9 +58,7 @@ def test_load_balancing_that_cannot_run_is_one_line(tiny_moe_path: Path, tiny_mo
         check_moe(_config(tiny_moe_path, "none", moe={"expert_bias_update_rate": 0.001}))
     with pytest.raises(ConfigError, match=r"expert_bias_update_rate with trainer.lora: the bias is not an adapter"):
         check_moe(_config(deepseek, "none", moe={"expert_bias_update_rate": 0.001}, lora=True))
-    with pytest.raises(
-        ConfigError, match=r"aux_loss_coef = 0.01 runs with data and context parallelism only yet, not .* pp = 2"
-    ):
+    with pytest.raises(ConfigError, match=r"aux_loss_coef: a pipeline keeps the routers' probabilities on their"):
         check_moe(_config(tiny_moe_path, "none", moe={"aux_loss_coef": 0.01}, pp=2))
     check_moe(_config(tiny_moe_path, "none", moe={"aux_loss_coef": 0.01}))
     check_moe(_config(deepseek, "r2", moe={"expert_bias_update_rate": 0.001}))

@@ -135,10 +135,25 @@ def _fsdp2_worker(rank: int, num_ranks: int, port: int, moe_dir: Path, out: Path
         trainer = Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8)
         gradients = _record_gradients(trainer)
         metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
+        if layout.pp > 1:  # each stage has its layers' gradients
+            parts: list = [None] * num_ranks
+            dist.all_gather_object(parts, gradients)
+            gradients = [_stages_gradients([part[step] for part in parts]) for step in range(len(gradients))]
         results[name] = {"metrics": metrics, "gradients": gradients}
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def _stages_gradients(stages: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The pipeline stages' gradients of one optimizer step as one model's: the tied LM head's (last stage) added to
+    the embedding's (first stage), as on one device, where they are one tensor."""
+    merged: dict[str, torch.Tensor] = {}
+    for grads in stages:
+        for name, grad in grads.items():
+            name = "model.embed_tokens.weight" if name == "lm_head.weight" else name
+            merged[name] = merged[name] + grad if name in merged else grad
+    return merged
 
 
 FSDP2_CASES = {  # name: routing replay, layout, trainer options
@@ -154,6 +169,11 @@ FSDP2_CASES = {  # name: routing replay, layout, trainer options
         ParallelLayout(dp_shard=1, cp=2),
         {"moe": {"routing_replay": "r3", "aux_loss_coef": 0.5}},
     ),
+    # pipeline parallelism (1F1B, a layer a stage): each stage replays and captures its layers' routes; the ranks
+    # exchange them after the schedule's run
+    "r3, pp 2": ("r3", ParallelLayout(pp=2), {}),
+    "r2, pp 2": ("r2", ParallelLayout(pp=2), {}),
+    "r3, pp 2, packed": ("r3", ParallelLayout(pp=2), {"packing": True, "micro_batch_tokens": 16}),
 }
 
 
@@ -167,14 +187,17 @@ def fsdp2_results(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 @pytest.mark.parametrize("layout", list(FSDP2_CASES))
 def test_two_fsdp2_ranks_replay_and_step_as_one_device(fsdp2_results: dict, moe_dir: Path, layout: str):
-    """FSDP2 on 2 ranks, with the experts split over them (ep 2), and context parallelism (cp 2)."""
-    replay, _, options = FSDP2_CASES[layout]
+    """FSDP2 on 2 ranks, with the experts split over them (ep 2), context parallelism (cp 2) and a pipeline (pp 2)."""
+    replay, parallel, options = FSDP2_CASES[layout]
     trainer = _trainer(moe_dir, replay, **options)
     gradients = _record_gradients(trainer)
     metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
     sharded = fsdp2_results[layout]
     names = [name for name in metrics if name.startswith("moe/")] + ["train/loss", "train/grad_norm"]
     assert "moe/train_disagreement" in names
+    if parallel.pp > 1:  # the routers' probabilities stay on their stages: no balancing loss is measured
+        names.remove("moe/train_aux_loss")
+        assert "moe/train_aux_loss" not in sharded["metrics"]
     for name in names:
         assert sharded["metrics"][name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-6), name
     # the gradients of both optimizer steps (the second after an update moved the routers), every parameter; not

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from sharpen.config.schema import TrainerConfig
-from sharpen.expert_routes import RouterReplay, Routes, is_moe_model
+from sharpen.expert_routes import RouterReplay, Routers, Routes, is_moe_model
 from sharpen.types import ImagePart
 from sharpen.weight_shards import WeightShard
 
@@ -112,11 +112,12 @@ class TrainerBackend(Protocol):
         temperature: float,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
-    ) -> None:
+    ) -> list[Routes] | None:
         """Accumulate the gradients of ``loss(index, scores)`` summed over one optimizer step's micro-batches
         ``inputs``. One process runs them in turn (forward, loss, backward); a pipeline runs them through its
         schedule, and ``loss`` then runs on the last stage alone (its side effects, the metric sums, there only:
-        `share_loss_sums`)."""
+        `share_loss_sums`). A Mixture-of-Experts policy's routes: in ``scores.routes`` when the loss runs where every
+        layer ran (None: the backend returns them after, each micro-batch's, on every rank, as a pipeline does)."""
         ...
 
     def score_micro_batches(
@@ -256,6 +257,11 @@ class ScoresTokenLogprobs:
 
     router: RouterReplay | None = None
 
+    @property
+    def routers(self) -> Routers | None:
+        """The policy's routers as the trainer needs them (`expert_routes.Routers`): `router`."""
+        return self.router
+
     def train_micro_batches(
         self: TrainerBackend,
         inputs: Sequence[ScoreInputs],
@@ -264,9 +270,10 @@ class ScoresTokenLogprobs:
         temperature: float,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
-    ) -> None:
+    ) -> list[Routes] | None:
         """Forward, loss and backward of each micro-batch in turn (its graph freed before the next); replayed routes
-        stay in force through the backward, where activation checkpointing recomputes the forward."""
+        stay in force through the backward, where activation checkpointing recomputes the forward. The loss gets
+        each micro-batch's routes (returns None)."""
         for index, item in enumerate(inputs):
             with replaying(getattr(self, "router", None), local_routes(self, item)):
                 scores = scored_routes(
@@ -278,6 +285,7 @@ class ScoresTokenLogprobs:
                     entropy_requires_grad=entropy_requires_grad,
                 )
                 loss(index, scores).backward()
+        return None
 
     def score_micro_batches(
         self: TrainerBackend, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True

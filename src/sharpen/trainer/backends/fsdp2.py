@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
+from sharpen.expert_routes import RouterReplay, Routers, Routes, is_moe_model
 from sharpen.trainer.backends.base import (
     PROCESSOR_FILES,
     MicroBatchLoss,
@@ -181,16 +182,24 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.vision = VisionProcessor.from_pretrained(self.model_path) if is_vision_model(self.model_path) else None
         """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
-        self.router = None
-        """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``): with data and context parallelism yet."""
-        routes_run = (self.layout.tp, self.layout.pp) == (1, 1)
-        if routes_run or config.moe.routing_replay != "none":
-            self.router = replay_routes_of(self.model, config, name=str(self.model_path))
-        if self.router is not None and not routes_run:
+        self.router: RouterReplay | None = None
+        """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``) without a pipeline (whose stages have
+        theirs: `routers`)."""
+        replays = config.moe.routing_replay != "none"
+        routes_run = self.layout.tp == 1 and (self.layout.pp == 1 or self.layout.cp == 1)
+        if config.moe.aux_loss_coef > 0 and (self.layout.pp > 1 or not routes_run):
             raise LayoutError(
-                f"trainer.moe.routing_replay runs with data and context parallelism only yet, not "
-                f"{self.layout.describe()}"
+                "trainer.moe.aux_loss_coef runs with data and context parallelism yet, not " + self.layout.describe()
             )
+        if replays and not routes_run:
+            raise LayoutError(
+                "trainer.moe.routing_replay runs with data, context or pipeline parallelism (not context and pipeline "
+                f"together) yet, not {self.layout.describe()}"
+            )
+        if routes_run and self.layout.pp == 1:
+            self.router = replay_routes_of(self.model, config, name=str(self.model_path))
+        elif routes_run and replays and not is_moe_model(self.model):
+            RouterReplay(self.model, name=str(self.model_path))  # raises: a dense model, or routers it cannot replay
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
             self.lora = apply_lora(self.model, config.lora)
@@ -238,6 +247,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 logits_chunk_tokens=config.logits_chunk_tokens,
                 context=self.context_parallel,
                 vocab=self.vocab_shard,
+                routes=routes_run and is_moe_model(self.model),
             )
             layers, roots = self.pipeline.owned_layers, list(self.pipeline.stages)
         else:
@@ -309,6 +319,14 @@ class FSDP2Backend(ScoresTokenLogprobs):
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)
 
+    @property
+    def routers(self) -> Routers | None:
+        """The policy's routers as the trainer needs them (`expert_routes.Routers`): the pipeline stages' together,
+        or `router`."""
+        if self.pipeline is not None:
+            return self.pipeline.routers
+        return self.router
+
     def train_micro_batches(
         self,
         inputs: Sequence[ScoreInputs],
@@ -317,19 +335,19 @@ class FSDP2Backend(ScoresTokenLogprobs):
         temperature: float,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
-    ) -> None:
-        """Each micro-batch in turn (`ScoresTokenLogprobs`), or all of them through the pipeline's schedule."""
+    ) -> list[Routes] | None:
+        """Each micro-batch in turn (`ScoresTokenLogprobs`), or all of them through the pipeline's schedule (an
+        MoE's routes returned after)."""
         if self.pipeline is None:
-            super().train_micro_batches(
+            return super().train_micro_batches(
                 inputs,
                 loss,
                 temperature=temperature,
                 with_entropy=with_entropy,
                 entropy_requires_grad=entropy_requires_grad,
             )
-            return
         with autocast_bf16(self.device, enabled=self.precision.is_bf16):
-            self.pipeline.train(
+            return self.pipeline.train(
                 inputs,
                 loss,
                 temperature=temperature,

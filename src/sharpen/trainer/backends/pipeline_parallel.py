@@ -21,6 +21,13 @@ A tied LM head (SmolLM2) lives twice: as the embedding on the first stage and as
 equal, their gradients are added (`sync_tied_gradients`) before each optimizer step, and AdamW then moves them
 alike, so they stay equal, as Megatron keeps its word embeddings. It does not shard parameters (FSDP2 does, within a
 stage), split layers (tensor parallelism) or decide what a loss is.
+
+A Mixture-of-Experts model's routes (``trainer.moe``, docs/moe.md) ride with the micro-batches too: the routes to
+replay, ``[rows, length, MoE layers, top_k]`` per micro-batch, are a keyword argument like the masks, and each stage
+replays its own layers' (a `RouterReplay` per stage) and captures what its routers chose. After a run the ranks of
+the pipeline exchange their layers' captured routes, so every rank returns each micro-batch's routes over all layers
+(`PipelineRouters` stands for the stages' routers together). The loss on the last stage runs before the other
+stages' routes are known, so it gets none; the trainer reads them after the run.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -39,7 +46,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from sharpen.trainer.backends.base import MicroBatchLoss, ScoreInputs, TokenScores
+from sharpen.expert_routes import UNROUTED, RouterReplay, Routes, RoutingError, is_moe_model
+from sharpen.trainer.backends.base import MicroBatchLoss, ScoreInputs, TokenScores, replaying
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.mesh import weight_shard
 from sharpen.trainer.backends.scoring import score_hidden
@@ -78,6 +86,9 @@ class _Run:
     entropy_requires_grad: bool = False
     packed: bool = False
     logits_chunk_tokens: int = 0
+    captured: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = field(default_factory=dict)
+    """An MoE's routes captured by this rank's stages in the run: per micro-batch, per MoE layer (its position among
+    the model's), the ``[rows x length, top_k]`` expert indices and, under replay, ``differs``."""
 
 
 class _Stage(nn.Module):
@@ -103,6 +114,10 @@ class _Stage(nn.Module):
         self._run = run
         self._context = context
         self._vocab = vocab
+        self.router: RouterReplay | None = None
+        """An MoE stage's routers (`PipelineParallel.routers`); None: a dense stage, or routes not measured."""
+        self.route_layers: list[int] = []
+        """The positions, among the model's MoE layers, of this stage's."""
 
     def forward(
         self,
@@ -112,6 +127,8 @@ class _Stage(nn.Module):
         attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
         target_mask: torch.Tensor,
+        pass_index: torch.Tensor | None = None,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         run = self._run
         positions: torch.Tensor | None = position_ids if run.packed else None
@@ -121,7 +138,7 @@ class _Stage(nn.Module):
             ids, positions = self._context.split(input_ids, positions)
             mask = None
         inputs = {"input_ids": ids} if self.is_first else {"inputs_embeds": x}
-        hidden = self.decoder(attention_mask=mask, position_ids=positions, use_cache=False, **inputs).last_hidden_state
+        hidden = self._decoded(inputs, mask, positions, pass_index, routes)
         if self.lm_head is None:
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
         scores = score_hidden(
@@ -141,6 +158,35 @@ class _Stage(nn.Module):
             return scores.logprobs, scores.entropy
         return scores.logprobs
 
+    def _decoded(
+        self,
+        inputs: dict[str, torch.Tensor],
+        mask: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        pass_index: torch.Tensor | None,
+        routes: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The stage's decoder over ``inputs``; an MoE stage replays its layers' part of ``routes`` (``[rows,
+        length, MoE layers, top_k]``, the micro-batch's; None: its routers choose) and keeps what they chose, for
+        micro-batch ``pass_index``, in the run's ``captured``."""
+        router = self.router
+        if router is None:
+            return self.decoder(
+                attention_mask=mask, position_ids=positions, use_cache=False, **inputs
+            ).last_hidden_state
+        given = None
+        if routes is not None:
+            flat = routes.reshape(-1, *routes.shape[2:])  # [rows x length, MoE layers, top_k]
+            given = Routes(layers=[flat[:, position] for position in self.route_layers])
+        with router.capture() as used, replaying(router, given):
+            hidden = self.decoder(attention_mask=mask, position_ids=positions, use_cache=False, **inputs)
+        assert pass_index is not None, "an MoE stage's run numbers its micro-batches"
+        captured = self._run.captured.setdefault(int(pass_index[0]), {})
+        differs = used.differs or [None] * len(used.layers)
+        for position, indices, differ in zip(self.route_layers, used.layers, differs, strict=True):
+            captured[position] = (indices.cpu(), None if differ is None else differ.cpu())
+        return hidden.last_hidden_state
+
 
 @dataclass(frozen=True, slots=True)
 class _Batch:
@@ -158,12 +204,43 @@ class _Batch:
         return dict(self.tensors)
 
 
+class PipelineRouters:
+    """The routers of this rank's stages as one `expert_routes.Routers`: the model's MoE layer count, top-k and
+    experts, and the expert-bias update of this rank's layers (each stage's `RouterReplay` with its layers'
+    positions among the model's MoE layers)."""
+
+    def __init__(
+        self, stages: list[tuple[RouterReplay, list[int]]], *, num_layers: int, top_k: int, num_experts: int
+    ) -> None:
+        self.stages = stages
+        self._shape = (num_layers, top_k, num_experts)
+
+    @property
+    def num_layers(self) -> int:
+        return self._shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self._shape[1]
+
+    @property
+    def num_experts(self) -> int:
+        return self._shape[2]
+
+    def update_bias(self, loads: list[list[float]], rate: float) -> None:
+        if len(loads) != self.num_layers:
+            raise RoutingError(f"expert loads of {len(loads)} MoE layers for a model of {self.num_layers}")
+        for router, positions in self.stages:
+            router.update_bias([loads[position] for position in positions], rate)
+
+
 class PipelineParallel:
     """This rank's stages of ``model`` (pruned in place to their layers) and the schedules that run them.
 
     ``mesh``: the whole device mesh (its ``pp`` axis is the pipeline); ``boundary_dtype``: the dtype of the hidden
     states between stages (the compute dtype: bfloat16 under bf16 mixed precision); ``context``: context or
-    sequence parallelism (`context_parallel`); ``vocab``: this rank's vocabulary slice with tensor parallelism."""
+    sequence parallelism (`context_parallel`); ``vocab``: this rank's vocabulary slice with tensor parallelism;
+    ``routes``: an MoE model's stages capture and replay expert routes (`routers`)."""
 
     def __init__(
         self,
@@ -176,6 +253,7 @@ class PipelineParallel:
         logits_chunk_tokens: int,
         context: ContextParallel | None = None,
         vocab: VocabShard | None = None,
+        routes: bool = False,
     ) -> None:
         pp_mesh = mesh["pp"]
         self.layout = layout
@@ -199,6 +277,9 @@ class PipelineParallel:
         # every weight's HF name, global shape and dtype, before pruning: weight sync receives the others' weights
         self._specs = {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
         self._embedding_name = next(n for n, m in model.named_modules() if m is embeddings) + ".weight"
+        moe_layers = [i for i, layer in enumerate(layers) if is_moe_model(cast(nn.Module, layer))]
+        first_moe = cast(nn.Module, layers[moe_layers[0]]) if moe_layers else nn.Module()
+        routers = [m for m in first_moe.modules() if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
         owned = {i for stage in self.stage_ids for i in ranges[stage]}
         self.owned_layers = [cast(nn.Module, layers[i]) for i in sorted(owned)]
         has_first, has_last = 0 in self.stage_ids, num_stages - 1 in self.stage_ids
@@ -222,6 +303,22 @@ class PipelineParallel:
                     context=context,
                     vocab=vocab if is_last else None,
                 )
+            )
+        self.routers: PipelineRouters | None = None
+        """An MoE model's routers on this rank's stages (``routes``)."""
+        if routes:
+            if not moe_layers:
+                raise RoutingError("routing replay needs a Mixture-of-Experts model: this one has no expert router")
+            router = cast(Any, routers[0])
+            for stage, module in zip(self.stage_ids, self.stages, strict=True):
+                module.route_layers = [moe_layers.index(i) for i in ranges[stage] if i in moe_layers]
+                if module.route_layers:
+                    module.router = RouterReplay(module.decoder, name=f"pipeline stage {stage}")
+            self.routers = PipelineRouters(
+                [(m.router, m.route_layers) for m in self.stages if m.router is not None],
+                num_layers=len(moe_layers),
+                top_k=int(router.top_k),
+                num_experts=int(router.weight.shape[0]),
             )
         # prune the model itself to what this rank holds, so that its state dict has this rank's weights only
         for i in range(len(layers)):
@@ -257,9 +354,10 @@ class PipelineParallel:
         temperature: float,
         with_entropy: bool,
         entropy_requires_grad: bool,
-    ) -> None:
+    ) -> list[Routes] | None:
         """Forward and backward of ``inputs`` through the schedule; ``loss(index, scores)`` runs on the last stage,
-        in micro-batch order. Gradients accumulate on every stage (collective over the pipeline)."""
+        in micro-batch order. Gradients accumulate on every stage (collective over the pipeline). Returns an MoE's
+        routes of each of ``inputs`` (`routers`; the loss got none), else None."""
         batch = self._stack(inputs)
         self._set_run(
             inputs, temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad
@@ -280,6 +378,7 @@ class PipelineParallel:
         schedule = self._schedule(batch, loss=schedule_loss)
         target = torch.arange(batch.passes, device=self.device).repeat_interleave(batch.rows)
         schedule.step(batch.tensors["input_ids"], target=target, return_outputs=False, **batch.kwargs())
+        return self._gathered_routes(inputs, batch)
 
     def score(self, inputs: Sequence[ScoreInputs], *, temperature: float) -> list[TokenScores]:
         """The logprobs of each of ``inputs`` (forward only), computed on the last stage and broadcast to every
@@ -292,12 +391,46 @@ class PipelineParallel:
             merged = torch.empty(batch.passes * batch.rows, batch.length - 1, device=self.device)
         merged = merged.contiguous()
         dist.broadcast(merged, src=self.last_rank, group=self.group)
+        routes = self._gathered_routes(inputs, batch)
         scores = []
         for index, item in enumerate(inputs):
             rows, length = item.input_ids.shape
             start = index * batch.rows
-            scores.append(TokenScores(logprobs=merged[start : start + rows, : length - 1], entropy=None))
+            logprobs = merged[start : start + rows, : length - 1]
+            scores.append(
+                TokenScores(logprobs=logprobs, entropy=None, routes=None if routes is None else routes[index])
+            )
         return scores
+
+    def _gathered_routes(self, inputs: Sequence[ScoreInputs], batch: _Batch) -> list[Routes] | None:
+        """Each of ``inputs``' routes over its own rows and every MoE layer, from the stages that ran them
+        (collective over the pipeline); None without `routers`."""
+        captured, self.run.captured = self.run.captured, {}
+        if self.routers is None:
+            return None
+        local = {index: layers for index, layers in captured.items() if index < len(inputs)}
+        parts: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] | None] = [None] * self.pp
+        dist.all_gather_object(parts, local, group=self.group)
+        out = []
+        for index, item in enumerate(inputs):
+            layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            for part in parts:
+                layers.update((part or {}).get(index, {}))
+            if sorted(layers) != list(range(self.routers.num_layers)):
+                raise RoutingError(f"micro-batch {index}: routes of MoE layers {sorted(layers)} came back")
+            rows, length = item.input_ids.shape
+            shape = (batch.rows, batch.length, rows, length)
+            ordered = [layers[position] for position in range(self.routers.num_layers)]
+            differs = [d for _, d in ordered]
+            out.append(
+                Routes(
+                    layers=[_unpadded(indices, shape, self.device) for indices, _ in ordered],
+                    differs=None
+                    if any(d is None for d in differs)
+                    else [_unpadded(d, shape, self.device) for d in differs if d is not None],
+                )
+            )
+        return out
 
     def _set_run(
         self,
@@ -332,11 +465,19 @@ class PipelineParallel:
             "attention_mask": [],
             "position_ids": [],
             "target_mask": [],
+            "pass_index": [],
         }
+        routed = self.routers is not None and any(item.routes is not None for item in inputs)
+        if routed:
+            parts["routes"] = []
         for index in range(passes):
             item = inputs[index] if index < len(inputs) else inputs[0]
             for name, tensor in _padded(item, rows=rows, length=length).items():
                 parts[name].append(tensor)
+            parts["pass_index"].append(torch.full((rows,), index, dtype=torch.long))
+            if routed:
+                assert self.routers is not None
+                parts["routes"].append(_padded_routes(item, rows=rows, length=length, routers=self.routers))
         tensors = {name: torch.cat(values).to(self.device) for name, values in parts.items()}
         return _Batch(rows=rows, length=length, passes=passes, tensors=tensors)
 
@@ -465,6 +606,25 @@ class PipelineParallel:
         if name == self._embedding_name:
             return 0
         return (self.layout.num_stages - 1) % self.pp
+
+
+def _unpadded(tensor: torch.Tensor, shape: tuple[int, int, int, int], device: torch.device) -> torch.Tensor:
+    """A schedule's ``[padded rows x padded length, ...]`` values of one micro-batch back on its own rows: ``shape``
+    is (padded rows, padded length, rows, length)."""
+    padded_rows, padded_length, rows, length = shape
+    grid = tensor.reshape(padded_rows, padded_length, *tensor.shape[1:])[:rows, :length]
+    return grid.reshape(rows * length, *tensor.shape[1:]).to(device)
+
+
+def _padded_routes(item: ScoreInputs, *, rows: int, length: int, routers: PipelineRouters) -> torch.Tensor:
+    """``item``'s routes to replay as ``[rows, length, MoE layers, top_k]``, padded as `_padded` pads its rows
+    (`UNROUTED`: the router chooses; so is a micro-batch without routes)."""
+    grid = torch.full((rows, length, routers.num_layers, routers.top_k), UNROUTED, dtype=torch.long)
+    if item.routes is not None:
+        batch, width = item.input_ids.shape
+        given = torch.stack([indices.cpu() for indices in item.routes.layers], dim=1)  # [batch x width, layers, k]
+        grid[:batch, :width] = given.reshape(batch, width, *given.shape[1:])
+    return grid
 
 
 def _padded(item: ScoreInputs, *, rows: int, length: int) -> dict[str, torch.Tensor]:

@@ -1,19 +1,41 @@
-"""A Mixture-of-Experts policy without routing replay under pipeline parallelism (pp 2, 1F1B) trains like one process
-(the real `Trainer`, two steps: every metric but the ``moe/`` ones, which a pipeline does not measure, and the
-weights), on a tiny random model of each router family; tensor parallelism refuses an MoE in one line."""
+"""A Mixture-of-Experts policy under pipeline parallelism trains like one process (the real `Trainer`, two steps of
+two mini-batches: every metric and the weights): without routing replay (pp 2, 1F1B) on a tiny random model of each
+router family, and with the engine's routes replayed (R3) on an interleaved pipeline (pp 2, 2 stages a rank, a
+4-layer Mixtral) and on a DeepSeek-V3 whose first layer is dense (so a stage's MoE layers are not its decoder
+layers' numbers); tensor parallelism refuses an MoE in one line."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from sharpen.expert_routes import UNROUTED, expert_routes
+from sharpen.trainer import Trainer
 from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.layout import LayoutError, ParallelLayout
-from support.parity import PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
+from sharpen.types import TrainBatch
+from support.parity import NUM_STEPS, PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
 from support.ranks import join_process_group, launch_ranks
 from support.tiny_moe import FAMILIES, tiny_moe
+from support.tiny_trainer import uneven_rollouts
+
+REPLAYED = {  # name: family, config overrides, layout, MoE layers
+    "mixtral, interleaved": (
+        "mixtral",
+        {"num_hidden_layers": 4},
+        ParallelLayout(pp=2, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2),
+        4,
+    ),
+    "deepseek_v3, a dense first layer": (
+        "deepseek_v3",
+        {"num_hidden_layers": 3, "first_k_dense_replace": 1},
+        ParallelLayout(pp=2),
+        2,
+    ),
+}
 
 pytestmark = pytest.mark.slow  # forks 2 ranks
 
@@ -23,7 +45,40 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("moe_layouts")
     for family in FAMILIES:
         tiny_moe(family, vocab_size=VOCAB, pad_token_id=PAD).save_pretrained(folder / family)
-    return {family: folder / family for family in FAMILIES}
+    for name, (family, overrides, _, _) in REPLAYED.items():
+        model = tiny_moe(family, vocab_size=VOCAB, pad_token_id=PAD, **overrides)
+        with torch.no_grad():  # decisive routers: the replayed routes differ from the routers' own choices
+            for module in model.modules():
+                if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
+                    module.weight.normal_(0, 1.0)
+        model.save_pretrained(folder / name)
+    return {name: folder / name for name in (*FAMILIES, *REPLAYED)}
+
+
+def _routed_rollouts(num_layers: int, step: int):
+    """`uneven_rollouts` with random engine routes (two distinct experts of 4 per token and layer; the last token
+    unknown, as an engine leaves it)."""
+    generator = torch.Generator().manual_seed(step)
+    rollouts = []
+    for rollout in uneven_rollouts()[: 7 - step]:
+        routes = torch.stack(
+            [
+                torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(num_layers)])
+                for _ in range(rollout.num_tokens)
+            ]
+        )
+        routes[-1] = UNROUTED
+        rollouts.append(replace(rollout, routes=expert_routes(routes, num_experts=4)))
+    return rollouts
+
+
+def _replayed_steps(backend, num_layers: int) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """`trainer_steps` with R3 on `_routed_rollouts`."""
+    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
+    metrics = [
+        trainer.step(TrainBatch(rollouts=_routed_rollouts(num_layers, step), step=step)) for step in range(NUM_STEPS)
+    ]
+    return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
 
 
 def _worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out: Path) -> None:
@@ -33,9 +88,14 @@ def _worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out: 
 
     join_process_group(rank, num_ranks, port)
     results = {}
-    for family, model in models.items():
-        backend = FSDP2Backend(trainer_config(), model_path=model, dtype="float32", layout=ParallelLayout(pp=2))
+    for family in FAMILIES:
+        backend = FSDP2Backend(
+            trainer_config(), model_path=models[family], dtype="float32", layout=ParallelLayout(pp=2)
+        )
         results[family] = trainer_steps(backend)
+    for name, (_, _, layout, num_layers) in REPLAYED.items():
+        backend = FSDP2Backend(_r3_config(), model_path=models[name], dtype="float32", layout=layout)
+        results[name] = _replayed_steps(backend, num_layers)
     try:
         FSDP2Backend(trainer_config(), model_path=models["mixtral"], dtype="float32", layout=ParallelLayout(tp=2))
     except LayoutError as error:
@@ -52,21 +112,36 @@ def pp2(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
     return torch.load(out)
 
 
-def _without_moe_metrics(steps: tuple) -> tuple:
-    metrics, weights = steps
-    return [{k: v for k, v in step.items() if not k.startswith("moe/")} for step in metrics], weights
+def _r3_config():
+    return trainer_config(moe={"routing_replay": "r3"})
+
+
+def _assert_matches(got: tuple, expected: tuple) -> None:
+    """`assert_trainer_matches`, but a pipeline measures no balancing loss (the routers' probabilities stay on their
+    stages), and an all-zero weight is compared exactly."""
+    got_metrics, got_weights = got
+    metrics, weights = expected
+    assert all("moe/train_aux_loss" not in step for step in got_metrics)
+    metrics = [{k: v for k, v in step.items() if k != "moe/train_aux_loss"} for step in metrics]
+    for name in [name for name, tensor in weights.items() if not tensor.any()]:  # DeepSeek-V3's frozen expert bias
+        assert torch.equal(got_weights.pop(name), weights.pop(name)), name
+    assert_trainer_matches((got_metrics, got_weights), (metrics, weights))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_moe_trains_on_a_pipeline_like_one_process(pp2: dict, models: dict[str, Path], family: str):
     one = trainer_steps(SingleDeviceBackend(trainer_config(), model_path=models[family], dtype="float32"))
-    assert any(name.startswith("moe/") for name in one[0][0])  # one process measures the routes; a pipeline not
-    assert not any(name.startswith("moe/") for name in pp2[family][0][0])
-    got_metrics, got_weights = pp2[family]
-    metrics, weights = _without_moe_metrics(one)
-    for name in [name for name, tensor in weights.items() if not tensor.any()]:  # DeepSeek-V3's frozen expert bias
-        assert torch.equal(got_weights.pop(name), weights.pop(name)), name
-    assert_trainer_matches((got_metrics, got_weights), (metrics, weights))
+    _assert_matches(pp2[family], one)
+    assert "moe/train_load_max_over_mean" in pp2[family][0][0]  # the stages' routes, gathered
+
+
+@pytest.mark.parametrize("name", list(REPLAYED))
+def test_a_pipeline_replays_the_engine_routes_like_one_process(pp2: dict, models: dict[str, Path], name: str):
+    num_layers = REPLAYED[name][3]
+    one = _replayed_steps(SingleDeviceBackend(_r3_config(), model_path=models[name], dtype="float32"), num_layers)
+    assert one[0][0]["moe/engine_disagreement"] > 0.1  # the replayed routes are not the routers' own
+    assert f"moe/engine_disagreement/layer_{num_layers - 1:03d}" in one[0][0]
+    _assert_matches(pp2[name], one)
 
 
 def test_tensor_parallelism_refuses_an_moe_in_one_line(pp2: dict):
