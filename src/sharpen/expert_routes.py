@@ -26,6 +26,7 @@ rollout carries from the engine to the trainer (`routes_tensor`, `expert_routes`
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -44,6 +45,10 @@ REPLAY_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 
 _SOFTMAX = ("MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
 _SIGMOID = ("DeepseekV3TopkRouter",)
+
+
+_LIVE: weakref.WeakSet[RouterReplay] = weakref.WeakSet()
+"""Every `RouterReplay` in this process (`checkpoint_contexts` notes what each replays)."""
 
 
 class RoutingError(ValueError):
@@ -111,6 +116,7 @@ class RouterReplay:
         self._replayed: Routes | None = None
         for index, router in enumerate(routers):
             router.forward = _Routed(self, index, router)  # an instance attribute: module() calls it
+        _LIVE.add(self)
 
     @property
     def num_layers(self) -> int:
@@ -258,6 +264,30 @@ class _Routed:
         if hasattr(router, "norm_topk_prob"):  # the Qwen MoE routers return the weights in the logits' dtype
             weights = weights.to(logits.dtype)
         return logits, weights, indices
+
+
+def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """``torch.utils.checkpoint``'s ``context_fn`` for a model with routers (non-reentrant activation checkpointing):
+    called at each checkpointed forward, it notes what every `RouterReplay` replays then, and whether it captures,
+    and returns, for the recomputation in the backward, a context that replays those same routes and computes what
+    a capture computes (into a capture that is dropped: the recomputation must save the tensors the forward saved),
+    whatever is being replayed or captured when the backward runs (a pipeline's schedule runs other micro-batches'
+    forwards in between)."""
+    states = [(replay, replay._replayed, replay._captured is not None and not replay._accumulates) for replay in _LIVE]
+
+    @contextlib.contextmanager
+    def recomputing() -> Iterator[None]:
+        saved = [(replay, replay._replayed, replay._captured, replay._accumulates) for replay, _, _ in states]
+        for replay, replayed, captures in states:
+            replay._replayed, replay._accumulates = replayed, False
+            replay._captured = [[] for _ in replay.routers] if captures else None
+        try:
+            yield
+        finally:
+            for replay, replayed, captured, accumulates in saved:
+                replay._replayed, replay._captured, replay._accumulates = replayed, captured, accumulates
+
+    return contextlib.nullcontext(), recomputing()
 
 
 def _on_rows(indices: torch.Tensor, rows: int) -> torch.Tensor:

@@ -326,6 +326,27 @@ def test_packing_replays_the_same_routes_and_gives_the_same_step(moe_dir: Path):
         assert metrics[True][name] == pytest.approx(metrics[False][name], rel=1e-5, abs=1e-6), name
 
 
+@pytest.mark.parametrize("replay", ["r3", "r2"])
+def test_activation_checkpointing_recomputes_with_the_same_routes(moe_dir: Path, replay: str):
+    """The backward recomputes each layer under its forward's routes, computing what the forward's capture computed
+    (the routers' probabilities for the balancing loss): the same step with and without checkpointing."""
+    runs = []
+    for checkpointing in (False, True):
+        trainer = _trainer(
+            moe_dir, replay, gradient_checkpointing=checkpointing, moe={"routing_replay": replay, "aux_loss_coef": 0.1}
+        )
+        gradients = _record_gradients(trainer)
+        metrics = trainer.step(TrainBatch(rollouts=_rollouts(with_routes=replay == "r3"), step=0))
+        runs.append((metrics, gradients))
+    (metrics, gradients), (checkpointed, checkpointed_gradients) = runs
+    assert metrics["moe/train_disagreement"] > 0  # the replayed routes are not all the routers' own
+    for name in [n for n in metrics if n.startswith(("moe/", "train/loss", "train/grad_norm"))]:
+        assert checkpointed[name] == pytest.approx(metrics[name], rel=1e-5, abs=1e-7), name
+    for mine, theirs in zip(gradients, checkpointed_gradients, strict=True):
+        for name, gradient in mine.items():
+            torch.testing.assert_close(theirs[name], gradient, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("reference_replays", [True, False])
 def test_the_kl_reference_replays_the_routes_the_policy_replays(moe_dir: Path, reference_replays: bool):
     """R3 with a KL term, one mini-batch: before any update the reference is the policy, so with the engine's routes

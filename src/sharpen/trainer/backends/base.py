@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from sharpen.config.schema import TrainerConfig
-from sharpen.expert_routes import RouterReplay, Routers, Routes, is_moe_model
+from sharpen.expert_routes import RouterReplay, Routers, Routes, checkpoint_contexts, is_moe_model
 from sharpen.types import ImagePart
 from sharpen.weight_shards import WeightShard
 
@@ -194,6 +194,14 @@ def replaying(router: RouterReplay | None, routes: Routes | None) -> Iterator[No
         raise ValueError("expert routes to replay need trainer.moe.routing_replay and a Mixture-of-Experts policy")
     with router.replay(routes):
         yield
+
+
+def checkpointing_kwargs(model: torch.nn.Module) -> dict[str, object]:
+    """transformers' ``gradient_checkpointing_kwargs`` for ``model``: non-reentrant, and for a Mixture-of-Experts
+    model a recomputation that replays the routes its forward replayed (`expert_routes.checkpoint_contexts`)."""
+    if is_moe_model(model):
+        return {"use_reentrant": False, "context_fn": checkpoint_contexts}
+    return {"use_reentrant": False}
 
 
 def replay_routes_of(model: torch.nn.Module, config: TrainerConfig, *, name: str) -> RouterReplay | None:

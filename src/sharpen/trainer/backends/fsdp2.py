@@ -43,6 +43,7 @@ from sharpen.trainer.backends.base import (
     ScoreInputs,
     ScoresTokenLogprobs,
     TokenScores,
+    checkpointing_kwargs,
     replay_routes_of,
 )
 from sharpen.trainer.backends.context_parallel import ContextParallel
@@ -229,7 +230,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.route_view = self.context_parallel if self.layout.cp > 1 else None
         """Context parallelism: each rank's routers route its slice of every row (`base.RouteView`)."""
         if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(self.model))
         self.model.train()
         policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if self.precision.is_bf16 else None, reduce_dtype=torch.float32

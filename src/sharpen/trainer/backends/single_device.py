@@ -19,7 +19,13 @@ import torch
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
-from sharpen.trainer.backends.base import PROCESSOR_FILES, ScoresTokenLogprobs, TokenScores, replay_routes_of
+from sharpen.trainer.backends.base import (
+    PROCESSOR_FILES,
+    ScoresTokenLogprobs,
+    TokenScores,
+    checkpointing_kwargs,
+    replay_routes_of,
+)
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.lora import (
     adapter_state_dict,
@@ -72,7 +78,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         if config.lora.enabled:
             self.lora = apply_lora(self.model, config.lora)
         if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(self.model))
         self.model.train()
         self.optimizer = build_adamw(
             (p for p in self.model.parameters() if p.requires_grad),  # all of them, or the LoRA adapters alone

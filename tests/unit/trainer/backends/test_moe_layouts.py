@@ -1,8 +1,9 @@
 """A Mixture-of-Experts policy under pipeline parallelism trains like one process (the real `Trainer`, two steps of
 two mini-batches: every metric and the weights): without routing replay (pp 2, 1F1B) on a tiny random model of each
 router family, and with the engine's routes replayed (R3) on an interleaved pipeline (pp 2, 2 stages a rank, a
-4-layer Mixtral) and on a DeepSeek-V3 whose first layer is dense (so a stage's MoE layers are not its decoder
-layers' numbers); tensor parallelism refuses an MoE in one line."""
+4-layer Mixtral), on a DeepSeek-V3 whose first layer is dense (so a stage's MoE layers are not its decoder
+layers' numbers) and with activation checkpointing (the backward's recomputation replays its forward's routes);
+tensor parallelism refuses an MoE in one line."""
 
 from __future__ import annotations
 
@@ -35,7 +36,11 @@ REPLAYED = {  # name: family, config overrides, layout, MoE layers
         ParallelLayout(pp=2),
         2,
     ),
+    # activation checkpointing: the backward recomputes a layer while the schedule replays another micro-batch's
+    # routes; the recomputation must replay the routes of its own forward (expert_routes.checkpoint_contexts)
+    "mixtral, gradient checkpointing": ("mixtral", {}, ParallelLayout(pp=2), 2),
 }
+OPTIONS = {"mixtral, gradient checkpointing": {"gradient_checkpointing": True}}
 
 pytestmark = pytest.mark.slow  # forks 2 ranks
 
@@ -94,7 +99,7 @@ def _worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out: 
         )
         results[family] = trainer_steps(backend)
     for name, (_, _, layout, num_layers) in REPLAYED.items():
-        backend = FSDP2Backend(_r3_config(), model_path=models[name], dtype="float32", layout=layout)
+        backend = FSDP2Backend(_r3_config(name), model_path=models[name], dtype="float32", layout=layout)
         results[name] = _replayed_steps(backend, num_layers)
     try:
         FSDP2Backend(trainer_config(), model_path=models["mixtral"], dtype="float32", layout=ParallelLayout(tp=2))
@@ -112,8 +117,8 @@ def pp2(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> di
     return torch.load(out)
 
 
-def _r3_config():
-    return trainer_config(moe={"routing_replay": "r3"})
+def _r3_config(name: str):
+    return trainer_config(moe={"routing_replay": "r3"}, **OPTIONS.get(name, {}))
 
 
 def _assert_matches(got: tuple, expected: tuple) -> None:
@@ -138,7 +143,7 @@ def test_an_moe_trains_on_a_pipeline_like_one_process(pp2: dict, models: dict[st
 @pytest.mark.parametrize("name", list(REPLAYED))
 def test_a_pipeline_replays_the_engine_routes_like_one_process(pp2: dict, models: dict[str, Path], name: str):
     num_layers = REPLAYED[name][3]
-    one = _replayed_steps(SingleDeviceBackend(_r3_config(), model_path=models[name], dtype="float32"), num_layers)
+    one = _replayed_steps(SingleDeviceBackend(_r3_config(name), model_path=models[name], dtype="float32"), num_layers)
     assert one[0][0]["moe/engine_disagreement"] > 0.1  # the replayed routes are not the routers' own
     assert f"moe/engine_disagreement/layer_{num_layers - 1:03d}" in one[0][0]
     _assert_matches(pp2[name], one)
