@@ -99,7 +99,9 @@ class RouterReplay:
     """Capture and replay the expert routes of ``model``'s routers (see the module docstring). Wraps the routers
     once, at construction."""
 
-    def __init__(self, model: nn.Module, *, name: str = "the model") -> None:
+    def __init__(self, model: nn.Module, *, name: str = "the model", float32: bool = False) -> None:
+        """``float32``: a softmax router computes its logits, probabilities and top-k in float32 whatever the
+        autocast or the weights' dtype (a sigmoid router, DeepSeek-V3's, always does)."""
         routers = [m for m in model.modules() if type(m).__name__.endswith(("TopKRouter", "TopkRouter"))]
         unknown = sorted({type(m).__name__ for m in routers} - set(_SOFTMAX + _SIGMOID))
         if unknown:
@@ -111,6 +113,7 @@ class RouterReplay:
         if any(isinstance(router.forward, _Routed) for router in routers):
             raise RoutingError(f"the routers of {name} are already wrapped by another RouterReplay")
         self.routers = routers
+        self.float32 = float32
         self._captured: list[list[_Call]] | None = None
         self._accumulates = False
         self._replayed: Routes | None = None
@@ -228,7 +231,10 @@ class _Routed:
         self.original = router.forward  # the bound method of the class
 
     def __call__(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits, weights, indices = self.original(hidden_states)
+        if self.replay.float32 and type(self.router).__name__ in _SOFTMAX:
+            logits, weights, indices = self._own_float32(hidden_states)
+        else:
+            logits, weights, indices = self.original(hidden_states)
         replayed = self.replay._replayed
         differs = None
         if replayed is not None:
@@ -246,6 +252,24 @@ class _Routed:
         self.replay._record(self.index, indices, differs, logits)
         return logits, weights, indices
 
+    def _logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The router's logits: in float32 outside autocast (`RouterReplay.float32`), else as the router runs."""
+        router: Any = self.router
+        hidden = hidden_states.reshape(-1, router.hidden_dim)
+        if not self.replay.float32:
+            return F.linear(hidden, router.weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return F.linear(hidden.float(), router.weight.float())
+
+    def _own_float32(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A softmax router's own choice, as its family computes it, in float32."""
+        router: Any = self.router
+        logits = self._logits(hidden_states)
+        weights, indices = torch.softmax(logits, dim=-1).topk(router.top_k, dim=-1)
+        if getattr(router, "norm_topk_prob", True):  # Mixtral always normalises
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, weights, indices
+
     def _replayed(
         self, hidden_states: torch.Tensor, indices: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,7 +281,7 @@ class _Routed:
             if router.norm_topk_prob:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             return logits, weights * router.routed_scaling_factor, indices
-        logits = F.linear(hidden, router.weight)
+        logits = self._logits(hidden)
         weights = torch.softmax(logits, dim=-1, dtype=torch.float32).gather(1, indices)
         if getattr(router, "norm_topk_prob", True):  # Mixtral always normalises
             weights = weights / weights.sum(dim=-1, keepdim=True)

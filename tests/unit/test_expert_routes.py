@@ -104,6 +104,34 @@ def test_a_checkpointed_forward_is_recomputed_with_the_replayed_routes(family: s
         assert torch.allclose(gradients[1][name], gradient, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("setting", ["bf16 weights", "bf16 autocast"])
+def test_float32_routers_route_in_float32_whatever_the_compute_dtype(family: str, setting: str) -> None:
+    """``RouterReplay(float32=True)`` (``trainer.moe.router_float32``): the softmax routers' logits are the float32
+    product of their inputs and weights, and their experts the top-k of its softmax (by hand here), with bf16
+    weights or under bf16 autocast; without it they are bf16, as transformers computes them."""
+    seen = {}
+    for float32 in (True, False):
+        model = _model(family)
+        if setting == "bf16 weights":
+            model = model.to(torch.bfloat16)
+        RouterReplay(model, float32=float32)
+        calls: list[tuple[torch.Tensor, tuple]] = []
+        router = _routers(model)[0]
+        router.register_forward_hook(lambda _, args, output, calls=calls: calls.append((args[0].detach(), output)))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=setting == "bf16 autocast"):
+            model(_ids())
+        (hidden, (logits, weights, indices)) = calls[0]
+        seen[float32] = logits.dtype
+        if float32:
+            expected = torch.nn.functional.linear(hidden.reshape(-1, 32).float(), router.weight.float())
+            torch.testing.assert_close(logits, expected, rtol=0, atol=0)
+            probs, chosen = torch.softmax(expected, dim=-1).topk(2, dim=-1)
+            assert torch.equal(indices, chosen)
+            torch.testing.assert_close(weights, probs / probs.sum(dim=-1, keepdim=True))
+    assert seen == {True: torch.float32, False: torch.bfloat16}
+
+
 def test_bad_input_is_one_clear_error() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

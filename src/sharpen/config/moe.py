@@ -26,6 +26,12 @@ class MoeConfig(Section):
     policy (old-policy and training); needs an engine that returns routes (``rollout.engine.type = "hf"`` here). The
     routers keep their gradient through the replayed experts' probabilities."""
 
+    router_float32: bool = True
+    """The trainer's routers compute their logits, probabilities and top-k in float32 whatever the trainer's precision
+    (bf16 autocast or bf16 weights), as Megatron's ``moe_router_dtype = "fp32"`` does: a route that rounding would
+    flip in bf16 stays put, and the replayed experts' weights and the balancing loss's probabilities are exact. False:
+    the compute dtype, as transformers runs them. DeepSeek-V3's routers are float32 either way; a float32 run is the
+    same either way. The engine's routers run as the engine runs them."""
     aux_loss_coef: float = Field(default=0.0, ge=0.0)
     """The weight of the load-balancing loss added to the policy's loss. The loss is Switch Transformer's, as
     transformers computes it for Mixtral (``router_aux_loss_coef`` weighs the same quantity): per MoE layer, the number

@@ -302,6 +302,7 @@ def build_trainer(
             device=backend.device,
             precision=precision,
             replay_routes=config.trainer.moe.routing_replay != "none",
+            router_float32=config.trainer.moe.router_float32,
         )
     critic = None
     if config.trainer.algorithm.advantage.needs_critic:

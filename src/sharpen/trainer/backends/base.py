@@ -210,7 +210,7 @@ def replay_routes_of(model: torch.nn.Module, config: TrainerConfig, *, name: str
     replaying them; None for a dense model."""
     if config.moe.routing_replay == "none" and not is_moe_model(model):
         return None
-    return RouterReplay(model, name=name)
+    return RouterReplay(model, name=name, float32=config.moe.router_float32)
 
 
 class RouteView(Protocol):

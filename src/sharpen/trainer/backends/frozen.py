@@ -78,9 +78,17 @@ class ReferencePolicy(FrozenScorer):
     """A frozen copy of the initial policy for the KL term; built only when the KL coefficient is positive."""
 
     def __init__(
-        self, *, model_path: Path, dtype: str, device: torch.device, precision: Precision, replay_routes: bool = False
+        self,
+        *,
+        model_path: Path,
+        dtype: str,
+        device: torch.device,
+        precision: Precision,
+        replay_routes: bool = False,
+        router_float32: bool = False,
     ) -> None:
-        """``replay_routes``: a Mixture-of-Experts reference replays the routes it is given (routing replay)."""
+        """``replay_routes``: a Mixture-of-Experts reference replays the routes it is given (routing replay), its
+        routers in float32 with ``router_float32`` (as the policy's: ``trainer.moe.router_float32``)."""
         model_path = Path(model_path)
         vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
         super().__init__(device=device, precision=precision, vision=vision, model_path=model_path)
@@ -89,7 +97,7 @@ class ReferencePolicy(FrozenScorer):
         self.model: PreTrainedModel = model.to(device)  # pyright: ignore[reportArgumentType]
         self.model.eval().requires_grad_(False)
         if replay_routes:
-            self.router = RouterReplay(self.model, name=str(model_path))
+            self.router = RouterReplay(self.model, name=str(model_path), float32=router_float32)
 
     def frozen_model(self) -> contextlib.AbstractContextManager[PreTrainedModel]:
         return contextlib.nullcontext(self.model)

@@ -249,6 +249,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 context=self.context_parallel,
                 vocab=self.vocab_shard,
                 routes=routes_run and is_moe_model(self.model),
+                router_float32=config.moe.router_float32,
             )
             layers, roots = self.pipeline.owned_layers, list(self.pipeline.stages)
         else:

@@ -240,7 +240,8 @@ class PipelineParallel:
     ``mesh``: the whole device mesh (its ``pp`` axis is the pipeline); ``boundary_dtype``: the dtype of the hidden
     states between stages (the compute dtype: bfloat16 under bf16 mixed precision); ``context``: context or
     sequence parallelism (`context_parallel`); ``vocab``: this rank's vocabulary slice with tensor parallelism;
-    ``routes``: an MoE model's stages capture and replay expert routes (`routers`)."""
+    ``routes``: an MoE model's stages capture and replay expert routes (`routers`; in float32 with
+    ``router_float32``)."""
 
     def __init__(
         self,
@@ -254,6 +255,7 @@ class PipelineParallel:
         context: ContextParallel | None = None,
         vocab: VocabShard | None = None,
         routes: bool = False,
+        router_float32: bool = False,
     ) -> None:
         pp_mesh = mesh["pp"]
         self.layout = layout
@@ -313,7 +315,7 @@ class PipelineParallel:
             for stage, module in zip(self.stage_ids, self.stages, strict=True):
                 module.route_layers = [moe_layers.index(i) for i in ranges[stage] if i in moe_layers]
                 if module.route_layers:
-                    module.router = RouterReplay(module.decoder, name=f"pipeline stage {stage}")
+                    module.router = RouterReplay(module.decoder, name=f"pipeline stage {stage}", float32=router_float32)
             self.routers = PipelineRouters(
                 [(m.router, m.route_layers) for m in self.stages if m.router is not None],
                 num_layers=len(moe_layers),
