@@ -26,7 +26,7 @@ import torch
 
 from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
-from sharpen.expert_routes import Routers, Routes
+from sharpen.expert_routes import Routers, Routes, routes_tensor
 from sharpen.trainer.algorithms.offpolicy import correction_metrics
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
 from sharpen.trainer.backends.base import (
@@ -49,7 +49,7 @@ from sharpen.trainer.packing import (
     unpack_scores,
 )
 from sharpen.trainer.route_step import RouteStep
-from sharpen.trainer.routes import rollout_routes
+from sharpen.trainer.routes import forward_routes, rollout_routes
 from sharpen.types import ImagePart, Rollout, TrainBatch
 from sharpen.weight_shards import WeightShard
 
@@ -463,12 +463,14 @@ class Trainer:
         *,
         filler: list[Rollout] | None = None,
         routes: dict[int, torch.Tensor] | None = None,
+        engine_routes: bool = False,
     ) -> dict[int, list[float]]:
         """``score(micros)`` ([batch, seq - 1] logprobs each) on every rollout's completion tokens, keyed by rollout
         id, without gradient. Advantages may not exist yet (the KL penalties feed them), so copies with a placeholder
         are packed. ``filler``: when ``score`` runs the (possibly sharded) policy, pad to the ranks' most
         micro-batches; its passes replay this step's routes. ``routes``: filled with each rollout's captured
-        ``[tokens, layers, top_k]`` expert routes (a Mixture-of-Experts policy)."""
+        ``[tokens, layers, top_k]`` expert routes (a Mixture-of-Experts policy). ``engine_routes``: each micro-batch
+        carries the routes its rollouts came with (``micro.routes``, over its padded rows), for ``score`` to replay."""
         if filler is None:
             chunks = [(chunk, False) for chunk in split_micro_batches(rollouts, self.config.micro_batch_size)]
         else:
@@ -485,6 +487,10 @@ class Trainer:
         ]
         if filler is not None:
             micros = [self._with_routes(micro, chunk) for (chunk, _), micro in zip(chunks, micros, strict=True)]
+        elif engine_routes:
+            for (chunk, _), micro in zip(chunks, micros, strict=True):
+                given = [None if r.routes is None else routes_tensor(r.routes) for r in chunk]
+                micro.routes = micro.row_routes = forward_routes(micro, given)
         scored: dict[int, list[float]] = {}
         for (chunk, is_filler), micro, values in zip(chunks, micros, score(micros), strict=True):
             if is_filler:
@@ -518,6 +524,8 @@ class Trainer:
         reference = self.reference
         if reference is None:
             raise ValueError('kl_penalties needs a reference policy (trainer.algorithm.kl.type = "reward")')
+        # R3: the reference replays the engine's routes, as the policy's passes do (R2's exist only in the step)
+        replays = self.router is not None and self.config.moe.routing_replay == "r3"
         kl = self._score_completions(
             rollouts,
             lambda micros: [
@@ -530,12 +538,14 @@ class Trainer:
                             micro.loss_mask,
                             temperature=self.temperature,
                             images=micro.images,
+                            routes=micro.routes,
                         ),
                     ),
                     entropy=None,
                 )
                 for micro in micros
             ],
+            engine_routes=replays,
         )
         values = [value for row in kl.values() for value in row]
         self.reward_kl = sum(values) / max(len(values), 1)  # what the adaptive controller steers in this mode

@@ -366,6 +366,29 @@ def test_the_kl_reference_replays_the_routes_the_policy_replays(moe_dir: Path, r
         assert metrics["train/kl"] > 1e-6  # measured 1.4e-5: over 100 times the bound above
 
 
+@pytest.mark.parametrize("reference_replays", [True, False])
+def test_the_reward_kl_reference_replays_the_engine_routes(moe_dir: Path, reference_replays: bool):
+    """``kl.type = "reward"`` with R3: the penalty compares the engine's logprobs (here computed under its routes by
+    the hand-written forced routing) with the reference's, which replays the same routes: 0 before any update; a
+    reference that routes itself (the control) measures a KL."""
+    from sharpen.trainer.backends import ReferencePolicy
+
+    forced = [_forced_routing_logprobs(moe_dir, r) for r in _rollouts(with_routes=True)]
+    rollouts = _rollouts(with_routes=True, completion_logprobs=forced)
+    config = _config("r3", algorithm=AlgorithmConfig.model_validate({"kl": {"type": "reward", "coef": 1.0}}))
+    backend = SingleDeviceBackend(config, model_path=moe_dir, dtype="float32")
+    reference = ReferencePolicy(
+        model_path=moe_dir, dtype="float32", device=backend.device, precision="float32", replay_routes=reference_replays
+    )
+    trainer = Trainer(config, backend=backend, pad_token_id=PAD, max_new_tokens=8, reference=reference)
+    penalties = trainer.kl_penalties(rollouts)
+    assert [len(p) for p in penalties] == [len(r.completion_ids) for r in rollouts]
+    if reference_replays:
+        assert max(abs(value) for row in penalties for value in row) < 1e-7, max(abs(v) for row in penalties for v in row)
+    else:
+        assert trainer.reward_kl > 1e-6  # measured 1.4e-5
+
+
 def test_bad_routes_are_one_clear_error(moe_dir: Path, model_dir: Path):
     trainer = _trainer(moe_dir, "r3")
     with pytest.raises(ValueError, match='routing_replay = "r3": rollout t/0 came without'):
