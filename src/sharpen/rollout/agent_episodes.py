@@ -128,6 +128,8 @@ def _fill(episode: EpisodeState, example: Example, session: AgentSession, result
         episode.prompt_ids = main.prompt_ids
         episode.completion_ids, episode.logprobs = main.completion_ids, main.logprobs
         episode.versions, episode.loss_mask = main.versions, main.loss_mask
+        episode.routes = main.routes()  # each call's tokens, from the first call that ran them
+        episode.routes_lost = episode.routes is None
         episode.last_text = main.calls[-1].text
         episode.segments = [s for s in segments if s is not main]
     turns = _turn_records(session, segments)

@@ -25,7 +25,7 @@ from sharpen.data import render_continuation
 from sharpen.data.chat import render_messages
 from sharpen.environments.tools import HermesToolCallParser, ToolCall
 from sharpen.rollout.engines.base import EngineError
-from sharpen.types import Completion, Message, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ExpertRoutes, Message, PolicyVersion, SamplingParams
 
 Generate = Callable[[list[int], SamplingParams], Awaitable[tuple[Completion, PolicyVersion]]]
 """How a session asks the engine for one completion (the episode runner's request path)."""
@@ -67,6 +67,18 @@ class Segment:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.completion_ids
+
+    def routes(self) -> ExpertRoutes | None:
+        """A Mixture-of-Experts engine's routes of the segment's tokens: each call returns its context's and its
+        generated tokens' (its last one unknown), and a token keeps the route of the first call that ran it; the
+        agent's tokens after the last call are unknown. None when a call returned none."""
+        merged: ExpertRoutes | None = None
+        for call in self.calls:
+            routes = call.completion.routes
+            if routes is None:
+                return None
+            merged = routes if merged is None else merged.extended_by(routes)
+        return None if merged is None else merged.padded_to(len(self.prompt_ids) + len(self.completion_ids))
 
     def extend(self, call: AgentCall) -> None:
         added = call.prompt_ids[len(self.prompt_ids) + len(self.completion_ids) :]

@@ -162,6 +162,7 @@ def rollout_of(example: Example, episode: EpisodeState) -> Rollout:
             completion_text=s.calls[-1].text,
             loss_mask=s.loss_mask,
             sample_index=episode.sample_index,
+            routes=s.routes(),
         )
         for s in episode.segments
     ]

@@ -151,6 +151,43 @@ def test_an_agent_that_rewrites_its_history_yields_separate_segments_not_drift(t
     assert [t.info["segment"] for t in rollout.episode.turns] == [0, 1]
 
 
+class RoutingEngine(RecordingEngine):
+    """A Mixture-of-Experts engine's routes (R3) on every completion: its whole context and what it generated, each
+    token marked by the call's number, the last sampled token unknown."""
+
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        import torch
+
+        from sharpen.expert_routes import UNROUTED, expert_routes
+
+        call = len(self.served)
+        completions = super().generate(prompts, params)
+        for prompt, completion in zip(prompts, completions, strict=True):
+            marks = torch.full((len(prompt) + len(completion.token_ids), 1, 2), call, dtype=torch.long)
+            marks[-1] = UNROUTED
+            completion.routes = expert_routes(marks, num_experts=8)
+        return completions
+
+
+def test_an_agent_episode_keeps_each_token_route_from_the_first_call_that_ran_it(tokenizer):
+    from sharpen.expert_routes import UNROUTED, routes_tensor
+
+    engine = RoutingEngine(tokenizer, [TOOL_CALL, "The answer is 5."])
+    [rollout] = _run(tokenizer, engine, ToolAgent)[0].rollouts
+    (first_prompt, first), _ = engine.served
+    assert rollout.routes is not None
+    marks = routes_tensor(rollout.routes)[:, 0, 0].tolist()
+    ran_first = len(first_prompt) + len(first.token_ids) - 1  # the first call's context and tokens but its last
+    assert marks == [0] * ran_first + [1] * (rollout.num_tokens - ran_first - 1) + [UNROUTED]
+    # an agent that rewrote its history: each segment has its own call's routes
+    engine = RoutingEngine(tokenizer, ["Add them.", "5"])
+    [rollout] = _run(tokenizer, engine, RewritingAgent)[0].rollouts
+    [earlier] = rollout.segments
+    for segment, call in ((earlier, 0), (rollout, 1)):
+        assert segment.routes is not None
+        assert routes_tensor(segment.routes)[:, 0, 0].tolist() == [call] * (segment.num_tokens - 1) + [UNROUTED]
+
+
 class CompletionsAgent:
     """The legacy completions API: the second prompt is the first prompt, the completion and more text."""
 
