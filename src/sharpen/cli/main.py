@@ -201,7 +201,7 @@ def _train(config: SharpenConfig, args: argparse.Namespace) -> int:
     from sharpen.orchestration.runtime import run
 
     log_path = Path(config.run.output_dir) / config.run.name / LOG_FILE_NAME
-    with capture_run_output(log_path, verbose=args.verbose) as terminal:
+    with capture_run_output(log_path, verbose=args.verbose, is_refusal=_is_user_error) as terminal:
         if not args.verbose:
             terminal.print_line(f"libraries' output (vLLM, Ray, transformers, warnings): {log_path}")
         run_dir = run(config, resume=args.resume)
@@ -235,7 +235,7 @@ def _eval(config: SharpenConfig, args: argparse.Namespace) -> int:
     from sharpen.orchestration.evaluate import run_eval
 
     log_path = output.with_suffix(".log")
-    with capture_run_output(log_path, verbose=args.verbose) as terminal:
+    with capture_run_output(log_path, verbose=args.verbose, is_refusal=_is_user_error) as terminal:
         if not args.verbose:
             terminal.print_line(f"libraries' output (vLLM, transformers, warnings): {log_path}")
         report = run_eval(config, eval_config)
@@ -323,6 +323,15 @@ def _print_deprecation(message: Warning | str, category: type[Warning], *args: o
 
 
 _show_warning = warnings.showwarning
+
+
+def _is_user_error(error: BaseException) -> bool:
+    """Whether ``error`` is bad input that `main` reports in one line (not a failure whose traceback is logged)."""
+    from sharpen.cli.errors import user_error_message
+
+    if isinstance(error, ConfigError | ModelNotFoundError):
+        return True
+    return isinstance(error, Exception) and user_error_message(error) is not None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,9 +19,12 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Iterator
+import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
+
+from sharpen.config import ConfigError
 
 LOG_FILE_NAME = "sharpen.log"
 """The run's log in its run directory: every library's output, sharpen's log records, Python warnings."""
@@ -126,12 +129,17 @@ def _missing_dirs(path: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def capture_run_output(log_path: Path, *, verbose: bool) -> Iterator[Terminal]:
+def capture_run_output(
+    log_path: Path, *, verbose: bool, is_refusal: Callable[[BaseException], bool] | None = None
+) -> Iterator[Terminal]:
     """Send all output but sharpen's own to ``log_path`` (appended) while the block runs; with ``verbose``, to the
     terminal as well. Yields the `Terminal`, which `terminal` returns meanwhile.
 
-    A log that stays empty (a run refused before anything started) is removed again, with the folders made for it.
+    A run that fails writes its traceback to the log, so the log the terminal named is kept. A log that stays empty
+    (a run refused before anything started: ``is_refusal(error)``, by default a `ConfigError`, whose one line the
+    caller prints) is removed again, with the folders made for it.
     """
+    refused = is_refusal or (lambda error: isinstance(error, ConfigError))
     global _current
     created = _missing_dirs(log_path.parent)
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -164,8 +172,10 @@ def capture_run_output(log_path: Path, *, verbose: bool) -> Iterator[Terminal]:
     has_failed = False
     try:
         yield target
-    except BaseException:
+    except BaseException as error:
         has_failed = True
+        if not isinstance(error, KeyboardInterrupt) and not refused(error):  # a refusal is its one line
+            traceback.print_exc()  # into the log: a run that failed before anything else wrote there keeps it
         raise
     finally:
         _current = None

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from sharpen.config import ConfigError
 from sharpen.monitoring import LOG_FILE_NAME, ProgressDisplay, capture_run_output, terminal
 
 
@@ -101,10 +102,20 @@ def test_verbose_shows_the_libraries_on_the_terminal_too(
 
 def test_a_run_refused_before_it_wrote_anything_leaves_no_folder(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
     log_path = tmp_path / "runs" / "refused" / LOG_FILE_NAME
-    with pytest.raises(ValueError, match="refused"), capture_run_output(log_path, verbose=False):
-        raise ValueError("refused")
+    with pytest.raises(ConfigError, match="refused"), capture_run_output(log_path, verbose=False):
+        raise ConfigError("refused")
     assert not (tmp_path / "runs").exists()
     assert capfd.readouterr().err == ""
+
+
+def test_a_run_that_fails_before_anything_was_written_keeps_its_log(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
+    """The terminal named the log when the run started; a failure (not a refusal) leaves its traceback there."""
+    log_path = tmp_path / "runs" / "failed" / LOG_FILE_NAME
+    with pytest.raises(RuntimeError), capture_run_output(log_path, verbose=False):
+        raise RuntimeError("the engine failed to start")
+    assert str(log_path) in capfd.readouterr().err
+    log = log_path.read_text()
+    assert "Traceback" in log and "RuntimeError: the engine failed to start" in log
 
 
 def test_a_failed_run_names_its_log(tmp_path: Path, capfd: pytest.CaptureFixture[str]):
