@@ -129,6 +129,26 @@ class AgentResult:
     """JSON-serialisable details, recorded with the episode (the agent's own metrics, rubric components)."""
 
 
+def environment_shape_error(made: object, *, source: str) -> str | None:
+    """Why ``made`` (an environment, or its class) is neither an `Environment` nor an `AgentEnvironment`, in one
+    line naming ``source`` (where it came from); None when it is one. A class is checked for the methods (its
+    ``name`` and ``version`` may be set per instance)."""
+    kind = made if isinstance(made, type) else type(made)
+    has = {method for method in ("reset", "step", "run_agent") if callable(getattr(kind, method, None))}
+    if "run_agent" not in has and not {"reset", "step"} <= has:
+        present = f"it has {', '.join(sorted(has))}()" if has else "it has none of them"
+        return (
+            f"{source}: {kind.__name__} is not an environment: an Environment has async reset() and step(), an "
+            f"AgentEnvironment async run_agent(), and {present} (docs/environments.md)"
+        )
+    if isinstance(made, type):
+        return None
+    missing = [attribute for attribute in ("name", "version") if not isinstance(getattr(made, attribute, None), str)]
+    if missing:
+        return f"{source}: {kind.__name__} has no {' or '.join(missing)} (a string each, recorded with every rollout)"
+    return None
+
+
 @runtime_checkable
 class AgentEnvironment(Protocol):
     """An episode driven by agent code that calls the model itself, through an OpenAI-compatible client (the other

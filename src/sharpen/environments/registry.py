@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from sharpen.config import ConfigError
 from sharpen.config.browser import BrowserEnvironmentConfig
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
@@ -23,7 +24,12 @@ from sharpen.config.environments import (
 )
 from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.environments.base import EnvironmentFactory, EpisodeLimits, SingleTurnEnvironment
+from sharpen.environments.base import (
+    EnvironmentFactory,
+    EpisodeLimits,
+    SingleTurnEnvironment,
+    environment_shape_error,
+)
 from sharpen.environments.browser import BrowserEnvironmentFactory, build_browser_factory, make_browser_tasks
 from sharpen.environments.calculator import CalculatorEnvironment
 from sharpen.environments.guess_number import GuessNumberEnvironment
@@ -63,7 +69,12 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
         case GuessNumberEnvironmentConfig():
             return partial(GuessNumberEnvironment, low=config.low, high=config.high)
         case CustomEnvironmentConfig():
-            return partial(load_object(config.factory, what="environment.factory"), **config.kwargs)
+            factory = load_object(config.factory, what="environment.factory")
+            if isinstance(factory, type):  # a class: its shape is known before any episode (a function's is not)
+                error = environment_shape_error(factory, source=f"environment.factory = {config.factory!r}")
+                if error is not None:
+                    raise ConfigError(error)
+            return partial(factory, **config.kwargs)
         case GymnasiumEnvironmentConfig():
             return partial(
                 GymnasiumEnvironment,

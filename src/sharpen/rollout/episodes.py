@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, cast
 
+from sharpen.config import ConfigError
 from sharpen.data import render_continuation
 from sharpen.data.vision import VisionProcessor
 from sharpen.environments import (
@@ -40,7 +41,7 @@ from sharpen.environments import (
     SingleTurnEnvironment,
     StepResult,
 )
-from sharpen.environments.base import AgentEnvironment, Environment
+from sharpen.environments.base import AgentEnvironment, Environment, environment_shape_error
 from sharpen.rollout.agent_endpoint import AgentEndpoint
 from sharpen.rollout.agent_episodes import run_agent_episode
 from sharpen.rollout.engines.base import (
@@ -364,6 +365,9 @@ class EpisodeRunner:
 
     def _new_episode(self, example: Example, example_index: int, sample_index: int) -> EpisodeState:
         environment, limits, sandbox = self.make_environment(), self.limits, self.sandbox
+        error = environment_shape_error(environment, source="the environment factory")
+        if error is not None:  # the run's error, once: not one failed episode after another
+            raise ConfigError(error)
         context = EpisodeContext(
             seed=derive_seed(self.episode_seed, example.task_key, sample_index),
             sample_index=sample_index,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -150,3 +151,45 @@ def test_custom_environments_load_from_a_file_or_a_module_with_one_clear_error(t
     assert main(["train", 'environment={type = "custom", factory = "envs.py:Theirs"}']) == EXIT_USER_ERROR
     assert capsys.readouterr().err.startswith("sharpen: environment.factory = 'envs.py:Theirs'")
     assert not (tmp_path / "runs").exists()  # refused before any run directory or engine exists
+
+
+_WRONG_SHAPES = """
+class NoMethods:
+    name, version = "none", "1"
+
+class HalfEnvironment:
+    name, version = "half", "1"
+    async def reset(self, example, ctx):
+        return []
+
+def make_nameless():
+    class Nameless:
+        async def run_agent(self, example, ctx, client):
+            return None
+    return Nameless()
+"""
+
+
+def test_a_wrong_shaped_environment_is_one_clear_error_before_any_episode(tmp_path, monkeypatch, capsys):
+    """A class with neither reset()/step() nor run_agent() is refused when the run is built (before the engine
+    starts); a factory function's product, whose class is known only once it is called, when the first episode
+    starts: the run's error, once, not an error per episode."""
+    from sharpen.environments import EpisodeLimits
+    from sharpen.rollout.engines.scripted import ScriptedEngine
+    from sharpen.rollout.episodes import EpisodeRunner
+    from sharpen.types import Example, Message, SamplingParams
+
+    (tmp_path / "shapes.py").write_text(_WRONG_SHAPES)
+    monkeypatch.chdir(tmp_path)
+    for name, present in (("NoMethods", "it has none of them"), ("HalfEnvironment", "it has reset()")):
+        with pytest.raises(ConfigError, match=rf"{name} is not an environment: .* and {re.escape(present)}"):
+            build_environment_factory(CustomEnvironmentConfig(factory=f"shapes.py:{name}"))
+    assert main(["train", 'environment={type = "custom", factory = "shapes.py:NoMethods"}']) == EXIT_USER_ERROR
+    assert "NoMethods is not an environment" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # refused before any run directory or engine exists
+    make = build_environment_factory(CustomEnvironmentConfig(factory="shapes.py:make_nameless"))
+    runner = EpisodeRunner(tokenizer=None, make_environment=make, limits=EpisodeLimits(max_turns=2))
+    engine = ScriptedEngine(["a"], encode=lambda text: [1], eos_token_id=2)
+    example = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
+    with pytest.raises(ConfigError, match=r"the environment factory: Nameless has no name or version"):
+        runner.generate_groups(engine, [example], sampling=SamplingParams(max_new_tokens=4), num_samples=4, seed=0)
