@@ -133,6 +133,10 @@ class VerifiersEnvironmentConfig(EpisodeLimitsSection):
 
 class CustomEnvironmentConfig(EpisodeLimitsSection):
     type: Literal["custom"] = "custom"
+    max_turns: int = Field(default=16, ge=1)
+    """Policy turns per episode; an agent's model calls count as turns. 16 by default, so that an agent or a
+    multi-turn environment written from the docs runs its turns (an environment that ends after one turn is not
+    affected); a refused call ends its episode as truncated (``rollout/truncated_fraction``)."""
     factory: str
     """Your environment: ``path/to/file.py:ClassName`` or ``package.module:ClassName`` (a class or function that
     returns a fresh `Environment`), called with ``kwargs`` once per episode."""

@@ -117,6 +117,21 @@ def test_a_tool_episode_through_the_openai_client_trains_on_exactly_the_engines_
     assert rollout.completion_text == "The answer is 5."
 
 
+def test_the_docs_agent_runs_all_its_calls_with_a_custom_environment_default_limits(tokenizer):
+    """The tool agent of docs/agents.md makes two calls; a custom environment's default turn limit lets it (a limit of
+    one refused its second call and truncated every episode, silently)."""
+    from sharpen.config.environments import CustomEnvironmentConfig
+    from sharpen.environments.registry import episode_limits
+
+    limits = episode_limits(CustomEnvironmentConfig(factory="agents.py:ToolAgent"))
+    engine = RecordingEngine(tokenizer, [TOOL_CALL, "The answer is 5."])
+    runner = EpisodeRunner(tokenizer=tokenizer, make_environment=ToolAgent, limits=limits)
+    sampling = SamplingParams(max_new_tokens=64)
+    [rollout] = runner.generate_groups(engine, [_example()], sampling=sampling, num_samples=1, seed=0)[0].rollouts
+    assert len(engine.served) == 2 and not rollout.is_truncated
+    assert rollout.episode.stop_reason == "terminated"
+
+
 class RewritingAgent:
     """Asks, then asks again with a summary instead of the earlier exchange (a context-managing agent)."""
 
