@@ -11,12 +11,21 @@ def user_error_message(error: BaseException) -> str | None:
     from sharpen.cli.models import PullError
     from sharpen.data import DataError
     from sharpen.data.chat import ImageInputError
+    from sharpen.environments.base import EnvironmentCodeError
     from sharpen.environments.sandbox import SandboxUnavailable
     from sharpen.monitoring import TrackingSetupError
     from sharpen.plugins import PluginLoadError
     from sharpen.serving import ServiceRequestError, ServiceUnavailable
 
-    one_line = (DataError, ImageInputError, PullError, PluginLoadError, TrackingSetupError, SandboxUnavailable)
+    one_line = (
+        DataError,
+        ImageInputError,
+        PullError,
+        PluginLoadError,
+        TrackingSetupError,
+        SandboxUnavailable,
+        EnvironmentCodeError,
+    )
     if isinstance(error, one_line):
         return str(error)
     if isinstance(error, ServiceUnavailable | ServiceRequestError):  # raised when a client starts: URLs or token

@@ -22,6 +22,11 @@ class EnvironmentInfraError(RuntimeError):
     abstains (status infra_error) instead of being scored."""
 
 
+class EnvironmentCodeError(RuntimeError):
+    """Every episode of a step failed in the environment's (or agent's) own code: the run stops with the first
+    error, instead of training on nothing and exiting 0."""
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class EpisodeLimits:
     """What the episode loop enforces on every episode."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from sharpen.config.schema import SharpenConfig
 from sharpen.data import ExampleSampler
+from sharpen.environments.base import EnvironmentCodeError
 from sharpen.evaluation import eval_sampling, evaluate
 from sharpen.monitoring import (
     MetricSink,
@@ -38,7 +39,7 @@ from sharpen.rewards.canaries import build_canary_monitor
 from sharpen.rewards.hack_monitor import PolicyErrorMonitor, hack_metrics
 from sharpen.rollout.engines import InferenceEngine
 from sharpen.rollout.episodes import EpisodeRunner
-from sharpen.types import Example, TrainBatch, with_segments
+from sharpen.types import Example, Rollout, TrainBatch, with_segments
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
             batch = source.scored_batch(step)
             groups = batch.groups
             rollouts = [r for g in groups for r in g.rollouts]
+            check_environment_failures(step, rollouts)
             policy_error_metrics = policy_errors.observe(rollouts)
             with timer.phase("advantages"):
                 advantages = compute_step_advantages(trainer, groups, config)
@@ -163,6 +165,19 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
                 )
     finally:
         source.close()
+
+
+def check_environment_failures(step: int, rollouts: Sequence[Rollout]) -> None:
+    """Stop the run when every episode of ``step`` ended because the environment's own code raised (an error in the
+    user's environment or agent, not the policy's doing): an `EnvironmentCodeError` naming the first error."""
+    failed = [r for r in rollouts if r.episode is not None and r.episode.stop_reason == "environment_error"]
+    if rollouts and len(failed) == len(rollouts):
+        first = failed[0].episode
+        assert first is not None
+        raise EnvironmentCodeError(
+            f"step {step}: all {len(rollouts)} episodes failed in the environment's code ({first.environment}); the "
+            f"first raised {first.error} (the run's log has each traceback)"
+        )
 
 
 def add_times(metrics: dict[str, float], times: dict[str, float]) -> None:

@@ -157,3 +157,31 @@ def test_resumed_at_a_step_the_loop_runs_only_the_remaining_steps(components: Co
     assert isinstance(trainer, RecordingTrainer) and isinstance(sink, ListSink)
     assert [batch.step for batch in trainer.batches] == [2]
     assert [step for step, _ in sink.rows] == [2]
+
+
+class _BrokenEnvironment:
+    """A user's environment whose reset raises."""
+
+    name, version = "broken", "1"
+
+    async def reset(self, example, ctx):
+        raise KeyError("missing_field")
+
+    async def step(self, action):
+        raise AssertionError("never reached")
+
+
+def test_a_step_whose_every_episode_failed_in_the_environment_code_stops_the_run(components: Components) -> None:
+    """32 tracebacks, reward NaN and exit 0 before: now the run stops at the first such step with one line naming the
+    first error; the CLI reports it as the user's to fix."""
+    from sharpen.cli.errors import user_error_message
+    from sharpen.environments.base import EnvironmentCodeError
+
+    components.runner = EpisodeRunner(tokenizer=components.tokenizer, make_environment=_BrokenEnvironment)
+    with pytest.raises(
+        EnvironmentCodeError, match=r"step 0: all 4 episodes failed in the environment's code \(broken\)"
+    ) as caught:
+        run_loop(components)
+    assert "KeyError('missing_field')" in str(caught.value)
+    assert user_error_message(caught.value) == str(caught.value)
+    assert components.trainer.batches == []  # nothing trained on  # pyright: ignore[reportAttributeAccessIssue]
