@@ -206,7 +206,20 @@ def _train(config: SharpenConfig, args: argparse.Namespace) -> int:
             terminal.print_line(f"libraries' output (vLLM, Ray, transformers, warnings): {log_path}")
         run_dir = run(config, resume=args.resume)
     print(f"run directory: {run_dir}")
+    _print_doctor(run_dir)
     return 0
+
+
+def _print_doctor(run_dir: Path) -> None:
+    """The run doctor's warnings about a finished run (`monitoring.inspect`), one line each on stderr."""
+    from sharpen.monitoring.inspect import inspect_run
+
+    try:
+        warnings = inspect_run(run_dir).warnings
+    except ValueError:  # no steps recorded
+        return
+    for warning in warnings:
+        print(f"sharpen: warning: {warning}", file=sys.stderr)
 
 
 def _eval_config(config: SharpenConfig, args: argparse.Namespace) -> EvalConfig:

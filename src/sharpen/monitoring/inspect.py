@@ -1,8 +1,10 @@
 """`sharpen inspect`: a run's health from what it wrote (metrics.jsonl, nonfinite/), as a summary and warnings.
 
 Owns reading a run directory after the fact and judging it: progress, reward trend, throughput and time per
-phase, memory, and warnings (non-finite steps, gradient-norm spikes, abstentions, hack flags, engine/trainer
-mismatch close to the tolerance, a reward that does not move). It changes nothing and needs no model.
+phase, memory, and warnings, the run doctor's (non-finite steps, gradient-norm spikes, engine replicas lost or
+restarted, engine/trainer mismatch close to the tolerance, episodes that mostly hit a limit, abstentions, a reward
+flat at 0 or 1, entropy collapse, hack flags, a reward that does not move), each with the metric to read and the key
+to change. `sharpen train` prints them when a run ends. It changes nothing and needs no model.
 """
 
 from __future__ import annotations
@@ -96,6 +98,28 @@ def _probe_warning(rows: list[dict[str, Any]], *, probe_tolerance: float) -> str
     return f"engine/trainer probe mismatch up to {worst[0]:.2e} nats/token (tolerance {worst[1]:.3g})"
 
 
+_LIMIT_KEYS = {
+    "length": "rollout.max_new_tokens",
+    "max_turns": "environment.max_turns",
+    "max_tokens": "environment.max_episode_tokens",
+    "wall_clock": "environment.wall_seconds",
+    "episode_timeout": "rollout.episode_timeout_s",
+}
+"""The key that bounds each ``rollout/stop_<reason>`` of a truncated episode."""
+
+
+def _flat_reward(rows: list[dict[str, Any]]) -> str | None:
+    """A reward at exactly 0 or exactly 1 in every step (nothing to learn from), with what to look at."""
+    rewards = [row.get("reward/mean") for row in rows]
+    if len(rows) < 3 or any(not isinstance(r, int | float) for r in rewards):
+        return None
+    if all(r == 0.0 for r in rewards):
+        return "the reward was 0 in every step: check the reward on a few rollouts (rollouts.jsonl, reward/status_*)"
+    if all(r == 1.0 for r in rewards):
+        return "the reward was 1 in every step: the task is solved already or the reward is too lenient"
+    return None
+
+
 def run_warnings(rows: list[dict[str, Any]], *, probe_tolerance: float) -> list[str]:
     """What a user should look at, most serious first."""
     warnings = []
@@ -108,10 +132,46 @@ def run_warnings(rows: list[dict[str, Any]], *, probe_tolerance: float) -> list[
     probe = _probe_warning(rows, probe_tolerance=probe_tolerance)
     if probe:
         warnings.append(probe)
+    restarts = sum(row.get("engine/restarts", 0.0) for row in rows)
+    failed = sum(row.get("sync/num_failed_replicas", 0.0) for row in rows)
+    if restarts or failed:
+        lost = [
+            row["step"] for row in rows if row.get("engine/restarts", 0.0) or row.get("sync/num_failed_replicas", 0.0)
+        ]
+        warnings.append(
+            f"engine replicas were lost or restarted at steps {lost} ({restarts:.0f} restarts, {failed:.0f} failed "
+            "weight loads: engine/restarts, sync/num_failed_replicas; the run's log says why)"
+        )
+    truncated = _mean(rows, "rollout/truncated_fraction")
+    if truncated > 0.5:
+        reasons = {
+            key.removeprefix("rollout/stop_"): _mean(rows, key)
+            for key in {k for row in rows for k in row if k.startswith("rollout/stop_")} - {"rollout/stop_terminated"}
+        }
+        reason = max(reasons, key=lambda r: reasons[r]) if reasons else ""
+        change = _LIMIT_KEYS.get(reason, "rollout.max_new_tokens or environment.max_turns")
+        warnings.append(
+            f"{truncated:.0%} of episodes were truncated on average (rollout/truncated_fraction"
+            + (f"; most often by {reason}: rollout/stop_{reason}" if reason else "")
+            + f"): raise {change}"
+        )
     abstaining = ("reward/status_infra_error", "reward/status_timeout", "reward/status_judge_unparseable")
     abstained = statistics.fmean(sum(row.get(key, 0.0) for key in abstaining) for row in rows)
     if abstained > 0.1:
         warnings.append(f"{abstained:.0%} of rollouts abstained on average (reward/status_* says why)")
+    flat = _flat_reward(rows)
+    if flat is not None:
+        warnings.append(flat)
+    entropy = [row["train/entropy"] for row in rows if isinstance(row.get("train/entropy"), int | float)]
+    if (
+        len(entropy) >= 5
+        and entropy[0] > 0
+        and statistics.fmean(entropy[-max(len(entropy) // 10, 1) :]) < 0.1 * entropy[0]
+    ):
+        warnings.append(
+            f"the policy's entropy collapsed: {entropy[0]:.3g} at the start, {entropy[-1]:.3g} at the end "
+            "(train/entropy; trainer.algorithm.entropy_coef, or a lower learning rate)"
+        )
     flagged = _mean(rows, "hack/flagged_fraction")
     if flagged > 0:
         warnings.append(f"{flagged:.1%} of rollouts carried hack flags on average (hack/flag_*)")

@@ -51,3 +51,45 @@ def test_warnings_name_what_went_wrong(tmp_path: Path, capsys):
     assert warnings[3].startswith("25% of rollouts abstained") and warnings[4].startswith("12.5% of rollouts carried")
     assert main(["inspect", str(tmp_path / "nothing")]) == EXIT_USER_ERROR
     assert "is not a run directory" in capsys.readouterr().err
+
+
+def test_the_run_doctor_names_truncation_a_lost_replica_a_flat_reward_and_entropy_collapse(tmp_path: Path):
+    """Runs made to show each condition: the warning names the metric and the key to change."""
+    truncated = [_row(0.5, **{"rollout/truncated_fraction": 1.0, "rollout/stop_max_turns": 1.0}) for _ in range(3)]
+    _write_run(tmp_path / "truncated", truncated)
+    [warning] = inspect_run(tmp_path / "truncated").warnings
+    assert warning == (
+        "100% of episodes were truncated on average (rollout/truncated_fraction; most often by max_turns: "
+        "rollout/stop_max_turns): raise environment.max_turns"
+    )
+    lost = [_row(0.5 + 0.1 * i) for i in range(3)]
+    lost[1]["engine/restarts"] = 1.0
+    _write_run(tmp_path / "lost", lost)
+    [warning] = inspect_run(tmp_path / "lost").warnings
+    assert warning.startswith("engine replicas were lost or restarted at steps [1] (1 restarts")
+    _write_run(tmp_path / "flat", [_row(0.0) for _ in range(3)])
+    assert inspect_run(tmp_path / "flat").warnings == [
+        "the reward was 0 in every step: check the reward on a few rollouts (rollouts.jsonl, reward/status_*)"
+    ]
+    collapsing = [_row(0.1 * i, **{"train/entropy": 2.0 * 0.5**i}) for i in range(6)]
+    _write_run(tmp_path / "collapse", collapsing)
+    [warning] = inspect_run(tmp_path / "collapse").warnings
+    assert warning.startswith("the policy's entropy collapsed: 2 at the start, 0.0625 at the end (train/entropy;")
+
+
+def test_train_prints_the_run_doctor_when_the_run_ends(tmp_path: Path, monkeypatch, capsys):
+    """`sharpen train` ends with the doctor's warnings (here: a run whose episodes all hit the turn limit)."""
+    import sharpen.orchestration.runtime as runtime
+
+    run_dir = tmp_path / "runs" / "run"
+
+    def fake_run(config, *, resume):  # the run's folder exists already: the CLI's log is in it
+        rows = [_row(0.5, **{"rollout/truncated_fraction": 1.0, "rollout/stop_length": 1.0})] * 3
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": i, **r}) + "\n" for i, r in enumerate(rows)))
+        return run_dir
+
+    monkeypatch.setattr(runtime, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "run.name=run"]) == 0
+    err = capsys.readouterr().err
+    assert "sharpen: warning: 100% of episodes were truncated" in err and "raise rollout.max_new_tokens" in err
