@@ -46,10 +46,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 
-from sharpen.expert_routes import UNROUTED, RouterReplay, Routes, RoutingError, is_moe_model
+from sharpen.expert_routes import RouterReplay, Routes, RoutingError, is_moe_model
 from sharpen.trainer.backends.base import MicroBatchLoss, ScoreInputs, TokenScores, replaying
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.mesh import weight_shard
+from sharpen.trainer.backends.pipeline_routes import Captured, PipelineRouters
 from sharpen.trainer.backends.scoring import score_hidden
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.trainer.layout import LayoutError, ParallelLayout
@@ -86,7 +87,7 @@ class _Run:
     entropy_requires_grad: bool = False
     packed: bool = False
     logits_chunk_tokens: int = 0
-    captured: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] = field(default_factory=dict)
+    captured: Captured = field(default_factory=dict)
     """An MoE's routes captured by this rank's stages in the run: per micro-batch, per MoE layer (its position among
     the model's), the ``[rows x length, top_k]`` expert indices and, under replay, ``differs``."""
 
@@ -202,36 +203,6 @@ class _Batch:
     def kwargs(self) -> dict[str, Any]:
         """The tensors as the stages' keyword arguments (the schedule splits them by micro-batch)."""
         return dict(self.tensors)
-
-
-class PipelineRouters:
-    """The routers of this rank's stages as one `expert_routes.Routers`: the model's MoE layer count, top-k and
-    experts, and the expert-bias update of this rank's layers (each stage's `RouterReplay` with its layers'
-    positions among the model's MoE layers)."""
-
-    def __init__(
-        self, stages: list[tuple[RouterReplay, list[int]]], *, num_layers: int, top_k: int, num_experts: int
-    ) -> None:
-        self.stages = stages
-        self._shape = (num_layers, top_k, num_experts)
-
-    @property
-    def num_layers(self) -> int:
-        return self._shape[0]
-
-    @property
-    def top_k(self) -> int:
-        return self._shape[1]
-
-    @property
-    def num_experts(self) -> int:
-        return self._shape[2]
-
-    def update_bias(self, loads: list[list[float]], rate: float) -> None:
-        if len(loads) != self.num_layers:
-            raise RoutingError(f"expert loads of {len(loads)} MoE layers for a model of {self.num_layers}")
-        for router, positions in self.stages:
-            router.update_bias([loads[position] for position in positions], rate)
 
 
 class PipelineParallel:
@@ -410,29 +381,8 @@ class PipelineParallel:
         captured, self.run.captured = self.run.captured, {}
         if self.routers is None:
             return None
-        local = {index: layers for index, layers in captured.items() if index < len(inputs)}
-        parts: list[dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]] | None] = [None] * self.pp
-        dist.all_gather_object(parts, local, group=self.group)
-        out = []
-        for index, item in enumerate(inputs):
-            layers: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-            for part in parts:
-                layers.update((part or {}).get(index, {}))
-            if sorted(layers) != list(range(self.routers.num_layers)):
-                raise RoutingError(f"micro-batch {index}: routes of MoE layers {sorted(layers)} came back")
-            rows, length = item.input_ids.shape
-            shape = (batch.rows, batch.length, rows, length)
-            ordered = [layers[position] for position in range(self.routers.num_layers)]
-            differs = [d for _, d in ordered]
-            out.append(
-                Routes(
-                    layers=[_unpadded(indices, shape, self.device) for indices, _ in ordered],
-                    differs=None
-                    if any(d is None for d in differs)
-                    else [_unpadded(d, shape, self.device) for d in differs if d is not None],
-                )
-            )
-        return out
+        padded = (batch.rows, batch.length)
+        return self.routers.gathered(captured, inputs, padded=padded, group=self.group, device=self.device)
 
     def _set_run(
         self,
@@ -479,7 +429,7 @@ class PipelineParallel:
             parts["pass_index"].append(torch.full((rows,), index, dtype=torch.long))
             if routed:
                 assert self.routers is not None
-                parts["routes"].append(_padded_routes(item, rows=rows, length=length, routers=self.routers))
+                parts["routes"].append(self.routers.padded(item, rows=rows, length=length))
         tensors = {name: torch.cat(values).to(self.device) for name, values in parts.items()}
         return _Batch(rows=rows, length=length, passes=passes, tensors=tensors)
 
@@ -608,25 +558,6 @@ class PipelineParallel:
         if name == self._embedding_name:
             return 0
         return (self.layout.num_stages - 1) % self.pp
-
-
-def _unpadded(tensor: torch.Tensor, shape: tuple[int, int, int, int], device: torch.device) -> torch.Tensor:
-    """A schedule's ``[padded rows x padded length, ...]`` values of one micro-batch back on its own rows: ``shape``
-    is (padded rows, padded length, rows, length)."""
-    padded_rows, padded_length, rows, length = shape
-    grid = tensor.reshape(padded_rows, padded_length, *tensor.shape[1:])[:rows, :length]
-    return grid.reshape(rows * length, *tensor.shape[1:]).to(device)
-
-
-def _padded_routes(item: ScoreInputs, *, rows: int, length: int, routers: PipelineRouters) -> torch.Tensor:
-    """``item``'s routes to replay as ``[rows, length, MoE layers, top_k]``, padded as `_padded` pads its rows
-    (`UNROUTED`: the router chooses; so is a micro-batch without routes)."""
-    grid = torch.full((rows, length, routers.num_layers, routers.top_k), UNROUTED, dtype=torch.long)
-    if item.routes is not None:
-        batch, width = item.input_ids.shape
-        given = torch.stack([indices.cpu() for indices in item.routes.layers], dim=1)  # [batch x width, layers, k]
-        grid[:batch, :width] = given.reshape(batch, width, *given.shape[1:])
-    return grid
 
 
 def _padded(item: ScoreInputs, *, rows: int, length: int) -> dict[str, torch.Tensor]:
