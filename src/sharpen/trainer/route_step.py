@@ -131,8 +131,6 @@ class RouteStep:
         balance = balance_loss(routes, tokens) if self.config.aux_loss_coef > 0 else None
         if balance is None:
             return None
-        if self.config.aux_loss_coef == 0:
-            return None
         return balance * (self.config.aux_loss_coef * float(tokens.sum()) / mini_batch_tokens)
 
     def finish(self, share_loss_sums: Callable[[dict[str, float]], dict[str, float]]) -> dict[str, float]:
