@@ -72,7 +72,7 @@ class Routes:
 
 class Routers(Protocol):
     """What a trainer step needs of a policy's routers, however its layers are placed: `RouterReplay` (every MoE
-    layer on this rank), or a pipeline's stages together (`pipeline_parallel.PipelineRouters`)."""
+    layer on this rank), or a pipeline's stages together (`pipeline_routes.PipelineRouters`)."""
 
     @property
     def num_layers(self) -> int:

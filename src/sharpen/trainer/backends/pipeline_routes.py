@@ -105,14 +105,3 @@ def _unpadded(tensor: torch.Tensor, shape: tuple[int, int, int, int], device: to
     padded_rows, padded_length, rows, length = shape
     grid = tensor.reshape(padded_rows, padded_length, *tensor.shape[1:])[:rows, :length]
     return grid.reshape(rows * length, *tensor.shape[1:]).to(device)
-
-
-def _padded_routes(item: ScoreInputs, *, rows: int, length: int, routers: PipelineRouters) -> torch.Tensor:
-    """``item``'s routes to replay as ``[rows, length, MoE layers, top_k]``, padded as `_padded` pads its rows
-    (`UNROUTED`: the router chooses; so is a micro-batch without routes)."""
-    grid = torch.full((rows, length, routers.num_layers, routers.top_k), UNROUTED, dtype=torch.long)
-    if item.routes is not None:
-        batch, width = item.input_ids.shape
-        given = torch.stack([indices.cpu() for indices in item.routes.layers], dim=1)  # [batch x width, layers, k]
-        grid[:batch, :width] = given.reshape(batch, width, *given.shape[1:])
-    return grid
