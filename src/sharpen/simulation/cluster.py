@@ -149,11 +149,19 @@ class ClusterSimulation:
         self.batches.append(batch)
         self.pending.extend(range(first, len(self.episodes)))
 
-    def _dispatch(self) -> None:
-        """Hand pending turns to the least-loaded replicas that are up and have a free slot."""
+    def _dispatch(self, engines: list[EngineReplica] | None = None) -> None:
+        """Hand pending turns to the least-loaded replicas that are up and have a free slot, among ``engines``
+        (default all). After a dispatch either nothing is pending or every replica that is up is full, and every
+        event that adds a pending turn or brings a replica up dispatches to all; so when a sequence finishes, its
+        replica is the only one that can have a free slot, and dispatching to it alone decides the same."""
+        if not self.pending:
+            return
         now, touched = self.events.now, set[int]()
-        free = [(e.num_running, e.index) for e in self.engines if self.down_until[e.index] <= now]
-        free = [(n, i) for n, i in free if n < self.engines[i].capacity]
+        free = [
+            (e.num_running, e.index)
+            for e in (self.engines if engines is None else engines)
+            if self.down_until[e.index] <= now and e.num_running < e.capacity
+        ]
         heapq.heapify(free)
         while self.pending and free:
             _, index = heapq.heappop(free)
@@ -189,7 +197,7 @@ class ClusterSimulation:
             fleet = self.environment if episode.turn < len(episode.turn_tokens) else self.reward
             fleet.submit(episode_id, self.events)
         self._schedule(engine)
-        self._dispatch()
+        self._dispatch([engine])
 
     def _on_environment(self, episode_id: int) -> None:
         self.environment.finish(self.events)
