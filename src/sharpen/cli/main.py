@@ -11,6 +11,7 @@ import argparse
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -297,8 +298,16 @@ def _serve_rm(args: argparse.Namespace) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from sharpen.simulation import build_report, load_scenario
 
+    started = time.monotonic()
+
+    def progress(line: str) -> None:  # on stderr, so `--json > file` stays clean
+        print(f"sharpen simulate: {time.monotonic() - started:6.1f} s  {line}", file=sys.stderr, flush=True)
+
     report = build_report(
-        load_scenario(Path(args.scenario)), split_budget=args.search_split, search_layout=args.search_layout
+        load_scenario(Path(args.scenario)),
+        split_budget=args.search_split,
+        search_layout=args.search_layout,
+        progress=progress,
     )
     print(report.to_json() if args.json else report.to_text())
     return 0

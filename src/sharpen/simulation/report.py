@@ -1,13 +1,15 @@
 """What `sharpen simulate` prints: a scenario's simulated step time, utilisation per role, sync time, the async
 speedup over the same cluster run synchronously, and, on request, the best rollout/trainer split of a GPU budget.
 
-It owns running the variants a report needs (the sync counterpart, the split candidates) and formatting them as
-text or JSON. It does not model anything itself (cluster.py, costs.py).
+It owns running the variants a report needs (the sync counterpart, the split candidates), reporting progress on
+the searches, and formatting them as text or JSON with each prediction's stated error (`STATED_ERROR`). It does not
+model anything itself (cluster.py, costs.py).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from sharpen.simulation.cluster import SimulationResult, simulate
@@ -18,6 +20,35 @@ from sharpen.simulation.scenario import Scenario, ScenarioError, check_layout
 MAX_SPLIT_CANDIDATES = 24
 MAX_LAYOUT_LINES = 12
 AXIS_SIZES = (1, 2, 4, 8, 16)
+
+Progress = Callable[[str], None]
+"""Receives one line per finished candidate of a search (the CLI prints it on stderr)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatedError:
+    """How far one kind of prediction was from measured and published runs: predicted / actual - 1, lowest and
+    highest, over the validation rows that set none of the scenario's inputs (docs/scaling.md, "Cluster simulator";
+    benchmarks/simulator_validation.py computes them, and a test checks these bounds against it)."""
+
+    low: float
+    high: float
+
+    def tag(self) -> str:
+        return f"[validated {self.low:+.0%} to {self.high:+.0%}]"
+
+
+STATED_ERROR = {
+    "step_seconds": StatedError(low=-0.35, high=0.67),
+    "generation_seconds": StatedError(low=0.17, high=0.18),
+    "async_speedup": StatedError(low=-0.17, high=0.05),
+}
+"""The error ranges `sharpen simulate` prints beside its step time, generation time and async speedup; the other
+numbers it prints (busy fractions, staleness, a best split or layout) were not compared with a real run."""
+NOT_VALIDATED = (
+    "[validated ...]: how far this kind of prediction was from measured and published runs (predicted / actual - 1;\n"
+    "docs/scaling.md, Cluster simulator); the other numbers, and a best split or layout, were not validated"
+)
 
 
 def with_changes(scenario: Scenario, **sections: dict[str, object]) -> Scenario:
@@ -78,6 +109,7 @@ class SimulationReport:
             "best_split": asdict(self.best_split) if self.best_split else None,
             "layouts": [asdict(c) for c in self.layouts],
             "best_layout": asdict(self.best_layout) if self.best_layout else None,
+            "stated_error": {kind: asdict(error) for kind, error in STATED_ERROR.items()},
         }
         return json.dumps(data, indent=2)
 
@@ -88,8 +120,10 @@ class SimulationReport:
             f"scenario: {r.name}",
             f"  {r.mode} (max_staleness {r.max_staleness}), {r.placement}: {r.num_engines} engine replicas on "
             f"{r.num_engine_gpus} GPUs, trainer on {r.num_trainer_gpus} GPUs",
-            f"  step time        {r.step_seconds:10.2f} s   (steady state; {r.total_seconds:.1f} s in all)",
-            f"  generation       {r.generation_seconds:10.2f} s   per batch, admission to last score",
+            f"  step time        {r.step_seconds:10.2f} s   {STATED_ERROR['step_seconds'].tag()} (steady state; "
+            f"{r.total_seconds:.1f} s in all)",
+            f"  generation       {r.generation_seconds:10.2f} s   {STATED_ERROR['generation_seconds'].tag()} per "
+            "batch, admission to last score",
             f"  training         {r.train_seconds:10.2f} s   per step",
             f"  weight sync      {r.sync_seconds:10.3f} s   per step",
             f"  engine GPUs      {r.engine_busy_fraction:10.0%}     busy (slot occupancy {occupancy})",
@@ -103,8 +137,8 @@ class SimulationReport:
             )
         if self.sync_result is not None and self.async_speedup is not None:
             lines.append(
-                f"  async speedup    {self.async_speedup:10.2f}x    over sync on the same GPUs "
-                f"({self.sync_result.step_seconds:.2f} s/step)"
+                f"  async speedup    {self.async_speedup:10.2f}x    {STATED_ERROR['async_speedup'].tag()} over "
+                f"sync on the same GPUs ({self.sync_result.step_seconds:.2f} s/step)"
             )
         if self.split:
             lines.append("split search (engine GPUs + trainer GPUs: step time):")
@@ -129,6 +163,7 @@ class SimulationReport:
                     f"  tp {c.tp:<2d} pp {c.pp:<2d} cp {c.cp:<2d} dp_shard {c.dp_shard:<5d} {c.train_seconds:10.2f} s "
                     f"{c.state_gib_per_gpu:8.1f} + {c.activation_gib_per_gpu:.1f} GiB{mark}"
                 )
+        lines.append(NOT_VALIDATED)
         return "\n".join(lines)
 
 
@@ -149,12 +184,13 @@ def split_candidates(scenario: Scenario, budget: int) -> list[int]:
     return picked if picked[-1] == counts[-1] else [*picked, counts[-1]]
 
 
-def search_split(scenario: Scenario, budget: int) -> list[SplitCandidate]:
+def search_split(scenario: Scenario, budget: int, *, progress: Progress | None = None) -> list[SplitCandidate]:
     """Simulate every candidate split of `budget` GPUs between engines and trainer (disaggregated)."""
     if scenario.cluster.placement == "colocated":
         raise ScenarioError("--search-split splits GPUs between engines and trainer: use a disaggregated scenario")
     candidates = []
-    for engine_gpus in split_candidates(scenario, budget):
+    counts = split_candidates(scenario, budget)
+    for engine_gpus in counts:
         variant = with_changes(
             scenario, cluster={"num_engine_gpus": engine_gpus, "num_trainer_gpus": budget - engine_gpus}
         )
@@ -164,6 +200,11 @@ def search_split(scenario: Scenario, budget: int) -> list[SplitCandidate]:
                 num_engine_gpus=engine_gpus, num_trainer_gpus=budget - engine_gpus, step_seconds=result.step_seconds
             )
         )
+        if progress is not None:
+            progress(
+                f"split {len(candidates)}/{len(counts)}: {engine_gpus} + {budget - engine_gpus} GPUs, "
+                f"{result.step_seconds:.2f} s/step"
+            )
     return candidates
 
 
@@ -230,12 +271,21 @@ def search_layouts(scenario: Scenario) -> list[LayoutCandidate]:
 
 
 def build_report(
-    scenario: Scenario, *, split_budget: int | None = None, search_layout: bool = False
+    scenario: Scenario,
+    *,
+    split_budget: int | None = None,
+    search_layout: bool = False,
+    progress: Progress | None = None,
 ) -> SimulationReport:
+    """The scenario simulated, with its sync counterpart when async; ``progress`` hears of each simulation done."""
     result = simulate(scenario)
+    if progress is not None:
+        progress(f"{scenario.name}: {result.step_seconds:.2f} s/step")
     sync_result = None
     if scenario.rollout.mode == "async":
         sync_result = simulate(with_changes(scenario, rollout={"mode": "sync", "continuous_batching": False}))
-    split = search_split(scenario, split_budget) if split_budget is not None else []
+        if progress is not None:
+            progress(f"the same cluster in sync mode: {sync_result.step_seconds:.2f} s/step")
+    split = search_split(scenario, split_budget, progress=progress) if split_budget is not None else []
     layouts = search_layouts(scenario) if search_layout else []
     return SimulationReport(result=result, sync_result=sync_result, split=split, layouts=layouts)

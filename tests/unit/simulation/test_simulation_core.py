@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from sharpen.simulation.collectives import (
     tree_broadcast_seconds,
 )
 from sharpen.simulation.events import EventQueue
+from sharpen.simulation.report import STATED_ERROR
 
 
 def test_events_come_out_in_time_order_and_ties_in_push_order() -> None:
@@ -96,3 +98,23 @@ def test_a_model_too_big_for_one_replica_is_a_scenario_error() -> None:
     data = base_scenario(model={"num_params": 1e11, "kv_bytes_per_token": 1e5}, cluster={"gpu": "A100-40GB"})
     with pytest.raises(ScenarioError, match="do not fit one engine replica"):
         simulate(parse_scenario(data))
+
+
+def test_the_cli_shows_progress_on_stderr_and_the_stated_error_beside_predictions(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A split search prints a line per candidate on stderr as it goes (stdout keeps the report, or the JSON);
+    the report carries the validated error range beside the step time, the generation time and the speedup."""
+    path = Path(__file__).parents[3] / "scenarios" / "this_machine_scripted.toml"
+    assert main(["simulate", str(path), "--search-split", "3"]) == 0
+    captured = capsys.readouterr()
+    progress = captured.err.splitlines()
+    assert all(line.startswith("sharpen simulate: ") for line in progress)
+    assert " s  split 1/2: 1 + 2 GPUs, " in progress[-2] and " s  split 2/2: 2 + 1 GPUs, " in progress[-1]
+    lines = {line.split()[0]: line for line in captured.out.splitlines() if line.startswith("  ")}
+    for name, kind in (("step", "step_seconds"), ("generation", "generation_seconds"), ("async", "async_speedup")):
+        assert STATED_ERROR[kind].tag() in lines[name]
+    assert main(["simulate", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    stated = STATED_ERROR["async_speedup"]
+    assert report["stated_error"]["async_speedup"] == {"low": stated.low, "high": stated.high}

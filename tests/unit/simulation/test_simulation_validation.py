@@ -4,12 +4,14 @@ The targets are recorded numbers, not timings taken by the test."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
+from sharpen.plugins import load_object
 from sharpen.simulation import load_scenario, simulate
-from sharpen.simulation.report import with_changes
+from sharpen.simulation.report import STATED_ERROR, with_changes
 
 SCENARIOS = Path(__file__).parents[3] / "scenarios"
 
@@ -59,3 +61,18 @@ def test_verl_one_step_off_is_predicted_within_15_percent_from_its_colocated_run
     )
     assert simulate(colocated).step_seconds == pytest.approx(699, rel=0.02)
     assert simulate(scenario).step_seconds == pytest.approx(566, rel=0.15)
+
+
+@pytest.mark.slow
+def test_the_error_ranges_printed_beside_predictions_are_those_of_the_validation_rows() -> None:
+    """`sharpen simulate` prints STATED_ERROR beside its step time, generation time and async speedup: each range
+    must hold every validation row of its kind that set no input, and be no wider than those rows (rounded out to
+    whole percent), so neither the table nor the printed range can move without the other."""
+    benchmark = Path(__file__).parents[3] / "benchmarks" / "simulator_validation.py"
+    rows = load_object(f"{benchmark}:validation_rows", what="the validation rows")()
+    ranges = load_object(f"{benchmark}:error_ranges", what="the error ranges")(rows)
+    assert set(STATED_ERROR) <= set(ranges)
+    for kind, stated in STATED_ERROR.items():
+        low, high = ranges[kind]
+        assert stated.low == math.floor(low * 100) / 100, kind
+        assert stated.high == math.ceil(high * 100) / 100, kind
