@@ -1,8 +1,9 @@
 """Loading the user's own code named in a config: ``path/to/file.py:name`` or ``package.module:name``.
 
 Owns finding the module (importing a file by path, or a module by name) and returning the named object, so a custom
-environment, its task function and a custom reward component are all loaded the same way, with the same errors.
-It imports nothing from sharpen and does not check what the object is: the caller that uses it does.
+environment, its task function and a custom reward component are all loaded the same way, with the same errors, and
+checking at start that the object can be called as the caller will call it (`check_call`). It imports nothing from
+sharpen and does not check what the object returns: the caller that uses it does.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,24 @@ def load_object(spec: str, *, what: str) -> Any:
     if not hasattr(module, name):
         raise PluginLoadError(f"{what} = {spec!r}: {location} has no attribute {name!r}")
     return getattr(module, name)
+
+
+def check_call(target: object, args: tuple[str, ...], kwargs: dict[str, Any], *, what: str) -> Callable[..., Any]:
+    """``target`` when it is callable and ``target(*args, **kwargs)`` would bind (``args`` are the names of the
+    positional arguments the caller will pass); else a `PluginLoadError` now, naming the missing or misspelt
+    argument, instead of a TypeError on the first call."""
+    if not callable(target):
+        raise PluginLoadError(f"{what} is not callable (type {type(target).__name__})")
+    try:
+        signature = inspect.signature(target)
+    except ValueError:  # some callables (builtins, C extensions) have no signature to check against
+        return target
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as error:
+        call = ", ".join([*args, *(f"{key}=..." for key in kwargs)])
+        raise PluginLoadError(f"{what} cannot be called ({call}): {error}") from error
+    return target
 
 
 def _import(module_name: str) -> Any:

@@ -6,6 +6,7 @@ same way. It does not run episodes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -40,7 +41,7 @@ from sharpen.environments.sandbox import Sandbox, SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandbox, RemoteSandboxPool
 from sharpen.environments.textarena_adapter import TextArenaEnvironment, import_textarena
 from sharpen.environments.verifiers_adapter import VerifiersEnvironment, import_verifiers
-from sharpen.plugins import PluginLoadError, load_object
+from sharpen.plugins import PluginLoadError, check_call, load_object
 from sharpen.types import Example
 
 
@@ -160,9 +161,29 @@ def environment_tasks(config: EnvironmentConfig, *, size: int, seed: int) -> lis
         case BrowserEnvironmentConfig():
             return make_browser_tasks(config, size=size, seed=seed)
         case CustomEnvironmentConfig(tasks=str(tasks)):
-            return list(load_object(tasks, what="environment.tasks")(size, seed=seed))
+            return custom_tasks(tasks, size=size, seed=seed)
         case _:
             raise ValueError(f"environment {config.type!r} does not make its own tasks; configure a data source")
+
+
+def custom_tasks(spec: str, *, size: int, seed: int) -> list[Example]:
+    """The tasks of a user's task function (``environment.tasks``), checked: it is called ``(num_tasks, seed=...)``
+    and returns `Example`s, else one `PluginLoadError` naming what is wrong, before any engine starts."""
+    what = f"environment.tasks = {spec!r}"
+    make = check_call(load_object(spec, what="environment.tasks"), ("num_tasks",), {"seed": seed}, what=what)
+    made = make(size, seed=seed)
+    if isinstance(made, str | bytes | dict) or not isinstance(made, Iterable):
+        raise PluginLoadError(f"{what} returned one {type(made).__name__}, not a list of sharpen.types.Example")
+    examples = list(made)
+    for index, example in enumerate(examples):
+        if not isinstance(example, Example):
+            raise PluginLoadError(
+                f"{what}: item {index} is a {type(example).__name__}, not a sharpen.types.Example "
+                "(task_key, prompt messages, answer, metadata)"
+            )
+    if not examples:
+        raise PluginLoadError(f"{what} returned no tasks for num_tasks={size}")
+    return examples
 
 
 EnvironmentLoadError = PluginLoadError

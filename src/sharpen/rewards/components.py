@@ -8,7 +8,6 @@ hands the finished reward function to the `Rubric`. Weighing and combining the c
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import os
@@ -23,7 +22,7 @@ from sharpen.config.rewards import (
     RewardComponentConfig,
     RewardModelComponentConfig,
 )
-from sharpen.plugins import PluginLoadError, load_object
+from sharpen.plugins import check_call, load_object
 from sharpen.rewards.base import RewardContractError, RewardFn
 from sharpen.rewards.judge import Judge, OpenAICompatibleClient
 from sharpen.rewards.judge_prompts import DEFAULT_CRITERIA, RubricPrompt
@@ -61,13 +60,11 @@ class CustomReward:
         what = f"reward component {config.name!r}: function = {config.function!r}"
         target = load_object(config.function, what=f"reward component {config.name!r}: function")
         if isinstance(target, type):
-            _check_signature(target, (), config.kwargs, what=what)
+            check_call(target, (), config.kwargs, what=what)
             self._call, self._kwargs = target(**config.kwargs), {}
         else:
             self._call, self._kwargs = target, dict(config.kwargs)
-        if not callable(self._call):
-            raise PluginLoadError(f"{what} is a {type(self._call).__name__}, not callable")
-        _check_signature(self._call, ("example", "completion"), self._kwargs, what=what)
+        check_call(self._call, ("example", "completion"), self._kwargs, what=what)
         self.verifier = f"custom:{config.function.rpartition(':')[2]}"
 
     def __call__(self, example: Example, completion: str) -> RewardResult:
@@ -80,19 +77,6 @@ class CustomReward:
                 f"({type(value).__name__}); return a finite number or a RewardResult (score=None abstains)"
             )
         return RewardResult(score=float(value), status=RewardStatus.OK, verifier=self.verifier)
-
-
-def _check_signature(target: Callable[..., Any], args: tuple[str, ...], kwargs: dict[str, Any], *, what: str) -> None:
-    """A `PluginLoadError` now when ``target(*args, **kwargs)`` could not bind (a missing or misspelt argument)."""
-    try:
-        signature = inspect.signature(target)
-    except ValueError:  # some callables (builtins, C extensions) have no signature to check against
-        return
-    try:
-        signature.bind(*args, **kwargs)
-    except TypeError as error:
-        call = ", ".join([*args, *(f"{key}=..." for key in kwargs)])
-        raise PluginLoadError(f"{what} cannot be called ({call}): {error}") from error
 
 
 def build_component(config: RewardComponentConfig, *, count_tokens: Callable[[str], int] | None = None) -> RewardFn:

@@ -193,3 +193,51 @@ def test_a_wrong_shaped_environment_is_one_clear_error_before_any_episode(tmp_pa
     example = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
     with pytest.raises(ConfigError, match=r"the environment factory: Nameless has no name or version"):
         runner.generate_groups(engine, [example], sampling=SamplingParams(max_new_tokens=4), num_samples=4, seed=0)
+
+
+_TASK_FUNCTIONS = """
+from sharpen.types import Example, Message
+
+def good(num_tasks, *, seed):
+    return [Example(task_key=f"t/{i}", prompt=(Message(role="user", content=str(i + seed)),)) for i in range(num_tasks)]
+
+def no_seed(num_tasks):
+    return []
+
+def dicts(num_tasks, seed=0):
+    return [{"prompt": "q", "answer": "a"}] * num_tasks
+
+def one_example(num_tasks, seed=0):
+    return Example(task_key="t/0", prompt=(Message(role="user", content="q"),))
+
+def empty(num_tasks, seed=0):
+    return []
+
+NOT_CALLABLE = 3
+"""
+
+
+def test_a_task_function_of_the_wrong_shape_is_one_clear_error_before_any_engine(tmp_path, monkeypatch, capsys):
+    """`environment.tasks` is called (num_tasks, seed=...) and must return Examples; anything else is one line
+    naming what is wrong when the run is built, not a TypeError or AttributeError deep in the loop."""
+    (tmp_path / "tasks.py").write_text(_TASK_FUNCTIONS)
+    monkeypatch.chdir(tmp_path)
+
+    def tasks_of(name: str) -> list:
+        config = CustomEnvironmentConfig(factory="sharpen.environments:SingleTurnEnvironment", tasks=f"tasks.py:{name}")
+        return environment_tasks(config, size=3, seed=5)
+
+    assert [t.prompt[0].content for t in tasks_of("good")] == ["5", "6", "7"]
+    for name, message in [
+        ("no_seed", r"cannot be called \(num_tasks, seed=...\): got an unexpected keyword argument 'seed'"),
+        ("dicts", r"item 0 is a dict, not a sharpen.types.Example"),
+        ("one_example", r"returned one Example, not a list of sharpen.types.Example"),
+        ("empty", r"returned no tasks for num_tasks=3"),
+        ("NOT_CALLABLE", r"is not callable \(type int\)"),
+    ]:
+        with pytest.raises(EnvironmentLoadError, match=rf"^environment.tasks = 'tasks.py:{name}'.*{message}"):
+            tasks_of(name)
+    environment = '{type = "custom", factory = "sharpen.environments:SingleTurnEnvironment", tasks = "tasks.py:dicts"}'
+    assert main(["train", f"environment={environment}", 'data={type = "environment"}']) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.startswith("sharpen: environment.tasks = 'tasks.py:dicts': item 0 is a dict")
+    assert not (tmp_path / "runs").exists()  # refused before any run directory or engine exists

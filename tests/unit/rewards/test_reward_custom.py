@@ -119,7 +119,7 @@ def test_a_return_value_that_is_not_a_verdict_stops_the_run_instead_of_abstainin
         ("my_rewards.py:brevity", {}, "cannot be called (example, completion): missing a required argument: 'limit'"),
         ("my_rewards.py:brevity", {"limt": 3}, "cannot be called (example, completion, limt=...)"),
         ("my_rewards.py:Counter", {"stepp": 1}, "function = 'my_rewards.py:Counter' cannot be called (stepp=...)"),
-        ("math:pi", {}, "function = 'math:pi' is a float, not callable"),
+        ("math:pi", {}, "function = 'math:pi' is not callable (type float)"),
     ],
 )
 def test_a_bad_function_fails_when_the_rubric_is_built_with_one_line(rewards_file, function, kwargs, message):
