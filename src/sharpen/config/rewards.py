@@ -28,6 +28,7 @@ RESERVED_COMPONENT_NAMES = (
     "mean",
     "std",
     "num_abstained",
+    "abstained_fraction",
     "rubric_score",
 )
 """Names a component may not take: the verifier rubric's own components, the shaping terms, the score before

@@ -120,6 +120,15 @@ def _flat_reward(rows: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def _abstained_fraction(row: dict[str, Any]) -> float:
+    """The step's share of rollouts whose reward abstained (score None: any reward, environment or grader); runs
+    written before ``reward/abstained_fraction`` existed count the abstaining statuses instead."""
+    if "reward/abstained_fraction" in row:
+        return row["reward/abstained_fraction"]
+    abstaining = ("reward/status_infra_error", "reward/status_timeout", "reward/status_judge_unparseable")
+    return sum(row.get(key, 0.0) for key in abstaining)
+
+
 def run_warnings(rows: list[dict[str, Any]], *, probe_tolerance: float) -> list[str]:
     """What a user should look at, most serious first."""
     warnings = []
@@ -155,10 +164,12 @@ def run_warnings(rows: list[dict[str, Any]], *, probe_tolerance: float) -> list[
             + (f"; most often by {reason}: rollout/stop_{reason}" if reason else "")
             + f"): raise {change}"
         )
-    abstaining = ("reward/status_infra_error", "reward/status_timeout", "reward/status_judge_unparseable")
-    abstained = statistics.fmean(sum(row.get(key, 0.0) for key in abstaining) for row in rows)
+    abstained = statistics.fmean(_abstained_fraction(row) for row in rows)
     if abstained > 0.1:
-        warnings.append(f"{abstained:.0%} of rollouts abstained on average (reward/status_* says why)")
+        warnings.append(
+            f"{abstained:.0%} of rollouts abstained on average (reward/abstained_fraction; reward/status_* and "
+            "rollouts.jsonl say why): they are not trained on"
+        )
     flat = _flat_reward(rows)
     if flat is not None:
         warnings.append(flat)

@@ -235,6 +235,7 @@ def reward_metrics(groups: list[RolloutGroup]) -> dict[str, float]:
         "reward/mean": statistics.fmean(scores) if scores else float("nan"),
         "reward/std": statistics.pstdev(scores) if len(scores) > 1 else 0.0,
         "reward/num_abstained": float(len(rollouts) - len(scores)),
+        "reward/abstained_fraction": (len(rollouts) - len(scores)) / max(len(rollouts), 1),
         "rollout/completion_length_mean": statistics.fmean(lengths) if lengths else 0.0,
         "rollout/completion_length_max": float(max(lengths, default=0)),
         "rollout/truncated_fraction": sum(r.is_truncated for r in rollouts) / max(len(rollouts), 1),

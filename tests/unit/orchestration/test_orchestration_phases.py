@@ -96,6 +96,7 @@ def test_reward_metrics_on_a_hand_built_batch():
         "reward/mean": 0.5,  # over the 4 scores that did not abstain
         "reward/std": math.sqrt((0.25 + 0.25 + 0 + 0) / 4),  # population std
         "reward/num_abstained": 1.0,
+        "reward/abstained_fraction": 1 / 5,
         "rollout/completion_length_mean": (2 + 4 + 6 + 1 + 3) / 5,
         "rollout/completion_length_max": 6.0,
         "rollout/truncated_fraction": 1 / 5,
@@ -116,7 +117,7 @@ def test_reward_metrics_when_every_reward_abstained():
     metrics = reward_metrics([_group(0, (None, RewardStatus.TIMEOUT), (None, RewardStatus.TIMEOUT))])
     assert math.isnan(metrics["reward/mean"])
     assert metrics["reward/std"] == 0.0
-    assert metrics["reward/num_abstained"] == 2.0
+    assert metrics["reward/num_abstained"] == 2.0 and metrics["reward/abstained_fraction"] == 1.0
     assert metrics["reward/status_timeout"] == 1.0
     assert metrics["rollout/groups_all_equal_fraction"] == 1.0
 
