@@ -3,10 +3,12 @@
 Owns a read-only, standard-library HTTP server and its JSON API: ``GET /`` the page (``dashboard_static/``),
 ``GET /api/runs`` (the sub-folders of ``runs_dir`` that hold metrics.jsonl), ``GET /api/runs/<name>/metrics``,
 ``GET /api/runs/<name>/rollouts?step=N`` (the recorded rollouts of step N, default the last one, each with
-``completion_tokens``: the text of every completion token when the run's tokenizer loads, else null) and
-``GET /api/runs/<name>/eval`` (eval.json). A run name is one folder name: anything that could leave ``runs_dir``
+``completion_tokens``: the text of every completion token when the run's tokenizer has loaded, else null; and
+``tokens_pending``: true while that tokenizer is still loading, so the page shows token ids at once and asks again)
+and ``GET /api/runs/<name>/eval`` (eval.json). A run name is one folder name: anything that could leave ``runs_dir``
 (``..``, a slash, an absolute path) is answered 400. Does not write to a run, compute metrics or need a GPU; the
-tokenizer is the only heavy import, loaded lazily and once per run.
+tokenizer is the only heavy import (seconds), so it is loaded once per run on a background thread, started for
+every run with rollouts when the server starts, and no request ever waits for it.
 """
 
 from __future__ import annotations
@@ -94,8 +96,9 @@ class RunStore:
     def __init__(self, runs_dir: Path, *, load_decoder: Callable[[Path], TokenDecoder | None] = load_run_decoder):
         self.runs_dir = Path(runs_dir).resolve()
         self._load_decoder = load_decoder
-        self._decoders: dict[str, TokenDecoder | None] = {}
-        self._lock = threading.Lock()  # requests run on threads; load each tokenizer once
+        self._decoders: dict[str, TokenDecoder | None] = {}  # the runs whose load has ended (None: no tokenizer)
+        self._loads_started: set[str] = set()
+        self._lock = threading.Lock()  # requests and loads run on threads; load each tokenizer once
 
     def run_dir(self, name: str) -> Path:
         if not name or name in {".", ".."} or "/" in name or "\\" in name or "\0" in name or Path(name).is_absolute():
@@ -122,16 +125,17 @@ class RunStore:
         return read_complete_jsonl(self.run_dir(name) / METRICS_FILE_NAME)
 
     def rollouts(self, name: str, step: int | None) -> dict[str, Any]:
-        path = self.run_dir(name) / ROLLOUTS_FILE_NAME
+        run_dir = self.run_dir(name)
+        path = run_dir / ROLLOUTS_FILE_NAME
         records = read_complete_jsonl(path) if path.is_file() else []
         steps = sorted({record["step"] for record in records})
         if step is None and steps:
             step = steps[-1]
         chosen = [record for record in records if record["step"] == step]
-        decoder = self._decoder(name) if chosen else None
+        pending, decoder = self._decoder(name, run_dir) if chosen else (False, None)
         for record in chosen:
             record["completion_tokens"] = None if decoder is None else decoder(record["completion_ids"])
-        return {"step": step, "steps": steps, "records": chosen}
+        return {"step": step, "steps": steps, "records": chosen, "tokens_pending": pending}
 
     def evaluation(self, name: str) -> dict[str, Any]:
         path = self.run_dir(name) / EVAL_FILE_NAME
@@ -139,11 +143,33 @@ class RunStore:
             raise _NotFound(f"run {name!r} has no {EVAL_FILE_NAME} (write one with `sharpen eval`)")
         return json.loads(path.read_text(encoding="utf-8"))
 
-    def _decoder(self, name: str) -> TokenDecoder | None:
+    def warm_decoders(self) -> None:
+        """Start loading the tokenizer of every run with rollouts, so its text is usually ready when the page asks."""
+        for run in self.runs():
+            if run["has_rollouts"]:
+                with contextlib.suppress(_BadRequest, _NotFound):  # a symlink out of runs_dir is never loaded
+                    self._decoder(run["name"], self.run_dir(run["name"]))
+
+    def _decoder(self, name: str, run_dir: Path) -> tuple[bool, TokenDecoder | None]:
+        """(still loading, the decoder) without waiting: the first call for a run starts its load on a thread."""
         with self._lock:
-            if name not in self._decoders:
-                self._decoders[name] = self._load_decoder(self.run_dir(name))
-            return self._decoders[name]
+            if name in self._decoders:
+                return False, self._decoders[name]
+            if name not in self._loads_started:
+                self._loads_started.add(name)
+                threading.Thread(target=self._load, args=(name, run_dir), daemon=True, name=f"tokenizer-{name}").start()
+            return True, None
+
+    def _load(self, name: str, run_dir: Path) -> None:
+        """Load one run's decoder; a load that fails ends as no tokenizer (token ids), never as a pending one."""
+        decoder: TokenDecoder | None = None
+        try:
+            decoder = self._load_decoder(run_dir)
+        except Exception as error:
+            logger.warning("dashboard: loading the tokenizer of %s failed (%r); showing token ids", name, error)
+        finally:
+            with self._lock:
+                self._decoders[name] = decoder
 
 
 def page_html() -> bytes:
@@ -225,12 +251,15 @@ class DashboardServer:
         return f"http://{host}:{port}/"
 
     def start(self) -> DashboardServer:
-        """Serve on a background thread (tests, notebooks)."""
+        """Serve on a background thread (tests, notebooks); the runs' tokenizers start loading too."""
+        self.store.warm_decoders()
         self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), daemon=True, name="dashboard")
         self._thread.start()
         return self
 
     def serve_forever(self) -> None:
+        """Serve on this thread until interrupted; the runs' tokenizers load on background threads meanwhile."""
+        self.store.warm_decoders()
         self._http.serve_forever(0.2)
 
     def close(self) -> None:

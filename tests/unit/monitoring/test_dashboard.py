@@ -1,13 +1,19 @@
-"""`sharpen dashboard`: the JSON API over a folder of runs, names that would leave it are rejected, and the page
-renders curves and coloured tokens in a real (headless) browser."""
+"""`sharpen dashboard`: the JSON API over a folder of runs, names that would leave it are rejected, a tokenizer that
+is still loading never holds up the rollouts, and the page renders curves (identical ones told apart) and coloured
+tokens in a real (headless) browser."""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,12 +75,24 @@ def server(runs_dir: Path):
     server.close()
 
 
-def _get(server: DashboardServer, path: str) -> tuple[int, object]:
+def _get(server: DashboardServer, path: str) -> tuple[int, Any]:
+    """Status and JSON of one request; the timeout also fails a request that waits on a loading tokenizer."""
     try:
-        with urllib.request.urlopen(server.url.rstrip("/") + path, timeout=5) as response:
+        with urllib.request.urlopen(server.url.rstrip("/") + path, timeout=20) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+def _rollouts_once_loaded(server: DashboardServer, path: str = "/api/runs/alpha/rollouts") -> dict:
+    """The rollouts once the run's tokenizer load has ended: it runs on a background thread, started by start()."""
+    deadline = time.monotonic() + 30
+    while True:
+        status, payload = _get(server, path)
+        assert status == 200, payload
+        if not payload["tokens_pending"] or time.monotonic() > deadline:
+            return payload
+        time.sleep(0.02)
 
 
 def test_the_api_lists_runs_and_serves_their_files(server):
@@ -89,13 +107,14 @@ def test_the_api_lists_runs_and_serves_their_files(server):
     assert status == 200 and [row["step"] for row in rows] == [0, 1, 2, 3, 4]
     assert rows[2]["loss"] is None and rows[4]["reward/mean"] == pytest.approx(0.2)
 
-    status, last = _get(server, "/api/runs/alpha/rollouts")
-    assert status == 200 and last["step"] == 4 and last["steps"] == [3, 4]
+    last = _rollouts_once_loaded(server)
+    assert last["step"] == 4 and last["steps"] == [3, 4] and last["tokens_pending"] is False
     assert [r["sample_index"] for r in last["records"]] == [0, 1]
     assert last["records"][0]["completion_tokens"] == ["Two", "\n", "!"]
     assert last["records"][0]["completion_logprobs"][2] is None
     assert [r["advantage"] for r in _get(server, "/api/runs/alpha/rollouts?step=3")[1]["records"]] == [0.5]
-    assert _get(server, "/api/runs/beta/rollouts")[1] == {"step": None, "steps": [], "records": []}
+    no_rollouts = {"step": None, "steps": [], "records": [], "tokens_pending": False}
+    assert _get(server, "/api/runs/beta/rollouts")[1] == no_rollouts
 
     assert _get(server, "/api/runs/alpha/eval")[1]["pass_at_k"] == {"1": 0.5}
     assert _get(server, "/api/runs/beta/eval")[0] == 404
@@ -120,20 +139,75 @@ def test_a_symlink_out_of_the_runs_directory_is_rejected(server, runs_dir):
 def test_without_a_tokenizer_tokens_are_ids(runs_dir):
     server = DashboardServer(runs_dir, port=0).start()  # the fake runs have no config.toml
     try:
-        assert _get(server, "/api/runs/alpha/rollouts")[1]["records"][0]["completion_tokens"] is None
+        rollouts = _rollouts_once_loaded(server)
+        assert rollouts["tokens_pending"] is False and rollouts["records"][0]["completion_tokens"] is None
     finally:
         server.close()
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless check needs Debian chromium at /usr/bin/chromium")
-def test_the_page_renders_curves_and_coloured_tokens_in_a_browser(server, tmp_path):
+def test_a_loading_tokenizer_does_not_hold_up_the_rollouts(runs_dir):
+    started, released, loads = threading.Event(), threading.Event(), []
+
+    def slow_load(run_dir: Path):
+        loads.append(run_dir.name)
+        started.set()
+        released.wait(timeout=120)
+        return lambda ids: [f"<{i}>" for i in ids]
+
+    server = DashboardServer(runs_dir, port=0, load_decoder=slow_load).start()
+    try:
+        assert started.wait(timeout=30), "start() warms the tokenizer of a run with rollouts"
+        for _ in range(2):  # answered at once (_get times out long before the load is released), ids only
+            status, rollouts = _get(server, "/api/runs/alpha/rollouts")
+            assert status == 200 and rollouts["tokens_pending"] is True
+            assert [r["completion_tokens"] for r in rollouts["records"]] == [None, None]
+            assert rollouts["records"][0]["completion_ids"] == [10, 11, 12]
+        released.set()
+        rollouts = _rollouts_once_loaded(server)
+        assert rollouts["tokens_pending"] is False
+        assert rollouts["records"][0]["completion_tokens"] == ["<10>", "<11>", "<12>"]
+        assert loads == ["alpha"]  # once per run, and not for beta, which has no rollouts
+    finally:
+        released.set()
+        server.close()
+
+
+def test_a_tokenizer_that_fails_to_load_ends_as_token_ids(runs_dir, caplog):
+    def failing_load(run_dir: Path):
+        raise RuntimeError("tokenizer.json is corrupt")
+
+    caplog.set_level(logging.WARNING, logger="sharpen.monitoring.dashboard")
+    server = DashboardServer(runs_dir, port=0, load_decoder=failing_load).start()
+    try:
+        rollouts = _rollouts_once_loaded(server)
+        assert rollouts["tokens_pending"] is False and rollouts["records"][0]["completion_tokens"] is None
+        assert "loading the tokenizer of alpha failed" in caplog.text and "tokenizer.json is corrupt" in caplog.text
+    finally:
+        server.close()
+
+
+def _browser_flags(tmp_path: Path) -> list[str]:
     flags = ["--headless=new", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
-    flags += [f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,900"]
+    return [*flags, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,900"]
+
+
+def _rendered_dom(url: str, tmp_path: Path) -> str:
+    """The page's DOM once its scripts ran, as headless chromium dumps it."""
     dom = subprocess.run(
-        [str(CHROMIUM), *flags, "--dump-dom", server.url], capture_output=True, text=True, timeout=60, check=True
+        [str(CHROMIUM), *_browser_flags(tmp_path), "--dump-dom", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     ).stdout
     assert 'data-ready="1"' in dom, dom[-2000:]
     assert 'id="status"></div>' in dom, "the page reported an error"
+    return dom
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless check needs Debian chromium at /usr/bin/chromium")
+def test_the_page_renders_curves_and_coloured_tokens_in_a_browser(server, tmp_path):
+    dom = _rendered_dom(server.url, tmp_path)
     for run in ["alpha", "beta"]:
         assert f'class="run-line" data-run="{run}" d="M' in dom
     assert dom.count('class="token') == 6  # two rollouts of step 4, three tokens each
@@ -145,9 +219,31 @@ def test_the_page_renders_curves_and_coloured_tokens_in_a_browser(server, tmp_pa
 
     screenshot = tmp_path / "dashboard.png"
     subprocess.run(
-        [str(CHROMIUM), *flags, f"--screenshot={screenshot}", server.url], capture_output=True, timeout=60, check=True
+        [str(CHROMIUM), *_browser_flags(tmp_path), f"--screenshot={screenshot}", server.url],
+        capture_output=True,
+        timeout=60,
+        check=True,
     )
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless check needs Debian chromium at /usr/bin/chromium")
+def test_identical_curves_are_told_apart_in_a_browser(tmp_path):
+    runs = tmp_path / "twins"
+    rows = "".join(json.dumps({"step": s, "reward/mean": 0.1 * s}) + "\n" for s in range(5))
+    for name in ["alpha", "beta"]:
+        (runs / name).mkdir(parents=True)
+        (runs / name / "metrics.jsonl").write_text(rows)
+    server = DashboardServer(runs, port=0).start()
+    try:
+        dom = _rendered_dom(server.url, tmp_path)
+    finally:
+        server.close()
+    line = r'<path class="run-line" data-run="(\w+)" d="M[^"]*" stroke="[^"]*" stroke-dasharray="([^"]*)"'
+    paths = re.findall(line, dom)
+    assert [run for run, _ in paths] == ["alpha", "beta"], dom[-3000:]
+    assert paths[0][1] == "none" and paths[1][1] != "none"  # the first run solid, the second dashed over it
+    assert "beta (same as alpha)" in dom and "alpha (same as" not in dom
 
 
 def test_the_cli_reports_a_missing_runs_directory_in_one_line(tmp_path, capsys):
