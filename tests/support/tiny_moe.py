@@ -48,3 +48,39 @@ def tiny_moe(family: str, **overrides: Any):
     }
     config = transformers.DeepseekV3Config(**{**COMMON, **shape, **overrides})
     return transformers.DeepseekV3ForCausalLM(config)
+
+
+def routed_rollouts(num_layers: int, step: int) -> list:
+    """`tiny_trainer.uneven_rollouts` of a step (as `parity.trainer_steps` takes them) with random engine routes: two
+    distinct experts of 4 per token and layer, the last token unknown (as an engine leaves it)."""
+    from dataclasses import replace
+
+    from sharpen.expert_routes import UNROUTED, expert_routes
+    from support.tiny_trainer import uneven_rollouts
+
+    generator = torch.Generator().manual_seed(step)
+    rollouts = []
+    for rollout in uneven_rollouts()[: 7 - step]:
+        routes = torch.stack(
+            [
+                torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(num_layers)])
+                for _ in range(rollout.num_tokens)
+            ]
+        )
+        routes[-1] = UNROUTED
+        rollouts.append(replace(rollout, routes=expert_routes(routes, num_experts=4)))
+    return rollouts
+
+
+def replayed_steps(backend, num_layers: int) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """`parity.trainer_steps` with the engine's routes replayed (R3, ``trainer.moe.routing_replay = "r3"``) on
+    `routed_rollouts`: each step's metrics, then the whole HF-named weights."""
+    from sharpen.trainer import Trainer
+    from sharpen.types import TrainBatch
+    from support.parity import NUM_STEPS, PAD
+
+    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
+    metrics = [
+        trainer.step(TrainBatch(rollouts=routed_rollouts(num_layers, step), step=step)) for step in range(NUM_STEPS)
+    ]
+    return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}

@@ -52,8 +52,8 @@ class ParallelConfig(Section):
     ep: int = Field(default=1, ge=1)
     """Expert-parallel ranks of a Mixture-of-Experts model: each MoE layer's experts are split over ep ranks, and
     every token goes to the rank of each expert it is routed to (all-to-all) and comes back. Carved out of the
-    data-parallel ranks (dp_shard), which it must divide, as must the model's experts; FSDP2 shards the experts
-    over the ranks that hold the same ones. Data parallelism (dp_shard) only, so far (docs/moe.md)."""
+    data-parallel ranks (dp_shard, times cp), which it must divide, as must the model's experts; FSDP2 shards the
+    experts over the ranks that hold the same ones. Runs with cp, pp and dp_replicate, not with tp (docs/moe.md)."""
 
     @property
     def ranks_per_shard(self) -> int:

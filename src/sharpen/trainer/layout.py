@@ -211,19 +211,16 @@ class ParallelLayout:
 
     def check_built(self) -> None:
         """Raise `LayoutError` for axes whose trainer is not built together yet: pipeline with context parallelism,
-        expert parallelism with any axis but dp_shard."""
+        expert parallelism with tensor parallelism."""
         if self.pp > 1 and self.cp > 1:
             raise LayoutError(
                 f"pipeline and context parallelism together (pp {self.pp} x cp {self.cp}) are not built yet: use one "
                 "of them (docs/parallelism.md)"
             )
-        others = [
-            f"{axis} {getattr(self, axis)}" for axis in ("pp", "dp_replicate", "cp", "tp") if getattr(self, axis) > 1
-        ]
-        if self.ep > 1 and others:
+        if self.ep > 1 and self.tp > 1:
             raise LayoutError(
-                f"expert parallelism (ep {self.ep}) runs with data parallelism (dp_shard) alone so far, not with "
-                f"{' and '.join(others)} (docs/moe.md)"
+                f"expert parallelism (ep {self.ep}) with tensor parallelism (tp {self.tp}) is not built yet: an MoE "
+                "takes no tp (docs/moe.md)"
             )
 
     def check_features(self, *, lora: bool, vision: bool, distillation: bool) -> None:

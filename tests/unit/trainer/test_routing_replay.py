@@ -174,6 +174,9 @@ FSDP2_CASES = {  # name: routing replay, layout, trainer options
     "r3, pp 2": ("r3", ParallelLayout(pp=2), {}),
     "r2, pp 2": ("r2", ParallelLayout(pp=2), {}),
     "r3, pp 2, packed": ("r3", ParallelLayout(pp=2), {"packing": True, "micro_batch_tokens": 16}),
+    # expert parallelism out of the context-parallel ranks: a row's two halves routed on two ranks whose experts
+    # serve both
+    "r2, cp 2, ep 2": ("r2", ParallelLayout(dp_shard=1, cp=2, ep=2), {}),
 }
 
 
@@ -187,7 +190,8 @@ def fsdp2_results(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
 
 @pytest.mark.parametrize("layout", list(FSDP2_CASES))
 def test_two_fsdp2_ranks_replay_and_step_as_one_device(fsdp2_results: dict, moe_dir: Path, layout: str):
-    """FSDP2 on 2 ranks, with the experts split over them (ep 2), context parallelism (cp 2) and a pipeline (pp 2)."""
+    """FSDP2 on 2 ranks, with the experts split over them (ep 2), context parallelism (cp 2), both, and a pipeline
+    (pp 2)."""
     replay, parallel, options = FSDP2_CASES[layout]
     trainer = _trainer(moe_dir, replay, **options)
     gradients = _record_gradients(trainer)

@@ -106,8 +106,10 @@ class _DispatchedExperts:
     ) -> torch.Tensor:
         """This rank's experts on the rows sent to them (``local_ids``: which local expert each row goes to)."""
         module: Any = self.module
-        # every local weight takes part, with zero weight when no row reached it: each rank reduces a gradient
-        outputs = arrived.new_zeros(arrived.shape) + 0.0 * (gate_up.sum() + down.sum()).to(arrived.dtype)
+        # every local weight takes part, with zero weight when no row reached it: each rank reduces a gradient; and
+        # the rows that arrived do, even when none did: their gradient goes back by the reverse all-to-all, which
+        # every rank of the group must join (a rank sent rows to the others even if it received none)
+        outputs = 0.0 * arrived + 0.0 * (gate_up.sum() + down.sum()).to(arrived.dtype)
         for expert in torch.unique(local_ids).tolist():
             rows = (local_ids == expert).nonzero().squeeze(1)
             gate, up = nn.functional.linear(arrived[rows], gate_up[expert]).chunk(2, dim=-1)

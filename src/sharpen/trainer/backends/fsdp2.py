@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -211,12 +211,11 @@ class FSDP2Backend(ScoresTokenLogprobs):
             self.vocab_shard = apply_tensor_parallel(
                 self.model, mesh["tp"], plan=config.parallel.tp_plan, sequence_parallel=sequence_parallel
             )
-        expert_mesh = None
-        """Expert parallelism (ep > 1): the data ranks as ``[edp, ep]``; ep groups are neighbouring ranks."""
+        experts_fsdp_mesh = None
+        """Expert parallelism (ep > 1): the mesh FSDP2 shards each rank's experts over (`_expert_meshes`)."""
         if self.layout.ep > 1:
-            shape = (self.layout.dp_shard // self.layout.ep, self.layout.ep)
-            expert_mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=("edp", "ep"))
-            apply_expert_parallel(self.model, expert_mesh["ep"])
+            ep_mesh, experts_fsdp_mesh = _expert_meshes(fsdp_mesh, self.layout)
+            apply_expert_parallel(self.model, ep_mesh)
         self.context_parallel: ContextParallel | None = None
         """Context parallelism (cp > 1): this rank's slice of every row's sequence (Ulysses attention); with
         sequence parallelism alone, the whole rows' attention mask."""
@@ -256,9 +255,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
             self._root = _ScoringRoot(self.model, is_vision_model=self.vision is not None)
             roots = [self._root]
         for layer in layers:
-            if expert_mesh is not None:  # a layer's experts: over the ranks that hold the same experts
+            if experts_fsdp_mesh is not None:  # a layer's experts: over the ranks that hold the same experts
                 for experts in expert_modules(layer):
-                    fully_shard(experts, mesh=expert_mesh["edp"], mp_policy=policy)
+                    fully_shard(experts, mesh=experts_fsdp_mesh, mp_policy=policy)
             fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy)
         self._fsdp_roots = [cast(FSDPModule, fully_shard(root, mesh=fsdp_mesh, mp_policy=policy)) for root in roots]
         for root in self._fsdp_roots:
@@ -547,6 +546,21 @@ def _data_meshes(mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, 
         fsdp = mesh["dp_replicate", "dp_shard_cp"] if layout.cp > 1 else mesh["dp_replicate", "dp_shard"]
         return fsdp, mesh["dp_replicate", "dp_shard"]._flatten("dp")
     return shard, mesh["dp_shard"]
+
+
+def _expert_meshes(fsdp_mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the ep ranks that split each MoE layer's experts, the mesh FSDP2 shards those experts over), from the mesh
+    FSDP2 shards the other weights over (`_data_meshes`: dp_shard, times cp; HSDP's replicas beside it). As torchtitan
+    carves them, the ep groups are neighbouring ranks of its shard dimension, within each pipeline stage; the experts
+    are sharded over the rest of that dimension (``edp``) and, like the other weights, replicated over dp_replicate.
+    Each rank routes its own tokens, whichever axis split them from the others' (rows over dp_shard, a row's slices
+    over cp)."""
+    sizes = ((layout.dp_shard * layout.cp) // layout.ep, layout.ep)
+    if layout.dp_replicate > 1:
+        split = fsdp_mesh._unflatten(1, sizes, ("edp", "ep"))
+        return split["ep"], split["dp_replicate", "edp"]
+    split = fsdp_mesh._unflatten(0, sizes, ("edp", "ep"))
+    return split["ep"], split["edp"]
 
 
 def _check_layout(layout: ParallelLayout, model_path: Path, *, config: TrainerConfig) -> None:

@@ -119,7 +119,47 @@ def test_the_split_experts_sync_by_pieces_and_survive_a_checkpoint(runs: list[di
 def test_layouts_expert_parallelism_cannot_run_are_one_line():
     with pytest.raises(LayoutError, match="ep 2 must divide dp_shard x cp = 3"):
         ParallelLayout(dp_shard=3, ep=2).check(world_size=3)
-    with pytest.raises(LayoutError, match=r"expert parallelism \(ep 2\) runs with data parallelism \(dp_shard\) alone"):
+    with pytest.raises(LayoutError, match=r"expert parallelism \(ep 2\) with tensor parallelism \(tp 2\) is not built"):
         ParallelLayout(dp_shard=2, tp=2, ep=2).check_built()
+    ParallelLayout(cp=2, ep=2).check_built()  # with context, pipeline and replicated data parallelism, it runs
+    ParallelLayout(pp=2, dp_shard=2, ep=2).check_built()
+    ParallelLayout(dp_replicate=2, dp_shard=2, ep=2).check_built()
     with pytest.raises(LayoutError, match=r"takes neither trainer\.lora"):
         ParallelLayout(dp_shard=2, ep=2).check_features(lora=True, vision=False, distillation=False)
+
+
+def _skewed_worker(rank: int, num_ranks: int, port: int, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sharpen.trainer.backends.expert_parallel import apply_expert_parallel, expert_modules
+
+    join_process_group(rank, num_ranks, port)
+    model = tiny_moe("mixtral")  # seeded: the same weights on both ranks
+    whole = tiny_moe("mixtral")
+    generator = torch.Generator().manual_seed(rank)
+    hidden = torch.randn(5, 32, generator=generator)
+    top_k_index = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])  # experts 0 and 1: rank 0's
+    top_k_weights = torch.rand(5, 2, generator=generator)
+    results = {}
+    for name, module in (("split", model), ("whole", whole)):
+        if name == "split":
+            apply_expert_parallel(module, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))["ep"])
+        inputs = hidden.clone().requires_grad_(True)
+        output = expert_modules(module)[0](inputs, top_k_index, top_k_weights)
+        (output * torch.arange(32.0)).sum().backward()
+        results[name] = (output.detach(), inputs.grad)
+    torch.save(results, out / f"skewed{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_rank_whose_experts_receive_no_tokens_still_joins_the_backward(tmp_path: Path):
+    """Every token of both ranks goes to rank 0's experts: rank 1's experts receive nothing, yet the rows rank 1 sent
+    must come back with their gradient (the reverse all-to-all needs both ranks: a rank whose received rows left the
+    graph skipped it, and the ranks' collectives went out of step). Outputs and input gradients equal the whole
+    experts' on each rank."""
+    launch_ranks(_skewed_worker, 2, tmp_path)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"skewed{rank}.pt")
+        for got, expected in zip(results["split"], results["whole"], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")

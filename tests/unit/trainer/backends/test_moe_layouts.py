@@ -7,21 +7,16 @@ tensor parallelism refuses an MoE in one line."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from sharpen.expert_routes import UNROUTED, expert_routes
-from sharpen.trainer import Trainer
 from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.layout import LayoutError, ParallelLayout
-from sharpen.types import TrainBatch
-from support.parity import NUM_STEPS, PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
+from support.parity import PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
 from support.ranks import join_process_group, launch_ranks
-from support.tiny_moe import FAMILIES, tiny_moe
-from support.tiny_trainer import uneven_rollouts
+from support.tiny_moe import FAMILIES, replayed_steps, tiny_moe
 
 REPLAYED = {  # name: family, config overrides, layout, MoE layers
     "mixtral, interleaved": (
@@ -60,32 +55,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: folder / name for name in (*FAMILIES, *REPLAYED)}
 
 
-def _routed_rollouts(num_layers: int, step: int):
-    """`uneven_rollouts` with random engine routes (two distinct experts of 4 per token and layer; the last token
-    unknown, as an engine leaves it)."""
-    generator = torch.Generator().manual_seed(step)
-    rollouts = []
-    for rollout in uneven_rollouts()[: 7 - step]:
-        routes = torch.stack(
-            [
-                torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(num_layers)])
-                for _ in range(rollout.num_tokens)
-            ]
-        )
-        routes[-1] = UNROUTED
-        rollouts.append(replace(rollout, routes=expert_routes(routes, num_experts=4)))
-    return rollouts
-
-
-def _replayed_steps(backend, num_layers: int) -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
-    """`trainer_steps` with R3 on `_routed_rollouts`."""
-    trainer = Trainer(backend.config, backend=backend, pad_token_id=PAD, max_new_tokens=12)
-    metrics = [
-        trainer.step(TrainBatch(rollouts=_routed_rollouts(num_layers, step), step=step)) for step in range(NUM_STEPS)
-    ]
-    return metrics, {name: tensor.detach().cpu().clone() for name, tensor in backend.named_weights()}
-
-
 def _worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out: Path) -> None:
     import torch.distributed as dist
 
@@ -100,7 +69,7 @@ def _worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out: 
         results[family] = trainer_steps(backend)
     for name, (_, _, layout, num_layers) in REPLAYED.items():
         backend = FSDP2Backend(_r3_config(name), model_path=models[name], dtype="float32", layout=layout)
-        results[name] = _replayed_steps(backend, num_layers)
+        results[name] = replayed_steps(backend, num_layers)
     try:
         FSDP2Backend(trainer_config(), model_path=models["mixtral"], dtype="float32", layout=ParallelLayout(tp=2))
     except LayoutError as error:
@@ -143,7 +112,7 @@ def test_an_moe_trains_on_a_pipeline_like_one_process(pp2: dict, models: dict[st
 @pytest.mark.parametrize("name", list(REPLAYED))
 def test_a_pipeline_replays_the_engine_routes_like_one_process(pp2: dict, models: dict[str, Path], name: str):
     num_layers = REPLAYED[name][3]
-    one = _replayed_steps(SingleDeviceBackend(_r3_config(name), model_path=models[name], dtype="float32"), num_layers)
+    one = replayed_steps(SingleDeviceBackend(_r3_config(name), model_path=models[name], dtype="float32"), num_layers)
     assert one[0][0]["moe/engine_disagreement"] > 0.1  # the replayed routes are not the routers' own
     assert f"moe/engine_disagreement/layer_{num_layers - 1:03d}" in one[0][0]
     _assert_matches(pp2[name], one)
