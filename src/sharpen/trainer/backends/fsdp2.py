@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -50,7 +49,7 @@ from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.cpu_memory import FreedMemory
 from sharpen.trainer.backends.expert_parallel import apply_expert_parallel, expert_modules
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
-from sharpen.trainer.backends.mesh import build_device_mesh, rank_device, weight_shard
+from sharpen.trainer.backends.mesh import build_device_mesh, data_meshes, expert_meshes, rank_device, weight_shard
 from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
@@ -172,7 +171,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
             resolve_precision(config.precision, self.device, num_threads=config.resolved_num_threads), self.device
         )
         mesh = build_device_mesh(self.layout, device_type=self.device.type)
-        fsdp_mesh, data_mesh = _data_meshes(mesh, self.layout)
+        fsdp_mesh, data_mesh = data_meshes(mesh, self.layout)
         self._group = data_mesh.get_group()  # the data-parallel ranks: metrics and lockstep counts are summed here
         self.rank, self.num_ranks = data_mesh.get_local_rank(), data_mesh.size()
         self.is_writer = dist.get_rank() == 0  # tensor- and context-parallel ranks share a data shard: one writes
@@ -212,9 +211,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 self.model, mesh["tp"], plan=config.parallel.tp_plan, sequence_parallel=sequence_parallel
             )
         experts_fsdp_mesh = None
-        """Expert parallelism (ep > 1): the mesh FSDP2 shards each rank's experts over (`_expert_meshes`)."""
+        """Expert parallelism (ep > 1): the mesh FSDP2 shards each rank's experts over (`mesh.expert_meshes`)."""
         if self.layout.ep > 1:
-            ep_mesh, experts_fsdp_mesh = _expert_meshes(fsdp_mesh, self.layout)
+            ep_mesh, experts_fsdp_mesh = expert_meshes(fsdp_mesh, self.layout)
             apply_expert_parallel(self.model, ep_mesh)
         self.context_parallel: ContextParallel | None = None
         """Context parallelism (cp > 1): this rank's slice of every row's sequence (Ulysses attention); with
@@ -534,33 +533,6 @@ def _global_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     if not norms:
         return torch.zeros(())
     return torch.linalg.vector_norm(torch.stack(norms))
-
-
-def _data_meshes(mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
-    """(the mesh FSDP2 shards over, the data-parallel ranks that split a batch). FSDP2 shards over ``dp_shard`` and,
-    as torchtitan does, the context-parallel ranks (``dp_shard x cp``, whose gradients are partial sums over the
-    sequence); HSDP replicates that over ``dp_replicate`` (a 2-D mesh). The trainer splits data over ``dp_replicate
-    x dp_shard`` only: the ``cp`` and ``tp`` ranks of a data shard train on the same rows."""
-    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if layout.cp > 1 else mesh["dp_shard"]
-    if layout.dp_replicate > 1:
-        fsdp = mesh["dp_replicate", "dp_shard_cp"] if layout.cp > 1 else mesh["dp_replicate", "dp_shard"]
-        return fsdp, mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return shard, mesh["dp_shard"]
-
-
-def _expert_meshes(fsdp_mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
-    """(the ep ranks that split each MoE layer's experts, the mesh FSDP2 shards those experts over), from the mesh
-    FSDP2 shards the other weights over (`_data_meshes`: dp_shard, times cp; HSDP's replicas beside it). As torchtitan
-    carves them, the ep groups are neighbouring ranks of its shard dimension, within each pipeline stage; the experts
-    are sharded over the rest of that dimension (``edp``) and, like the other weights, replicated over dp_replicate.
-    Each rank routes its own tokens, whichever axis split them from the others' (rows over dp_shard, a row's slices
-    over cp)."""
-    sizes = ((layout.dp_shard * layout.cp) // layout.ep, layout.ep)
-    if layout.dp_replicate > 1:
-        split = fsdp_mesh._unflatten(1, sizes, ("edp", "ep"))
-        return split["ep"], split["dp_replicate", "edp"]
-    split = fsdp_mesh._unflatten(0, sizes, ("edp", "ep"))
-    return split["ep"], split["edp"]
 
 
 def _check_layout(layout: ParallelLayout, model_path: Path, *, config: TrainerConfig) -> None:

@@ -1,7 +1,8 @@
 """The ranks' process group and its mesh: `init_distributed` joins the group that the launcher's variables describe
 (torchrun's, a Ray actor's, a local rank's), `rank_device` is a rank's device, and `build_device_mesh` makes a
-checked `ParallelLayout` a torch `DeviceMesh` with one named dimension per axis; `weight_shard` is a rank's box of a
-(possibly distributed) weight for the direct weight sync.
+checked `ParallelLayout` a torch `DeviceMesh` with one named dimension per axis, from which `data_meshes` and
+`expert_meshes` cut what FSDP2 shards over, what splits the data and what splits the experts; `weight_shard` is a
+rank's box of a (possibly distributed) weight for the direct weight sync.
 
 The mesh has the layout's axes in its order (``pp``, ``dp_replicate``, ``dp_shard``, ``cp``, ``tp``), sizes of 1
 included, so every backend asks for a dimension by name whatever the layout. ``torch.distributed`` must be
@@ -32,6 +33,33 @@ def build_device_mesh(layout: ParallelLayout, *, device_type: str = "cpu") -> De
             f"the layout ({layout.describe()}) has {layout.world_size} ranks, the process group {dist.get_world_size()}"
         )
     return init_device_mesh(device_type, layout.sizes, mesh_dim_names=AXES)
+
+
+def data_meshes(mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the mesh FSDP2 shards over, the data-parallel ranks that split a batch). FSDP2 shards over ``dp_shard`` and,
+    as torchtitan does, the context-parallel ranks (``dp_shard x cp``, whose gradients are partial sums over the
+    sequence); HSDP replicates that over ``dp_replicate`` (a 2-D mesh). The trainer splits data over ``dp_replicate
+    x dp_shard`` only: the ``cp`` and ``tp`` ranks of a data shard train on the same rows."""
+    shard = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if layout.cp > 1 else mesh["dp_shard"]
+    if layout.dp_replicate > 1:
+        fsdp = mesh["dp_replicate", "dp_shard_cp"] if layout.cp > 1 else mesh["dp_replicate", "dp_shard"]
+        return fsdp, mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return shard, mesh["dp_shard"]
+
+
+def expert_meshes(fsdp_mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the ep ranks that split each MoE layer's experts, the mesh FSDP2 shards those experts over), from the mesh
+    FSDP2 shards the other weights over (`data_meshes`: dp_shard, times cp; HSDP's replicas beside it). As torchtitan
+    carves them, the ep groups are neighbouring ranks of its shard dimension, within each pipeline stage; the experts
+    are sharded over the rest of that dimension (``edp``) and, like the other weights, replicated over dp_replicate.
+    Each rank routes its own tokens, whichever axis split them from the others' (rows over dp_shard, a row's slices
+    over cp)."""
+    sizes = ((layout.dp_shard * layout.cp) // layout.ep, layout.ep)
+    if layout.dp_replicate > 1:
+        split = fsdp_mesh._unflatten(1, sizes, ("edp", "ep"))
+        return split["ep"], split["dp_replicate", "edp"]
+    split = fsdp_mesh._unflatten(0, sizes, ("edp", "ep"))
+    return split["ep"], split["edp"]
 
 
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
