@@ -21,6 +21,7 @@ import pytest
 
 from sharpen.config.engines import FailoverConfig
 from sharpen.monitoring import PhaseTimer
+from sharpen.monitoring.inspect import run_warnings
 from sharpen.orchestration.batches import ProducedBatch, SyncBatches
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import EngineError, EngineUnavailable, RestartableEngine, replicas_of, request_level
@@ -171,6 +172,9 @@ def test_a_replica_killed_mid_run_costs_no_episode_and_no_duplicate(tokenizer) -
     metrics = router.pop_metrics()
     assert metrics["rollout/requests_retried"] >= 1 and metrics["engine/restarts"] == 1
     assert sum(metrics[f"engine/replica_{i}/requests"] for i in range(3)) == 24 + metrics["rollout/requests_retried"]
+    # the step's metrics, as the run logs them: the run doctor (`sharpen inspect`, the end of `sharpen train`) names it
+    [warning] = run_warnings([{"step": 0, **metrics}], probe_tolerance=1e-3)
+    assert warning.startswith("engine replicas were lost or restarted at steps [0] (1 restarts, 0 failed weight loads")
     wait_for(lambda: router.health.states[1] is ReplicaState.SERVING)  # version 0: it rejoins at once
     assert killed.num_restarts == 1 and len(router.replicas) == 3
     assert [e.kind for e in router.health.events if e.kind != "served_retry"] == ["down", "restarted", "rejoined"]
