@@ -5,6 +5,7 @@ tokens, a reward that abstains on half the rollouts and scores the rest 0. `shar
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,14 +18,18 @@ from sharpen.types import Example, RewardResult, RewardStatus
 
 
 class HalfAbstaining:
-    """Abstains (score None) on every other rollout it sees, and scores the others 0."""
+    """Abstains (score None) on every other rollout it sees, and scores the others 0 (counted under a lock: rewards
+    may be scored on several threads)."""
 
     def __init__(self) -> None:
         self.calls = 0
+        self.lock = threading.Lock()
 
     def __call__(self, example: Example, completion: str) -> RewardResult:
-        self.calls += 1
-        if self.calls % 2:
+        with self.lock:
+            self.calls += 1
+            abstains = self.calls % 2 == 1
+        if abstains:
             return RewardResult(score=None, status=RewardStatus.FORMAT_ERROR, verifier="half")
         return RewardResult(score=0.0, status=RewardStatus.WRONG, verifier="half")
 
