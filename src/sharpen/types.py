@@ -372,6 +372,16 @@ class Completion:
     when asked: routing replay R3); None otherwise."""
 
 
+@dataclass(kw_only=True, slots=True)
+class ProbeScores:
+    """The trainer's side of the weight-sync probe: the logprobs of the probe's tokens after the first, and the
+    experts a Mixture-of-Experts policy routed each token to (when its routes are recorded: ``trainer.moe``), for an
+    engine that can replay them; None otherwise."""
+
+    logprobs: list[float]
+    routes: ExpertRoutes | None = None
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SamplingParams:
     """Engine-independent sampling settings."""

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from sharpen.types import Rollout, TrainBatch
+from sharpen.types import ProbeScores, Rollout, TrainBatch
 
 if TYPE_CHECKING:
     import torch
@@ -34,6 +34,11 @@ class TrainerHandle(Protocol):
 
     def compute_logprobs(self, token_ids: list[int]) -> list[float]:
         """Logprobs of ``token_ids[1:]`` at temperature 1 (the weight-sync and parity probes)."""
+        ...
+
+    def probe(self, token_ids: list[int]) -> ProbeScores:
+        """`compute_logprobs` for the weight-sync probe, with a Mixture-of-Experts policy's routes when it records
+        them (for an engine to replay)."""
         ...
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from sharpen.config import SharpenConfig
 from sharpen.rollout.engines.server import free_port
-from sharpen.types import ImagePart, Rollout, TrainBatch
+from sharpen.types import ImagePart, ProbeScores, Rollout, TrainBatch
 from sharpen.weight_shards import assemble_ranks
 
 _READY, _OK, _ERROR = "ready", "ok", "error"
@@ -76,6 +76,9 @@ class LocalTrainerRanks:
 
     def compute_logprobs(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         return self.call("compute_logprobs", token_ids, images)
+
+    def probe(self, token_ids: list[int]) -> ProbeScores:
+        return self.call("probe", token_ids)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         return self.call("kl_penalties", rollouts)

@@ -1,7 +1,9 @@
 """`WeightSync`: moves the trainer's weights into the engine and proves they arrived (the probe check).
 
 Owns the check's state (the previous sync's probe logprobs, per replica; the measured tolerance's baseline) and
-the ``sync/*`` metrics. How the tensors
+the ``sync/*`` metrics. A Mixture-of-Experts policy's probe carries the trainer's routes, which an engine that can
+replays (`probe_engine`): both sides then run the same experts, so the check sees the weights, not a route that
+one side's rounding flipped (``sync/probe_replayed``). How the tensors
 travel (in process, through Ray's object store, by broadcast) is the engine's `load_weights`, which the runtime
 chose; where a sync happens in the step is the batch source's.
 """
@@ -12,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from sharpen.rollout.engines import replicas_of
+from sharpen.rollout.engines import probe_engine, replicas_of
 from sharpen.rollout.weight_sync import ProbeCheck, ProbeTolerance, verify_probe
 
 if TYPE_CHECKING:
@@ -20,6 +22,7 @@ if TYPE_CHECKING:
 
     from sharpen.orchestration.handles import TrainerHandle
     from sharpen.rollout.engines import InferenceEngine
+    from sharpen.types import ProbeScores
 
 
 class WeightSync:
@@ -40,9 +43,10 @@ class WeightSync:
     def __call__(self, trainer: TrainerHandle, engine: InferenceEngine, *, version: int) -> dict[str, float]:
         return self.load(trainer.named_weights(), engine, version=version, reference=lambda: self.reference(trainer))
 
-    def reference(self, trainer: TrainerHandle) -> list[float] | None:
-        """The trainer's probe logprobs now (None when verification is off)."""
-        return trainer.compute_logprobs(self.probe_ids) if self.verify else None
+    def reference(self, trainer: TrainerHandle) -> ProbeScores | None:
+        """The trainer's probe logprobs now, with its routes when it records them (None when verification is
+        off)."""
+        return trainer.probe(self.probe_ids) if self.verify else None
 
     def load(
         self,
@@ -50,20 +54,24 @@ class WeightSync:
         engine: InferenceEngine,
         *,
         version: int,
-        reference: Callable[[], list[float] | None],
+        reference: Callable[[], ProbeScores | None],
     ) -> dict[str, float]:
         """Load ``weights`` (version ``version``) into the engine and, when verifying, compare the probe logprobs of
-        the engine (of each replica, behind a router) with ``reference()``, the trainer's at that version."""
+        the engine (of each replica, behind a router; replaying the trainer's routes where it can) with
+        ``reference()``, the trainer's at that version."""
         started = time.perf_counter()
         metrics = engine.load_weights(weights, version=version)
         metrics["sync/seconds"] = time.perf_counter() - started
-        trainer_logprobs = reference()
-        if trainer_logprobs is not None:
-            checks = [
-                self.compare(replica.score(self.probe_ids), trainer_logprobs, version=version, replica=index)
-                for index, replica in enumerate(replicas_of(engine))
-            ]
-            self.previous_trainer = trainer_logprobs
+        trainer = reference()
+        if trainer is not None:
+            checks, replayed = [], []
+            for index, replica in enumerate(replicas_of(engine)):
+                engine_logprobs, did_replay = probe_engine(replica, self.probe_ids, trainer.routes)
+                checks.append(self.compare(engine_logprobs, trainer.logprobs, version=version, replica=index))
+                replayed.append(did_replay)
+            if trainer.routes is not None:
+                metrics["sync/probe_replayed"] = float(all(replayed))
+            self.previous_trainer = trainer.logprobs
             worst = max(checks, key=lambda check: check.mismatch_mean)
             metrics.update(worst.metrics())
             metrics["sync/probe_tolerance"] = self.tolerance.limit()  # the bound this sync met

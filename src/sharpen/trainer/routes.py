@@ -5,7 +5,8 @@ A forward pass flattens its rows: `forward_routes` puts each rollout's routes wh
 (padded rows: `UNROUTED` on the padding, which then routes itself; a packed row: end to end), and
 `rollout_routes` reads a captured pass's routes back per rollout. `RouteStats` adds up what the ``moe/*`` metrics
 report (docs/moe.md): how often a replayed route is not the one the trainer's router would choose, per layer and
-over any layer, how evenly the experts are loaded, and the load-balancing loss (`balance_loss`).
+over any layer, how evenly the experts are loaded, and the load-balancing loss (`balance_loss`). `probe_scores` is
+the weight-sync probe's pass with the routes it took, for an engine to replay.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sharpen.expert_routes import UNROUTED, Routes
+from sharpen.expert_routes import UNROUTED, RouterReplay, Routes, expert_routes
+from sharpen.trainer.backends.base import ScoreInputs, TrainerBackend, scored_routes
 from sharpen.trainer.packing import MicroBatch
+from sharpen.types import ProbeScores
 
 
 def forward_routes(
@@ -183,3 +186,27 @@ def balance_loss(routes: Routes, tokens: torch.Tensor) -> torch.Tensor | None:
         share = assignments / mask.sum()
         losses.append(num_experts * (share * probs[mask].mean(dim=0)).sum())
     return torch.stack(losses).mean()
+
+
+def probe_scores(backend: TrainerBackend, token_ids: list[int]) -> ProbeScores | None:
+    """The weight-sync probe's logprobs with the experts each token went to, when ``backend`` records a
+    Mixture-of-Experts policy's routes (a `RouterReplay`: ``trainer.moe``; not a pipeline, whose stages hold theirs);
+    None otherwise (the caller scores without routes). Master weights' dtype, temperature 1, as the probe's
+    `Trainer.compute_logprobs`. Collective on a sharded backend."""
+    router: RouterReplay | None = getattr(backend, "router", None)
+    if router is None:
+        return None
+    ids = torch.tensor([token_ids], dtype=torch.long, device=backend.device)
+    targets = torch.ones((1, len(token_ids) - 1), dtype=torch.bool, device=backend.device)
+    with torch.no_grad():
+        scores = scored_routes(
+            backend,
+            ScoreInputs(input_ids=ids, attention_mask=torch.ones_like(ids), target_mask=targets),
+            temperature=1.0,
+            use_autocast=False,
+        )
+    assert scores.routes is not None  # a backend with a router captures them
+    routes = torch.stack(scores.routes.layers, dim=1)  # [tokens, layers, top_k]
+    return ProbeScores(
+        logprobs=scores.logprobs[0].tolist(), routes=expert_routes(routes, num_experts=router.num_experts)
+    )

@@ -49,8 +49,8 @@ from sharpen.trainer.packing import (
     unpack_scores,
 )
 from sharpen.trainer.route_step import RouteStep
-from sharpen.trainer.routes import forward_routes, rollout_routes
-from sharpen.types import ImagePart, Rollout, TrainBatch
+from sharpen.trainer.routes import forward_routes, probe_scores, rollout_routes
+from sharpen.types import ImagePart, ProbeScores, Rollout, TrainBatch
 from sharpen.weight_shards import WeightShard
 
 
@@ -567,6 +567,12 @@ class Trainer:
             return scores.logprobs[0].tolist()
         logprobs = self.backend.token_logprobs(ids, mask, target_mask, temperature=1.0, use_autocast=False)
         return logprobs[0].tolist()
+
+    def probe(self, token_ids: list[int]) -> ProbeScores:
+        """`compute_logprobs` for the weight-sync probe, with a Mixture-of-Experts policy's routes when it records
+        them (`routes.probe_scores`): an engine that can replays them, so the check compares the weights, not a
+        route that the engine's rounding flipped."""
+        return probe_scores(self.backend, token_ids) or ProbeScores(logprobs=self.compute_logprobs(token_ids))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.backend.named_weights()

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from sharpen.rollout.engines import request_level
 from sharpen.rollout.episodes import derive_seed
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, PolicyVersion, ProbeScores, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -32,8 +32,9 @@ class PublishedWeights:
     version: PolicyVersion
     weights: WeightSnapshot
     """The trainer's snapshot of this version (`TrainerHandle.snapshot_weights`)."""
-    probe: list[float] | None
-    """The trainer's probe logprobs at this version (None: verification off)."""
+    probe: ProbeScores | None
+    """The trainer's probe logprobs at this version, with its routes when it records them (None: verification
+    off)."""
 
 
 class ProducerStopped(Exception):

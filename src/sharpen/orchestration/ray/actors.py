@@ -27,7 +27,7 @@ from sharpen.rollout.engines import WeightGroupEngine, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
-from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
+from sharpen.types import Completion, ImagePart, PolicyVersion, ProbeScores, Rollout, SamplingParams, TrainBatch
 from sharpen.weight_shards import assemble_ranks
 
 if TYPE_CHECKING:
@@ -137,6 +137,9 @@ class TrainerActor(SpanRecordingActor):
 
     def compute_logprobs(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         return self._trainer.compute_logprobs(token_ids, images)
+
+    def probe(self, token_ids: list[int]) -> ProbeScores:
+        return self._trainer.probe(token_ids)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         return self._trainer.kl_penalties(rollouts)

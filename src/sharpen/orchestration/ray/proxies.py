@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from sharpen.monitoring import Span, Timeline
 from sharpen.rollout.engines import InferenceEngine, pop_engine_metrics, replicas_of, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
-from sharpen.types import Completion, ImagePart, PolicyVersion, Rollout, SamplingParams, TrainBatch
+from sharpen.types import Completion, ImagePart, PolicyVersion, ProbeScores, Rollout, SamplingParams, TrainBatch
 from sharpen.weight_shards import assemble_ranks
 
 if TYPE_CHECKING:
@@ -173,6 +173,9 @@ class TrainerProxy(ActorProxy):
 
     def compute_logprobs(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         return self.call("compute_logprobs", token_ids, images)
+
+    def probe(self, token_ids: list[int]) -> ProbeScores:
+        return self.call("probe", token_ids)
 
     def kl_penalties(self, rollouts: list[Rollout]) -> list[list[float]]:
         return self.call("kl_penalties", rollouts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol, cast, runtime_checkable
 
-from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ExpertRoutes, ImagePart, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -176,6 +176,27 @@ class RestartableEngine(Protocol):
         `load_weights`. Raises `EngineError` when it cannot come back, e.g. after joining a broadcast weight group
         (`WeightGroupEngine`), whose fixed size a new process cannot rejoin."""
         ...
+
+
+@runtime_checkable
+class RouteReplayingEngine(Protocol):
+    """An engine that can score with given Mixture-of-Experts routes (the `hf` engine): the weight-sync probe replays
+    the trainer's routes in it, so the check compares weights, not a route that one side's rounding flipped."""
+
+    def score_replaying(self, token_ids: list[int], routes: ExpertRoutes) -> list[float]:
+        """`InferenceEngine.score` with every token routed as ``routes`` say (``[tokens, layers, top_k]`` over
+        ``token_ids``)."""
+        ...
+
+
+def probe_engine(
+    engine: InferenceEngine, token_ids: list[int], routes: ExpertRoutes | None
+) -> tuple[list[float], bool]:
+    """``engine``'s probe logprobs of ``token_ids``, and whether they replayed ``routes`` (an engine that can,
+    given routes; the others score with their own)."""
+    if routes is not None and isinstance(engine, RouteReplayingEngine):
+        return engine.score_replaying(token_ids, routes), True
+    return engine.score(token_ids), False
 
 
 @runtime_checkable

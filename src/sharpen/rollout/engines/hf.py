@@ -29,7 +29,15 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class, text_only_error
-from sharpen.expert_routes import UNROUTED, RouterReplay, expert_routes, is_moe_model, stack_layers
+from sharpen.expert_routes import (
+    UNROUTED,
+    RouterReplay,
+    Routes,
+    expert_routes,
+    is_moe_model,
+    routes_tensor,
+    stack_layers,
+)
 from sharpen.rollout.engines.base import EngineError
 from sharpen.types import Completion, ExpertRoutes, ImagePart, PolicyVersion, SamplingParams
 
@@ -224,6 +232,16 @@ class HfEngine:
         ids = torch.tensor([token_ids], device=self.device)
         logits = self.model(input_ids=ids, **self._image_inputs(ids, images)).logits[0, :-1].float()
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+
+    @torch.no_grad()
+    def score_replaying(self, token_ids: list[int], routes: ExpertRoutes) -> list[float]:
+        """`score` with every token routed as ``routes`` say (`RouteReplayingEngine`: the trainer's, for the
+        weight-sync probe); a dense model has no routes to replay."""
+        if self.router is None:
+            raise EngineError(f"HF engine: routes to replay for {self.model_path}, which has no experts")
+        indices = routes_tensor(routes).to(self.device)  # [tokens, layers, top_k]
+        with self.router.replay(Routes(layers=list(indices.unbind(dim=1)))):
+            return self.score(token_ids)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:

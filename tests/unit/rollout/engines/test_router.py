@@ -14,7 +14,7 @@ from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines.base import EngineError
 from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.weight_sync import WeightSyncError
-from sharpen.types import Completion, SamplingParams
+from sharpen.types import Completion, ProbeScores, SamplingParams
 
 
 class FakeEngine:
@@ -109,8 +109,8 @@ def test_a_failing_replica_is_named() -> None:
 
 
 class FakeTrainer:
-    def compute_logprobs(self, token_ids: list[int]) -> list[float]:
-        return [-1.0] * (len(token_ids) - 1)
+    def probe(self, token_ids: list[int]) -> ProbeScores:
+        return ProbeScores(logprobs=[-1.0] * (len(token_ids) - 1))
 
     def named_weights(self) -> Iterator[tuple[str, Any]]:
         yield "w", 1.0

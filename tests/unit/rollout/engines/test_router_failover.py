@@ -29,7 +29,7 @@ from sharpen.rollout.engines.failover import Lease, ReplicaState
 from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.rollout.episodes import EpisodeRunner
-from sharpen.types import Completion, Example, Message, SamplingParams
+from sharpen.types import Completion, Example, Message, ProbeScores, SamplingParams
 
 
 def answer(prompt: list[int], params: SamplingParams) -> Completion:
@@ -222,8 +222,8 @@ def test_a_restarted_replica_rejoins_only_after_a_weight_load() -> None:
         def named_weights(self):
             yield "w", 1.0
 
-        def compute_logprobs(self, token_ids: list[int]) -> list[float]:
-            return [-1.0] * (len(token_ids) - 1)
+        def probe(self, token_ids: list[int]) -> ProbeScores:
+            return ProbeScores(logprobs=[-1.0] * (len(token_ids) - 1))
 
     sync(Trainer(), router, version=1)  # pyright: ignore[reportArgumentType]
     assert [c.token_ids for c in concurrently(router)] == EXPECTED
