@@ -217,7 +217,7 @@ def assert_actor_spans_on_the_timeline(path: Path) -> None:
     assert driver == os.getpid() and len({driver, trainer, engine}) == 3
     spans = [e for e in events if e["ph"] == "X"]
     names = {pid: {e["name"] for e in spans if e["pid"] == pid} for pid in (trainer, engine)}
-    assert {"start", "step", "compute_logprobs", "put_weights"} <= names[trainer]
+    assert {"start", "step", "probe", "put_weights"} <= names[trainer]  # probe: the weight-sync check
     assert {"start", "generate", "score", "load_weights"} <= names[engine]
     # Clocks line up across processes: every trainer step lies inside one of the driver's train phases.
     trains = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == driver and e["name"] == "train"]
