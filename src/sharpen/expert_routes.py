@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from sharpen.types import ExpertRoutes
 
@@ -233,8 +234,8 @@ class _Routed:
     def __call__(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.replay.float32 and type(self.router).__name__ in _SOFTMAX:
             logits, weights, indices = self._own_float32(hidden_states)
-        else:
-            logits, weights, indices = self.original(hidden_states)
+        else:  # a router replicated over tensor-parallel ranks returns DTensors: each rank has them whole
+            logits, weights, indices = (_plain(x) for x in self.original(hidden_states))
         replayed = self.replay._replayed
         differs = None
         if replayed is not None:
@@ -257,9 +258,9 @@ class _Routed:
         router: Any = self.router
         hidden = hidden_states.reshape(-1, router.hidden_dim)
         if not self.replay.float32:
-            return F.linear(hidden, router.weight)
+            return _plain(F.linear(hidden, router.weight))
         with torch.autocast(hidden.device.type, enabled=False):
-            return F.linear(hidden.float(), router.weight.float())
+            return _plain(F.linear(hidden.float(), router.weight.float()))
 
     def _own_float32(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A softmax router's own choice, as its family computes it, in float32."""
@@ -276,7 +277,7 @@ class _Routed:
         router: Any = self.router
         hidden = hidden_states.reshape(-1, router.hidden_dim)
         if type(router).__name__ in _SIGMOID:  # DeepSeek-V3: the bias chose; the weights are the plain scores
-            logits = F.linear(hidden.type(torch.float32), router.weight.type(torch.float32))
+            logits = _plain(F.linear(hidden.type(torch.float32), router.weight.type(torch.float32)))
             weights = logits.sigmoid().gather(1, indices)
             if router.norm_topk_prob:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
@@ -288,6 +289,11 @@ class _Routed:
         if hasattr(router, "norm_topk_prob"):  # the Qwen MoE routers return the weights in the logits' dtype
             weights = weights.to(logits.dtype)
         return logits, weights, indices
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A router's output as a local tensor: a DTensor replicated over tensor-parallel ranks holds it whole."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:

@@ -102,7 +102,7 @@ def check_moe(config: SharpenConfig) -> None:
     """One line (a `ConfigError`) before anything starts when ``trainer.moe`` cannot run: routing replay or load
     balancing on a dense model or a family whose routers sharpen cannot replay, R3 with an engine that returns no
     routes, an expert-bias update on routers without a bias or with LoRA (the bias would not reach the engine), any of
-    them with tensor parallelism, context and pipeline parallelism together, the balancing loss on a pipeline
+    them with context and pipeline parallelism together, the balancing loss on a pipeline
     (docs/moe.md)."""
     moe = config.trainer.moe
     asked = [
@@ -143,8 +143,6 @@ def check_moe(config: SharpenConfig) -> None:
                 "not reach the engine; set the rate to 0 or train without LoRA"
             )
     parallel = config.trainer.parallel
-    if parallel.tp > 1:
-        raise ConfigError(f"{asked[0]} cannot run with trainer.parallel.tp = {parallel.tp} (an MoE takes no tp yet)")
     if parallel.pp > 1 and parallel.cp > 1:
         raise ConfigError(
             f"{asked[0]} runs with context or pipeline parallelism, not both yet (trainer.parallel cp = {parallel.cp}, "

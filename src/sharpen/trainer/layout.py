@@ -217,10 +217,10 @@ class ParallelLayout:
                 f"pipeline and context parallelism together (pp {self.pp} x cp {self.cp}) are not built yet: use one "
                 "of them (docs/parallelism.md)"
             )
-        if self.ep > 1 and self.tp > 1:
+        if self.ep > 1 and self.tp > 1 and self.cp > 1:
             raise LayoutError(
-                f"expert parallelism (ep {self.ep}) with tensor parallelism (tp {self.tp}) is not built yet: an MoE "
-                "takes no tp (docs/moe.md)"
+                f"expert parallelism (ep {self.ep}) with both tensor (tp {self.tp}) and context (cp {self.cp}) "
+                "parallelism is not built yet (docs/moe.md)"
             )
 
     def check_features(self, *, lora: bool, vision: bool, distillation: bool) -> None:
@@ -284,8 +284,14 @@ class ParallelLayout:
 def decoder_tp_plan(declared: Mapping[str, str] | None, *, family: str) -> dict[str, str]:
     """The decoder layers' entries (``layers.*``) of a model's declared tensor-parallel plan (transformers'
     ``base_model_tp_plan`` of its config class, named ``family``); raises `LayoutError` when there is none or it uses
-    a style sharpen does not apply. Pure: the driver checks it before any rank starts."""
-    plan = {pattern: style for pattern, style in (declared or {}).items() if pattern.startswith("layers.")}
+    a style sharpen does not apply. An MoE's experts entries (``layers.*.mlp.experts...``) are left out: sharpen splits
+    the experts itself (`expert_parallel.apply_expert_tensor_parallel`). Pure: the driver checks it before any rank
+    starts."""
+    plan = {
+        pattern: style
+        for pattern, style in (declared or {}).items()
+        if pattern.startswith("layers.") and ".experts" not in pattern
+    }
     if not plan:
         raise LayoutError(
             f"{family} declares no tensor-parallel plan (transformers' base_model_tp_plan): this model family "
@@ -296,5 +302,10 @@ def decoder_tp_plan(declared: Mapping[str, str] | None, *, family: str) -> dict[
         raise LayoutError(
             f"{family}'s tensor-parallel plan uses {', '.join(unknown)}, which sharpen does not apply (it applies "
             f"{', '.join(TP_STYLES)}): this model family cannot run with trainer.parallel.tp > 1"
+        )
+    if not any(".self_attn." in pattern for pattern in plan):  # DeepSeek-V3's latent attention
+        raise LayoutError(
+            f"{family}'s tensor-parallel plan does not split its attention: this model family cannot run with "
+            "trainer.parallel.tp > 1"
         )
     return plan

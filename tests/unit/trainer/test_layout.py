@@ -156,8 +156,11 @@ def test_an_axis_that_is_not_built_is_refused_in_one_line():
     ParallelLayout(dp_shard=4, ep=2).check_built()  # expert parallelism over the data ranks runs
     ParallelLayout(dp_shard=2, pp=2, ep=2).check_built()  # and with pipeline and context parallelism
     ParallelLayout(cp=2, ep=2).check_built()
-    with pytest.raises(LayoutError, match=r"^expert parallelism \(ep 2\) with tensor parallelism \(tp 2\) is not"):
-        ParallelLayout(dp_shard=2, tp=2, ep=2).check_built()
+    ParallelLayout(dp_shard=2, tp=2, ep=2).check_built()  # and with tensor parallelism
+    with pytest.raises(
+        LayoutError, match=r"^expert parallelism \(ep 2\) with both tensor \(tp 2\) and context \(cp 2\)"
+    ):
+        ParallelLayout(cp=2, tp=2, ep=2).check_built()
     with pytest.raises(LayoutError, match=r"^pipeline and context parallelism together \(pp 2 x cp 2\) are not built"):
         ParallelLayout(pp=2, cp=2).check_built()
 

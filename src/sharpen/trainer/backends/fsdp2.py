@@ -186,15 +186,16 @@ class FSDP2Backend(ScoresTokenLogprobs):
         """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``) without a pipeline (whose stages have
         theirs: `routers`)."""
         replays = config.moe.routing_replay != "none"
-        routes_run = self.layout.tp == 1 and (self.layout.pp == 1 or self.layout.cp == 1)
+        routes_run = self.layout.pp == 1 or self.layout.cp == 1
         if config.moe.aux_loss_coef > 0 and (self.layout.pp > 1 or not routes_run):
             raise LayoutError(
-                "trainer.moe.aux_loss_coef runs with data and context parallelism yet, not " + self.layout.describe()
+                "trainer.moe.aux_loss_coef runs with data, tensor and context parallelism yet, not "
+                + self.layout.describe()
             )
         if replays and not routes_run:
             raise LayoutError(
-                "trainer.moe.routing_replay runs with data, context or pipeline parallelism (not context and pipeline "
-                f"together) yet, not {self.layout.describe()}"
+                "trainer.moe.routing_replay runs with data, tensor, context or pipeline parallelism (not context and "
+                f"pipeline together) yet, not {self.layout.describe()}"
             )
         if routes_run and self.layout.pp == 1:
             self.router = replay_routes_of(self.model, config, name=str(self.model_path))
@@ -208,12 +209,16 @@ class FSDP2Backend(ScoresTokenLogprobs):
         sequence_parallel = self.layout.tp > 1 and config.parallel.sequence_parallel
         if self.layout.tp > 1:
             self.vocab_shard = apply_tensor_parallel(
-                self.model, mesh["tp"], plan=config.parallel.tp_plan, sequence_parallel=sequence_parallel
+                self.model,
+                mesh["tp"],
+                plan=config.parallel.tp_plan,
+                sequence_parallel=sequence_parallel,
+                experts=self.layout.ep == 1,  # else split over ep x tp below
             )
         experts_fsdp_mesh = None
         """Expert parallelism (ep > 1): the mesh FSDP2 shards each rank's experts over (`mesh.expert_meshes`)."""
         if self.layout.ep > 1:
-            ep_mesh, experts_fsdp_mesh = expert_meshes(fsdp_mesh, self.layout)
+            ep_mesh, experts_fsdp_mesh = expert_meshes(mesh, fsdp_mesh, self.layout)
             apply_expert_parallel(self.model, ep_mesh)
         self.context_parallel: ContextParallel | None = None
         """Context parallelism (cp > 1): this rank's slice of every row's sequence (Ulysses attention); with
@@ -225,8 +230,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 group, cp_mesh.get_local_rank(), cp_mesh.size(), multiple=self.layout.tp if sequence_parallel else 1
             )
             self.context_parallel.attach(self.model)
-        self.route_view = self.context_parallel if self.layout.cp > 1 else None
-        """Context parallelism: each rank's routers route its slice of every row (`base.RouteView`)."""
+        self.route_view = self.context_parallel
+        """Context parallelism: each rank's routers route its slice of every row; sequence parallelism alone: the
+        rows padded to a multiple of tp (`base.RouteView`)."""
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(self.model))
         self.model.train()

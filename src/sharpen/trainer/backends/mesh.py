@@ -47,13 +47,22 @@ def data_meshes(mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, D
     return shard, mesh["dp_shard"]
 
 
-def expert_meshes(fsdp_mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
+def expert_meshes(mesh: DeviceMesh, fsdp_mesh: DeviceMesh, layout: ParallelLayout) -> tuple[DeviceMesh, DeviceMesh]:
     """(the ep ranks that split each MoE layer's experts, the mesh FSDP2 shards those experts over), from the mesh
     FSDP2 shards the other weights over (`data_meshes`: dp_shard, times cp; HSDP's replicas beside it). As torchtitan
     carves them, the ep groups are neighbouring ranks of its shard dimension, within each pipeline stage; the experts
     are sharded over the rest of that dimension (``edp``) and, like the other weights, replicated over dp_replicate.
     Each rank routes its own tokens, whichever axis split them from the others' (rows over dp_shard, a row's slices
-    over cp)."""
+    over cp). With tensor parallelism (without cp), the first is 2-D, ``ep x tp``, cut from the whole ``mesh``: each
+    expert is split over the tp ranks too, and the ep groups are those of one tp coordinate."""
+    if layout.tp > 1:
+        if layout.cp > 1:
+            raise LayoutError("expert parallelism with both tensor and context parallelism is not built yet")
+        names = ("dp_replicate", "dp_shard", "tp") if layout.dp_replicate > 1 else ("dp_shard", "tp")
+        split = mesh[names]._unflatten(
+            names.index("dp_shard"), (layout.dp_shard // layout.ep, layout.ep), ("edp", "ep")
+        )
+        return split["ep", "tp"], split["dp_replicate", "edp"] if layout.dp_replicate > 1 else split["edp"]
     sizes = ((layout.dp_shard * layout.cp) // layout.ep, layout.ep)
     if layout.dp_replicate > 1:
         split = fsdp_mesh._unflatten(1, sizes, ("edp", "ep"))

@@ -27,6 +27,12 @@ that all parameters live on one mesh (FSDP2 then shards each over the data-paral
 the optimizer see one kind of tensor). A per-head norm (Qwen3's ``q_norm``/``k_norm``, ``replicated_with_grad_
 allreduce`` in the model's plan) sees only the rank's heads: its input is marked split over heads, so DTensor adds its
 weight's gradient over the ``tp`` ranks.
+
+A Mixture-of-Experts layer (Mixtral, Qwen2-MoE, Qwen3-MoE) takes tp too: its experts split by output rows
+(`expert_parallel.apply_expert_tensor_parallel`, whatever the plan; the plan's own expert entries are not applied),
+its router and any shared expert's gate are replicated, and a shared expert follows the plan like a dense MLP. The
+MoE block works on whole replicated rows: with sequence parallelism its input is all-gathered over the sequence and
+its output split again, as a dense MLP's.
 """
 
 from __future__ import annotations
@@ -41,11 +47,13 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from sharpen.trainer.backends.expert_parallel import EXPERT_CLASSES, apply_expert_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.trainer.layout import LayoutError, decoder_tp_plan
 
@@ -82,39 +90,55 @@ def apply_tensor_parallel(
     *,
     plan: TensorParallelPlan = "gather",
     sequence_parallel: bool = False,
+    experts: bool = True,
 ) -> VocabShard:
     """Split ``model``'s decoder layers, embedding and LM head over ``mesh`` (the 1-D ``tp`` mesh), in place, before
     FSDP2 shards the result over the data-parallel axes. A tied LM head stays tied to the (vocabulary-split)
     embedding. ``sequence_parallel``: between the blocks, the residual stream and its norms hold ``1 / tp`` of the
     sequence on each rank (the sequence must divide by ``tp``: `context_parallel.ContextParallel` pads it and
     supplies the attention mask of the whole rows); the decoder's output is then a DTensor split over the
-    sequence. Returns this rank's slice of the LM head's vocabulary."""
+    sequence. ``experts``: split an MoE's experts over ``mesh`` too (False: expert parallelism splits them over ep x
+    tp, `expert_parallel.apply_expert_parallel`). Returns this rank's slice of the LM head's vocabulary."""
     if plan not in TENSOR_PARALLEL_PLANS:
         raise LayoutError(f"unknown tensor-parallel plan {plan!r}; choose one of {TENSOR_PARALLEL_PLANS}")
     layer_plan = model_tp_plan(model)
     decoder = model.get_decoder()
+    moe_blocks = [name for name, module in decoder.named_modules() if _holds_experts(module)]
     styles: dict[str, ParallelStyle] = {}
     per_head: list[str] = []  # modules whose input holds the rank's heads (replicated_with_grad_allreduce)
     between: Placement = Shard(1) if sequence_parallel else Replicate()
-    for pattern, name in layer_plan.items():
-        style = _style(name, plan, between=between)
-        if style is None:
-            per_head.append(pattern)
-        else:
-            styles[pattern] = style
+    for name, module in decoder.named_modules():
+        for pattern, style_name in layer_plan.items():
+            if not _matches(name, pattern):
+                continue
+            # inside an MoE block (a shared expert), the rows are whole and replicated
+            inner = Replicate() if any(name.startswith(block + ".") for block in moe_blocks) else between
+            style = _style(style_name, plan, between=inner)
+            if style is None:
+                per_head.append(name)
+            elif isinstance(module, nn.Linear | nn.Embedding):
+                styles[name] = style
+    styles = {**_shared_inputs(styles, layer_plan, moe_blocks, between=between), **styles}
+    for block in moe_blocks:  # whole rows in, and out as the residual stream between blocks holds them
+        styles[block] = _whole_rows(between)
+    if experts:
+        apply_expert_tensor_parallel(decoder, mesh)
     embeddings = cast(nn.Module, model.get_input_embeddings())
     lm_head = cast(nn.Module, model.get_output_embeddings())
     is_tied = lm_head.weight is embeddings.weight
-    parallelize_module(decoder, mesh, {**_shared_inputs(layer_plan, between=between), **styles})
+    parallelize_module(decoder, mesh, styles)
     parallelize_module(embeddings, mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=between))
     # the LM head's output stays split over the vocabulary (a local [tokens, vocab / tp] slice)
     parallelize_module(lm_head, mesh, ColwiseParallel(output_layouts=Shard(-1)))
     if is_tied:  # parallelize_module made the head a parameter of its own: make it the embedding's again
         lm_head.weight = embeddings.weight
     for name, module in decoder.named_modules():
+        if type(module).__name__ in EXPERT_CLASSES:  # experts split over ep x tp (not experts): left to that
+            continue
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
-            split_heads = any(_matches(name, pattern) for pattern in per_head)
-            if sequence_parallel and not split_heads:  # a norm of the residual stream: on its sequence shard
+            split_heads = name in per_head
+            in_moe = any(name.startswith(block + ".") for block in moe_blocks)  # a router: on whole rows
+            if sequence_parallel and not split_heads and not in_moe:  # a norm of the residual stream: its shard
                 parallelize_module(module, mesh, SequenceParallel(use_local_output=False))
             else:
                 _replicate(module, mesh, input_layout=Shard(-2) if split_heads else Replicate())
@@ -123,26 +147,59 @@ def apply_tensor_parallel(
     return VocabShard(start=mesh.get_local_rank() * local, size=local, group=mesh.get_group())
 
 
-def _shared_inputs(layer_plan: dict[str, str], *, between: Placement) -> dict[str, ParallelStyle]:
-    """One replicated DTensor input for each block whose projections split by column (attention: q/k/v; MLP:
-    gate/up): their input gradients, partial sums on each rank, then add up in that one DTensor and are all-reduced
-    once per block instead of once per projection (2 all-reduces per layer in the backward, not 5). The attention
-    takes its input as the ``hidden_states`` keyword, the MLP as its one argument (Llama, Qwen2, Qwen3, Mistral);
-    a block called otherwise keeps one all-reduce per projection (the same values)."""
-    blocks = {pattern.rsplit(".", 1)[0] for pattern, style in layer_plan.items() if style == "colwise"}
-    styles: dict[str, ParallelStyle] = {}
+def _shared_inputs(
+    styles: dict[str, ParallelStyle], layer_plan: dict[str, str], moe_blocks: list[str], *, between: Placement
+) -> dict[str, ParallelStyle]:
+    """One replicated DTensor input for each block whose projections split by column (attention: q/k/v; MLP or
+    shared expert: gate/up; ``styles``: the projections' styles by module name): their input gradients, partial
+    sums on each rank, then add up in that one DTensor and are all-reduced once per block instead of once per
+    projection (2 all-reduces per layer in the backward, not 5). The attention takes its input as the
+    ``hidden_states`` keyword, an MLP as its one argument (Llama, Qwen2, Qwen3, Mistral); a block called otherwise
+    keeps one all-reduce per projection (the same values). A block inside an MoE block (``moe_blocks``) gets whole
+    replicated rows."""
+    colwise = [pattern for pattern, style in layer_plan.items() if style == "colwise"]
+    blocks = {name.rsplit(".", 1)[0] for name in styles if any(_matches(name, pattern) for pattern in colwise)}
+    inputs: dict[str, ParallelStyle] = {}
     for block in sorted(blocks):
-        if block.endswith(".mlp"):
-            styles[block] = PrepareModuleInput(
-                input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=False
+        layout = Replicate() if any(block.startswith(moe + ".") for moe in moe_blocks) else between
+        if block.rsplit(".", 1)[-1] != "self_attn":
+            inputs[block] = PrepareModuleInput(
+                input_layouts=(layout,), desired_input_layouts=(Replicate(),), use_local_output=False
             )
         else:
-            styles[block] = PrepareModuleInput(
-                input_kwarg_layouts={"hidden_states": between},
+            inputs[block] = PrepareModuleInput(
+                input_kwarg_layouts={"hidden_states": layout},
                 desired_input_kwarg_layouts={"hidden_states": Replicate()},
                 use_local_output=False,
             )
-    return styles
+    return inputs
+
+
+def _holds_experts(module: nn.Module) -> bool:
+    """An MoE block: the module whose children are its router and its experts."""
+    return any(type(child).__name__ in EXPERT_CLASSES for child in module.children())
+
+
+def _whole_rows(between: Placement) -> ParallelStyle:
+    """An MoE block's input and output: whole replicated rows (local tensors) inside; outside, the residual stream's
+    layout ``between`` (with sequence parallelism, all-gathered over the sequence in, split again out)."""
+    if isinstance(between, Replicate):
+        return PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True)
+    return _SequenceGathered(between)
+
+
+class _SequenceGathered(ParallelStyle):
+    """`_whole_rows` with sequence parallelism: both a `PrepareModuleInput` and a `PrepareModuleOutput`."""
+
+    def __init__(self, between: Placement) -> None:
+        super().__init__()
+        self.input = PrepareModuleInput(
+            input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        self.output = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(between,))
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return self.output._apply(self.input._apply(module, device_mesh), device_mesh)
 
 
 def _replicate(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement) -> None:
@@ -163,6 +220,8 @@ def _replicate(module: nn.Module, mesh: DeviceMesh, *, input_layout: Placement) 
         )
 
     def leave(_owner: nn.Module, output: object, _mesh: DeviceMesh) -> object:
+        if isinstance(output, tuple):  # a router's (logits, weights, indices)
+            return tuple(x.to_local() if isinstance(x, DTensor) else x for x in cast(tuple[object, ...], output))
         return output.to_local() if isinstance(output, DTensor) else output
 
     # torch's stubs type input_fn/output_fn as returning None; what they return replaces the inputs/output

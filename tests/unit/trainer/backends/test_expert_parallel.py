@@ -119,9 +119,10 @@ def test_the_split_experts_sync_by_pieces_and_survive_a_checkpoint(runs: list[di
 def test_layouts_expert_parallelism_cannot_run_are_one_line():
     with pytest.raises(LayoutError, match="ep 2 must divide dp_shard x cp = 3"):
         ParallelLayout(dp_shard=3, ep=2).check(world_size=3)
-    with pytest.raises(LayoutError, match=r"expert parallelism \(ep 2\) with tensor parallelism \(tp 2\) is not built"):
-        ParallelLayout(dp_shard=2, tp=2, ep=2).check_built()
-    ParallelLayout(cp=2, ep=2).check_built()  # with context, pipeline and replicated data parallelism, it runs
+    with pytest.raises(LayoutError, match=r"expert parallelism \(ep 2\) with both tensor \(tp 2\) and context"):
+        ParallelLayout(cp=2, tp=2, ep=2).check_built()
+    ParallelLayout(cp=2, ep=2).check_built()  # with context, tensor, pipeline and replicated data parallelism, it runs
+    ParallelLayout(dp_shard=2, tp=2, ep=2).check_built()
     ParallelLayout(pp=2, dp_shard=2, ep=2).check_built()
     ParallelLayout(dp_replicate=2, dp_shard=2, ep=2).check_built()
     with pytest.raises(LayoutError, match=r"takes neither trainer\.lora"):

@@ -2,8 +2,8 @@
 two mini-batches: every metric and the weights): without routing replay (pp 2, 1F1B) on a tiny random model of each
 router family, and with the engine's routes replayed (R3) on an interleaved pipeline (pp 2, 2 stages a rank, a
 4-layer Mixtral), on a DeepSeek-V3 whose first layer is dense (so a stage's MoE layers are not its decoder
-layers' numbers) and with activation checkpointing (the backward's recomputation replays its forward's routes);
-tensor parallelism refuses an MoE in one line."""
+layers' numbers) and with activation checkpointing (the backward's recomputation replays its forward's routes).
+Tensor parallelism of an MoE: test_moe_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sharpen.trainer.backends import SingleDeviceBackend
-from sharpen.trainer.layout import LayoutError, ParallelLayout
+from sharpen.trainer.layout import ParallelLayout
 from support.parity import PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
 from support.ranks import join_process_group, launch_ranks
 from support.tiny_moe import FAMILIES, replayed_steps, tiny_moe
@@ -70,10 +70,6 @@ def _worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out: 
     for name, (_, _, layout, num_layers) in REPLAYED.items():
         backend = FSDP2Backend(_r3_config(name), model_path=models[name], dtype="float32", layout=layout)
         results[name] = replayed_steps(backend, num_layers)
-    try:
-        FSDP2Backend(trainer_config(), model_path=models["mixtral"], dtype="float32", layout=ParallelLayout(tp=2))
-    except LayoutError as error:
-        results["tp2"] = str(error)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -116,7 +112,3 @@ def test_a_pipeline_replays_the_engine_routes_like_one_process(pp2: dict, models
     assert one[0][0]["moe/engine_disagreement"] > 0.1  # the replayed routes are not the routers' own
     assert f"moe/engine_disagreement/layer_{num_layers - 1:03d}" in one[0][0]
     _assert_matches(pp2[name], one)
-
-
-def test_tensor_parallelism_refuses_an_moe_in_one_line(pp2: dict):
-    assert "this model family cannot run with trainer.parallel.tp > 1" in pp2["tp2"]
