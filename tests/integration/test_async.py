@@ -204,7 +204,7 @@ def test_async_resume_after_a_crash_reproduces_the_uninterrupted_run(
     with pytest.raises(RuntimeError, match="died in step 3"):
         trainer.fail_at = 3  # after the checkpoint at step 2, which keeps batches 2 and 3 (made by versions 0, 1)
         run_embedded(config, reward_fn=vowel_reward, engine=engine, trainer=trainer)  # pyright: ignore
-    resumed = run_embedded(config, resume=True, reward_fn=vowel_reward)
+    resumed = run_embedded(config, resume="auto", reward_fn=vowel_reward)  # the same command, rerun as a job would be
     # The resumed engine takes version 2 when the run starts, not when batch 4 needs it: the loads' own metrics
     # are reported at different steps; everything trained on is the same.
     loads = ("sync/", "async/num_weight_loads")

@@ -4,6 +4,7 @@ norms to float32 rounding, a verified weight sync every step; and a rank that fa
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def test_two_local_trainer_ranks_match_one_device(tiny_model_path: Path, tmp_pat
     assert len(started) == 1 and started[0].num_ranks == 2  # the run's trainer was the two rank processes
     assert started[0].assemble_at_receiver == (layout is PIPELINE)
     assert [process.exitcode for process in started[0]._processes] == [0, 0]  # and they left the group cleanly
+    manifest = json.loads((two / "checkpoints" / "step_000003" / "manifest.json").read_text())
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(manifest["files"])  # every rank's shard, in the manifest
     one_rows, two_rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [row["reward/mean"] for row in two_rows] == [row["reward/mean"] for row in one_rows]
     assert [row["train/num_loss_tokens"] for row in two_rows] == [row["train/num_loss_tokens"] for row in one_rows]

@@ -3,6 +3,7 @@ between actors, the actors' own spans on the run's timeline, and one clear error
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -261,10 +262,12 @@ def test_two_fsdp2_trainer_ranks_on_ray_resume_exactly(tiny_model_path: Path, tm
     stopped = run(split, runtime=two_ranks, reward_fn=vowel_reward)
     shards = sorted(path.name for path in (stopped / "checkpoints" / "step_000002").glob("*.distcp"))
     assert len(shards) == 2, f"one shard file per rank, got {shards}"
+    manifest = json.loads((stopped / "checkpoints" / "step_000002" / "manifest.json").read_text())
+    assert set(shards) <= set(manifest["files"])  # every rank's shard, in the manifest written last
     resumed = run(
         split.model_copy(update={"run": split.run.model_copy(update={"num_steps": 3})}),
         runtime=two_ranks,
-        resume=True,
+        resume="auto",
         reward_fn=vowel_reward,
     )
     full_rows, resumed_rows = read_jsonl(full / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")

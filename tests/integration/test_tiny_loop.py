@@ -112,10 +112,14 @@ def test_tiny_run_writes_everything_and_syncs(tiny_model_path: Path, tmp_path: P
 
 @pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path: Path) -> None:
+    """With ``--resume auto`` both times: the first run finds no run directory and starts from step 0, the second
+    continues from the first's checkpoint (the same command serves a job that is restarted)."""
     full = run_embedded(tiny_config(tiny_model_path, tmp_path, name="full", num_steps=4), reward_fn=vowel_reward)
-    run_embedded(tiny_config(tiny_model_path, tmp_path, name="split", num_steps=2), reward_fn=vowel_reward)
+    run_embedded(
+        tiny_config(tiny_model_path, tmp_path, name="split", num_steps=2), resume="auto", reward_fn=vowel_reward
+    )
     split = run_embedded(
-        tiny_config(tiny_model_path, tmp_path, name="split", num_steps=4), resume=True, reward_fn=vowel_reward
+        tiny_config(tiny_model_path, tmp_path, name="split", num_steps=4), resume="auto", reward_fn=vowel_reward
     )
     full_rows = stable(read_jsonl(full / "metrics.jsonl"))
     split_rows = stable(read_jsonl(split / "metrics.jsonl"))
@@ -126,6 +130,11 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_path: Path, tmp_path
     # and so are the episodes: the running digest of every rollout, continued across the resume
     full_digests, split_digests = read_jsonl(full / DIGEST_FILE_NAME), read_jsonl(split / DIGEST_FILE_NAME)
     assert [d["step"] for d in split_digests] == [0, 1, 2, 3] and split_digests == full_digests
+    # the same command once more, after the run finished: it resumes at its last checkpoint and runs no step
+    run_embedded(
+        tiny_config(tiny_model_path, tmp_path, name="split", num_steps=4), resume="auto", reward_fn=vowel_reward
+    )
+    assert stable(read_jsonl(split / "metrics.jsonl")) == split_rows
 
 
 @pytest.mark.slow

@@ -41,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run a recipe: generate, score, train, sync, repeat")
     _add_recipe_arguments(train)
     train.add_argument(
-        "--resume", action="store_true", help="continue the run in its run directory from its last checkpoint"
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_resume_value,
+        metavar="auto",
+        help="continue the run in its run directory from its newest complete checkpoint; with 'auto', continue "
+        "when there is one and start from step 0 otherwise (one command for a job that may be restarted)",
     )
     train.add_argument(
         "--verbose",
@@ -135,6 +142,22 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("--force", action="store_true", help="convert again even if cached")
     model_commands.add_parser("list", help="known models and where they are cached")
     return parser
+
+
+def _resume_value(text: str) -> str:
+    if text != "auto":
+        raise argparse.ArgumentTypeError(f"expected nothing or 'auto', not {text!r}")
+    return text
+
+
+def _resume_last(argv: list[str]) -> list[str]:
+    """``--resume`` (with its ``auto``, if given) moved to the end: argparse would otherwise take the recipe after a
+    bare ``--resume`` for its value, and stop reading overrides after ``--resume auto``."""
+    for index, arg in enumerate(argv):
+        if arg == "--resume":
+            size = 2 if argv[index + 1 : index + 2] == ["auto"] else 1
+            return [*argv[:index], *argv[index + size :], *argv[index : index + size]]
+    return argv
 
 
 def _split_overrides(recipe: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -357,7 +380,7 @@ def _is_user_error(error: BaseException) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_resume_last(list(sys.argv[1:] if argv is None else argv)))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
     warnings.showwarning = _print_deprecation

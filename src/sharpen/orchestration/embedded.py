@@ -2,7 +2,8 @@
 processes of it), built with `build.py`'s builders; the run itself is `session.run_session`'s. With
 ``runtime.trainer_ranks > 1`` the trainer is that many local rank processes instead (`local_ranks`, torchrun-style).
 
-Owns only that placement and the closing of the engine it built. An engine or trainer the caller passes is used
+Owns only that placement (with the check that the run directory is shared with local rank processes,
+`storage.check_shared_run_dir`) and the closing of the engine it built. An engine or trainer the caller passes is used
 as it is and not closed here (one engine per test session, say).
 """
 
@@ -18,7 +19,8 @@ from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.orchestration.build import build_run_engine, build_trainer
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.local_ranks import LocalTrainerRanks
-from sharpen.orchestration.session import run_session
+from sharpen.orchestration.session import Resume, run_directory, run_session
+from sharpen.orchestration.storage import check_shared_run_dir
 from sharpen.orchestration.trainer_layout import check_trainer_layout
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
@@ -29,7 +31,7 @@ from sharpen.trainer.backends.single_device import resolve_device
 def run_embedded(
     config: SharpenConfig,
     *,
-    resume: bool = False,
+    resume: Resume = False,
     reward_fn: RewardFn | None = None,
     engine: InferenceEngine | None = None,
     trainer: Trainer | None = None,
@@ -53,6 +55,7 @@ def run_embedded(
                 check_trainer_layout(config)
                 ranks = LocalTrainerRanks(config, model_path=model_path)
                 owned.callback(ranks.close)
+                check_shared_run_dir(run_directory(config), ranks, output_dir=config.run.output_dir)
                 live_trainer, device = ranks, resolve_device(config.trainer.device)
             else:
                 built = build_trainer(config, model_path=model_path, tokenizer=tokenizer)

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sharpen.config import SharpenConfig
+from sharpen.orchestration.storage import answer_marker
 from sharpen.rollout.engines.server import free_port
 from sharpen.types import ImagePart, ProbeScores, Rollout, TrainBatch
 from sharpen.weight_shards import assemble_ranks
@@ -205,6 +206,8 @@ def _serve_rank(
             if method == "full_weights":  # collective: every rank gathers, rank 0 keeps
                 weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in trainer.named_weights()}
                 result: Any = weights if rank == 0 else None
+            elif method == "check_shared_dir":  # this process's view of the run directory (`storage.py`)
+                result = answer_marker(*args, rank=rank)
             else:
                 result = getattr(trainer, method)(*args)
             conn.send((_OK, result))

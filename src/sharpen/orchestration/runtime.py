@@ -14,6 +14,7 @@ from sharpen.config import SharpenConfig
 from sharpen.config.loader import ConfigError, format_validation_error
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.orchestration.embedded import run_embedded
+from sharpen.orchestration.session import Resume
 from sharpen.rewards import RewardFn
 
 
@@ -21,11 +22,11 @@ def run(
     config: SharpenConfig,
     *,
     runtime: RuntimeConfig | None = None,
-    resume: bool = False,
+    resume: Resume = False,
     reward_fn: RewardFn | None = None,
 ) -> Path:
     """Run (or resume) a recipe in the configured runtime, or in ``runtime`` instead of the recipe's; returns the run
-    directory."""
+    directory. ``resume``: where the run starts (`session.Resume`: False, True for ``--resume``, ``"auto"``)."""
     if runtime is not None and runtime != config.runtime:
         config = with_runtime(config, runtime)
     runtime = config.runtime

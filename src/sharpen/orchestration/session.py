@@ -1,8 +1,9 @@
 """One run, from a recipe to its run directory, around a trainer and an engine that a runtime placed.
 
 Owns what every runtime does the same way: user errors first (model, environment, data) before anything slow,
-the run directory and its resolved config, resume from the last checkpoint, the first weight sync, the parity
-probe set, the loop, the exported model, and closing what the run opened. Where the trainer and the engine live is
+the run directory and its resolved config, where the run starts (`choose_start`: from step 0 or the newest complete
+checkpoint, as ``--resume`` asks), the first weight sync, the parity probe set, the loop, the exported model, and
+closing what the run opened. Where the trainer and the engine live is
 the runtime's choice, handed in as ``place``; the session never knows whether they are objects in this process or
 proxies of Ray actors.
 """
@@ -12,14 +13,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sharpen.config import SharpenConfig, dump_config
 from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.environments.registry import build_environment_factory, build_sandbox, close_environment_factory
 from sharpen.monitoring import Timeline
+from sharpen.monitoring.run_log import LOG_FILE_NAME
 from sharpen.orchestration.batches import ProducedBatch
 from sharpen.orchestration.build import (
     build_components,
@@ -31,7 +34,7 @@ from sharpen.orchestration.build import (
     load_tokenizer,
     uses_ray_reward_models,
 )
-from sharpen.orchestration.checkpoint import latest_checkpoint, load_checkpoint
+from sharpen.orchestration.checkpoint import CheckpointScan, load_checkpoint, scan_checkpoints
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.loop import run_loop
 from sharpen.rewards import RewardFn
@@ -46,23 +49,82 @@ ServeRewards = Callable[[contextlib.ExitStack], Mapping[str, RewardFn]]
 """``serve(stack)``: the reward components the runtime serves elsewhere (Ray actors), by name; closed by ``stack``."""
 
 
-def prepare_run_dir(config: SharpenConfig, *, resume: bool) -> tuple[Path, Path | None]:
-    """The run directory, and the checkpoint to resume from (None for a fresh run)."""
-    run_dir = Path(config.run.output_dir) / config.run.name
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    if resume and checkpoint is None:
-        raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
-    if not resume and (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"run directory {run_dir} already holds a run; pass --resume or choose another run.name")
+Resume = bool | Literal["auto"]
+"""Where a run starts: False, a fresh run (refused when the run directory already holds steps); True (``--resume``),
+the newest complete checkpoint (refused when there is none); ``"auto"`` (``--resume auto``), the newest complete
+checkpoint when there is one, else from step 0 (`choose_start`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunStart:
+    """Where a run starts: from ``checkpoint``, or from step 0 (None); ``set_aside``: first move the files of an
+    earlier attempt that left steps but no complete checkpoint to ``run_dir/attempts/N`` (`set_aside_attempt`)."""
+
+    checkpoint: Path | None = None
+    set_aside: bool = False
+
+
+def choose_start(resume: Resume, *, run_dir: Path, holds_steps: bool, scan: CheckpointScan) -> RunStart:
+    """The rule of where a run starts, from what its run directory holds (``holds_steps``: it has ``metrics.jsonl``;
+    ``scan``: its checkpoints); raises `ConfigError` when ``resume`` cannot be honoured. Pure: decides, moves
+    nothing."""
+    skipped = f" (incomplete: {'; '.join(scan.skipped)})" if scan.skipped else ""
+    if resume is False:
+        if holds_steps:
+            raise ConfigError(
+                f"run directory {run_dir} already holds a run; pass --resume (or --resume auto) or choose another "
+                "run.name"
+            )
+        return RunStart()
+    if scan.latest is not None:
+        return RunStart(checkpoint=scan.latest)
+    if resume is True:
+        raise ConfigError(f"--resume: {run_dir} has no complete checkpoint to resume from{skipped}")
+    return RunStart(set_aside=holds_steps)
+
+
+def run_directory(config: SharpenConfig) -> Path:
+    return Path(config.run.output_dir) / config.run.name
+
+
+def prepare_run_dir(config: SharpenConfig, *, resume: Resume) -> tuple[Path, Path | None]:
+    """The run directory, and the checkpoint to resume from (None for a run from step 0)."""
+    run_dir = run_directory(config)
+    scan = scan_checkpoints(run_dir) if resume is not False else CheckpointScan()
+    start = choose_start(resume, run_dir=run_dir, holds_steps=(run_dir / "metrics.jsonl").exists(), scan=scan)
+    if start.checkpoint is not None:
+        for reason in scan.skipped:
+            logger.warning("skipping incomplete checkpoint %s", reason)
+    if start.set_aside:
+        moved_to = set_aside_attempt(run_dir)
+        logger.warning(
+            "--resume auto: %s held steps but no complete checkpoint%s; moved them to %s and starting from step 0",
+            run_dir,
+            f" ({'; '.join(scan.skipped)})" if scan.skipped else "",
+            moved_to,
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir, checkpoint
+    return run_dir, start.checkpoint
+
+
+def set_aside_attempt(run_dir: Path) -> Path:
+    """Move everything of ``run_dir`` but the run log (the command appends to it) and earlier set-aside attempts
+    into ``run_dir/attempts/N`` (N = 1, 2, ...); returns that folder. Nothing is deleted."""
+    attempts = run_dir / "attempts"
+    numbers = [int(p.name) for p in attempts.iterdir() if p.name.isdigit()] if attempts.is_dir() else []
+    target = attempts / str(max(numbers, default=0) + 1)
+    target.mkdir(parents=True)
+    for entry in sorted(run_dir.iterdir()):
+        if entry.name not in (LOG_FILE_NAME, "attempts"):
+            entry.rename(target / entry.name)
+    return target
 
 
 def run_session(
     config: SharpenConfig,
     *,
     place: Place,
-    resume: bool = False,
+    resume: Resume = False,
     reward_fn: RewardFn | None = None,
     serve_rewards: ServeRewards | None = None,
     attach_timeline: Callable[[Timeline | None], None] | None = None,

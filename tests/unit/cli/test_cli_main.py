@@ -85,6 +85,49 @@ def test_train_with_a_bad_data_row_fails_before_loading_the_model(in_tmp, capsys
     assert line == f"sharpen: {data}:2: missing field 'answer' (data.answer_field); the object has: prompt"
 
 
+@pytest.mark.parametrize(
+    ("argv", "resume"),
+    [
+        (["train", "r.toml", "run.seed=1"], False),
+        (["train", "r.toml", "run.seed=1", "--resume"], True),
+        (["train", "--resume", "r.toml", "run.seed=1"], True),  # a bare --resume takes no value
+        (["train", "r.toml", "--resume", "auto", "run.seed=1"], "auto"),
+        (["train", "--resume=auto", "r.toml", "run.seed=1"], "auto"),
+    ],
+)
+def test_train_resume_is_a_flag_or_auto(in_tmp, monkeypatch, argv, resume):
+    import sharpen.orchestration.runtime as runtime
+
+    (in_tmp / "r.toml").write_text("[run]\nnum_steps = 3\n")
+    seen = []
+
+    def run(config, *, resume):
+        seen.append((config.run.seed, resume))
+        return in_tmp
+
+    monkeypatch.setattr(runtime, "run", run)
+    assert main(argv) == 0
+    assert seen == [(1, resume)]
+
+
+def test_train_resume_refuses_other_values(in_tmp, capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--resume=last"])
+    assert "argument --resume: expected nothing or 'auto', not 'last'" in capsys.readouterr().err
+
+
+def test_train_resume_without_a_complete_checkpoint_is_one_line(in_tmp, capsys, nothing_heavy):
+    model = in_tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (in_tmp / "runs" / "run" / "checkpoints" / "step_000002").mkdir(parents=True)  # no manifest: never finished
+    assert main(["train", f"model.path={model}", "--resume"]) == EXIT_USER_ERROR
+    assert _one_error_line(capsys) == (
+        "sharpen: --resume: runs/run has no complete checkpoint to resume from "
+        "(incomplete: step_000002: manifest.json is missing (the save did not finish))"
+    )
+
+
 def _user_keys(model: type[BaseModel], prefix: str = "") -> set[str]:
     """Every dotted leaf key a user sets, including those of each implementation of a typed (``type``-chosen)
     section; fields and sections marked internal are left out."""

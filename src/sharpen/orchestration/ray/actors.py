@@ -23,6 +23,7 @@ from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
 from sharpen.orchestration.build import build_run_engine, build_trainer, load_tokenizer
+from sharpen.orchestration.storage import MarkerAnswer, answer_marker
 from sharpen.rollout.engines import WeightGroupEngine, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
@@ -158,6 +159,10 @@ class TrainerActor(SpanRecordingActor):
         """This rank's pieces of the weights (`Trainer.weight_shards`; no collective) as one object-store entry
         owned by this actor, inside a list as `put_weights`'."""
         return [ray.put(self._trainer.weight_shards())]
+
+    def check_shared_dir(self, folder: Path, token: str) -> MarkerAnswer:
+        """This actor's half of the start-up check that the run directory is shared (`storage.check_shared_run_dir`)."""
+        return answer_marker(folder, token, rank=self.rank)
 
     def save_checkpoint(self, folder: Path) -> None:
         self._trainer.save_checkpoint(folder)

@@ -1,6 +1,7 @@
 """The Ray runtime: the same loop as the embedded runtime, with the trainer and the engine in Ray actors.
 
-Owns connecting to (or starting) Ray, placing the actors with the resources of `RuntimeConfig`, and stopping
+Owns connecting to (or starting) Ray, placing the actors with the resources of `RuntimeConfig`, the check that the
+run directory is one folder for the driver and every trainer actor (`storage.check_shared_run_dir`), and stopping
 them. Everything else (run directory, resume, export, sinks, sandboxes, the loop itself) is
 `sharpen.orchestration.session.run_session`'s, which receives the actors' proxies as the run's trainer and engine.
 The trainer is one actor, or several FSDP2 rank actors behind one `TrainerGroupProxy` (``runtime.trainer_ranks``);
@@ -38,7 +39,8 @@ from sharpen.orchestration.ray.proxies import (
     join_weight_group,
 )
 from sharpen.orchestration.ray.reward_actors import start_reward_model_pools
-from sharpen.orchestration.session import run_session
+from sharpen.orchestration.session import Resume, run_directory, run_session
+from sharpen.orchestration.storage import check_shared_run_dir
 from sharpen.orchestration.trainer_layout import check_trainer_layout
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
@@ -149,7 +151,7 @@ def start_engines(config: SharpenConfig, group: PlacementGroup, plan: Placement)
     return engines
 
 
-def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn | None = None) -> Path:
+def run_ray(config: SharpenConfig, *, resume: Resume = False, reward_fn: RewardFn | None = None) -> Path:
     """Run (or resume) a recipe with the trainer and the engine as Ray actors, placed as ``config.runtime`` says;
     returns the run directory.
 
@@ -185,6 +187,7 @@ def run_ray(config: SharpenConfig, *, resume: bool = False, reward_fn: RewardFn 
             engine = BroadcastEngines(engine, trainer=trainer, engines=engines)
 
         def placed(model_path: Path, tokenizer: Any) -> tuple[TrainerHandle, InferenceEngine]:
+            check_shared_run_dir(run_directory(config), trainer, output_dir=config.run.output_dir)
             return trainer, engine
 
         run_dir = run_session(
