@@ -126,11 +126,11 @@ def check_moe(config: SharpenConfig) -> None:
         raise ConfigError(
             f"{asked[0]}: sharpen knows the routers of {', '.join(REPLAY_MODEL_TYPES)}, not {model_type} ({model_path})"
         )
-    engine = config.rollout.engine.type
-    if moe.routing_replay == "r3" and engine != "hf":
+    cannot = _why_no_engine_routes(config) if moe.routing_replay == "r3" else None
+    if cannot is not None:
         raise ConfigError(
-            f'trainer.moe.routing_replay = "r3" replays the engine\'s routes, and rollout.engine.type = "{engine}" '
-            'returns none here (vLLM\'s CPU build cannot: docs/moe.md); use rollout.engine.type = "hf", or r2'
+            f'trainer.moe.routing_replay = "r3" replays the engine\'s routes, and {cannot}; use rollout.engine.type = '
+            '"hf", or r2'
         )
     if moe.expert_bias_update_rate > 0:
         if model_type != "deepseek_v3":
@@ -153,6 +153,28 @@ def check_moe(config: SharpenConfig) -> None:
             "trainer.moe.aux_loss_coef: a pipeline keeps the routers' probabilities on their stages, where the loss "
             "is not (trainer.parallel.pp > 1); set it to 0 or use data or context parallelism"
         )
+
+
+def _why_no_engine_routes(config: SharpenConfig) -> str | None:
+    """Why the configured engine returns no expert routes (R3), or None: the `hf` engine always does; vLLM does
+    with ``enable_return_routed_experts`` on a GPU, not on its CPU build (docs/moe.md); a vLLM server at a URL is
+    trusted to (its first reply without routes is an error); SGLang's routed experts are not read yet."""
+    engine = config.rollout.engine
+    if engine.type == "hf":
+        return None
+    if engine.type not in ("vllm", "vllm_server"):
+        return f'rollout.engine.type = "{engine.type}" returns none'
+    if engine.type == "vllm_server" and engine.url is not None:
+        return None
+    import torch
+
+    on_gpu = config.runtime.engine_gpus > 0 if config.runtime.type == "ray" else torch.cuda.is_available()
+    if on_gpu:
+        return None
+    return (
+        f'rollout.engine.type = "{engine.type}" would run on vLLM\'s CPU build, which cannot return them (its '
+        "routed-experts output needs Model Runner V2, which needs Triton: docs/moe.md)"
+    )
 
 
 def check_vllm_loads(model_path: Path) -> None:
@@ -248,10 +270,18 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
             request_timeout_s=config.rollout.request_timeout_s,
             log_dir=Path(config.run.output_dir) / config.run.name / "engine-logs",
             lora=config.trainer.lora if config.trainer.lora.syncs_adapter else None,
+            route_experts=_route_experts(config, model_path),
         )
         for _ in range(config.rollout.num_engines)
     ]
     return replicas[0] if len(replicas) == 1 else EngineRouter(replicas, failover=config.rollout.failover)
+
+
+def _route_experts(config: SharpenConfig, model_path: Path) -> int | None:
+    """The model's routed experts per layer when the engine must return each completion's routes (R3), else None."""
+    if config.trainer.moe.routing_replay != "r3":
+        return None
+    return ModelShape.from_hf_config(json.loads((model_path / "config.json").read_text())).num_experts or None
 
 
 def _sharded_reference(config: SharpenConfig, *, model_path: Path, backend: TrainerBackend) -> ReferenceScorer:

@@ -1,5 +1,5 @@
 """`check_moe`: routing replay or load balancing that cannot run is one line before anything starts (a dense
-model, R3 with an engine that returns no routes, an expert bias the routers lack, tensor parallelism,
+model, R3 with an engine that returns no routes (vLLM's CPU build, SGLang), an expert bias the routers lack,
 context and pipeline parallelism together, the balancing loss on a pipeline); what can run passes."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from sharpen.config import ConfigError
 from sharpen.config.schema import SharpenConfig
@@ -15,18 +16,25 @@ from sharpen.orchestration.build import check_moe
 
 
 def _config(
-    model: Path, replay: str, *, engine: str = "hf", moe: dict | None = None, lora: bool = False, **parallel: int
+    model: Path,
+    replay: str,
+    *,
+    engine: str | dict = "hf",
+    runtime: dict | None = None,
+    moe: dict | None = None,
+    lora: bool = False,
+    **parallel: int,
 ) -> SharpenConfig:
     return SharpenConfig.model_validate(
         {
             "model": {"path": str(model)},
-            "rollout": {"engine": {"type": engine}},
+            "rollout": {"engine": {"type": engine} if isinstance(engine, str) else engine},
             "trainer": {
                 "moe": {"routing_replay": replay, **(moe or {})},
                 "parallel": parallel,
                 "lora": {"enabled": lora},
             },
-            "runtime": {"trainer_ranks": math.prod(parallel.values()) if parallel else 1},
+            "runtime": {"trainer_ranks": math.prod(parallel.values()) if parallel else 1, **(runtime or {})},
         }
     )
 
@@ -34,8 +42,17 @@ def _config(
 def test_routing_replay_that_cannot_run_is_one_line(tiny_moe_path: Path, tiny_model_path: Path):
     with pytest.raises(ConfigError, match=r'routing_replay = "r2" needs a Mixture-of-Experts model; .* \(llama\)'):
         check_moe(_config(tiny_model_path, "r2"))
-    with pytest.raises(ConfigError, match=r'"r3" replays the engine\'s routes, and rollout.engine.type = "vllm"'):
-        check_moe(_config(tiny_moe_path, "r3", engine="vllm"))
+    if not torch.cuda.is_available():  # vLLM's CPU build cannot return routes; on a GPU it can
+        with pytest.raises(ConfigError, match=r'"r3" replays .* "vllm" would run on vLLM\'s CPU build, which cannot'):
+            check_moe(_config(tiny_moe_path, "r3", engine="vllm"))
+        with pytest.raises(ConfigError, match=r'"vllm_server" would run on vLLM\'s CPU build'):
+            check_moe(_config(tiny_moe_path, "r3", engine="vllm_server"))
+    check_moe(_config(tiny_moe_path, "r3", engine="vllm", runtime={"type": "ray", "engine_gpus": 1}))
+    check_moe(_config(tiny_moe_path, "r3", engine={"type": "vllm_server", "url": "http://10.0.0.5:8000"}))
+    with pytest.raises(
+        ConfigError, match=r'"r3" replays the engine\'s routes, and rollout.engine.type = "sglang" returns'
+    ):
+        check_moe(_config(tiny_moe_path, "r3", engine="sglang"))
     check_moe(_config(tiny_moe_path, "r2", tp=2))  # tensor parallelism replays too
     check_moe(_config(tiny_moe_path, "r3"))
     check_moe(_config(tiny_moe_path, "r2", engine="vllm"))

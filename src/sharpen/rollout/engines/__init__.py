@@ -76,17 +76,25 @@ def build_engine(
     request_timeout_s: float | None = None,
     log_dir: Path | None = None,
     lora: LoraConfig | None = None,
+    route_experts: int | None = None,
 ) -> InferenceEngine:
     """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process;
     ``sleep_mode`` prepares an engine that needs it for `SleepableEngine.sleep` (vLLM's sleep mode). Engine
     servers give up on a request after ``request_timeout_s`` and write the output of servers they start into
-    ``log_dir`` (None: a temporary folder)."""
+    ``log_dir`` (None: a temporary folder). ``route_experts``: the MoE's routed experts per layer, when a vLLM
+    engine must return each completion's routes (R3; the `hf` engine returns an MoE's routes always)."""
     match config:
         case VllmEngineConfig(async_engine=True):
             from sharpen.rollout.engines.vllm_async import VllmAsyncEngine
 
             return VllmAsyncEngine(
-                config, model_path=model_path, dtype=dtype, seed=seed, bucket_bytes=bucket_bytes, sleep_mode=sleep_mode
+                config,
+                model_path=model_path,
+                dtype=dtype,
+                seed=seed,
+                bucket_bytes=bucket_bytes,
+                sleep_mode=sleep_mode,
+                route_experts=route_experts,
             )
         case VllmEngineConfig():
             from sharpen.rollout.engines.vllm import VllmEngine
@@ -99,6 +107,7 @@ def build_engine(
                 bucket_bytes=bucket_bytes,
                 sleep_mode=sleep_mode,
                 lora=lora,
+                route_experts=route_experts,
             )
         case VllmServerEngineConfig():
             from sharpen.rollout.engines.vllm_server import VllmServerEngine
@@ -111,6 +120,7 @@ def build_engine(
                 bucket_bytes=bucket_bytes,
                 request_timeout_s=request_timeout_s,
                 log_dir=log_dir,
+                route_experts=route_experts,
             )
         case SglangEngineConfig():
             from sharpen.rollout.engines.sglang import SglangEngine

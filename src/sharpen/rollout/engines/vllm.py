@@ -14,6 +14,12 @@ score. vLLM offers sleep mode on CUDA, ROCm and XPU only, not on its CPU build.
 A vision-language model's prompts with images (`generate_with_images`) go to vLLM as its multimodal requests: the
 ids with each image's placeholder block folded back to the one placeholder vLLM expands itself (`VllmRequests`), and
 the images. vLLM's expansion must give back exactly the ids sharpen rendered, or the request is an `EngineError`.
+
+With ``route_experts`` (R3: ``trainer.moe.routing_replay = "r3"``) the engine starts with vLLM's
+``enable_return_routed_experts``, and each completion carries the experts every prompt and generated token went to
+(`vllm_routes`: vLLM returns ``[prompt + completion - 1, layers, top_k]``, every token it ran; the last sampled token
+never ran, so it is unknown). vLLM's CPU build cannot (docs/moe.md); this path is written against vLLM 0.32's
+``CompletionOutput.routed_experts`` and tested here on that type, not on a running engine.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -33,10 +40,11 @@ from sharpen.data.vision import (
     placeholders_without_images,
     text_only_error,
 )
+from sharpen.expert_routes import UNROUTED, expert_routes
 from sharpen.rollout.engines.base import EngineError, device_free_bytes
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
-from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ExpertRoutes, ImagePart, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -116,9 +124,11 @@ def engine_arguments(
     seed: int,
     sleep_mode: bool,
     lora: LoraConfig | None = None,
+    return_routes: bool = False,
 ) -> dict[str, Any]:
     """The engine arguments sharpen gives vLLM (`vllm.LLM` and vLLM's async engine take the same); on the CPU build
-    also `cpu_scheduling_arguments`; with ``lora`` (adapter-only sync) LoRA serving for one adapter of its rank."""
+    also `cpu_scheduling_arguments`; with ``lora`` (adapter-only sync) LoRA serving for one adapter of its rank;
+    with ``return_routes`` an MoE's routed experts with every completion."""
     lora_arguments: dict[str, Any] = {}
     if lora is not None:
         from sharpen.rollout.weight_sync.adapter import vllm_max_lora_rank
@@ -140,6 +150,7 @@ def engine_arguments(
         "worker_extension_cls": WORKER_EXTENSION,
         "enable_sleep_mode": sleep_mode,
         "tensor_parallel_size": config.tensor_parallel_size,
+        **({"enable_return_routed_experts": True} if return_routes else {}),
     }
 
 
@@ -167,7 +178,13 @@ def probe_params(**options: Any) -> VllmSamplingParams:
     return VllmSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, **options)
 
 
-def vllm_completion(sample: CompletionOutput, versions: list[PolicyVersion] | None = None) -> Completion:
+def vllm_completion(
+    sample: CompletionOutput,
+    versions: list[PolicyVersion] | None = None,
+    *,
+    routes_of: RoutesOf | None = None,
+) -> Completion:
+    """``routes_of``: with R3, the prompt's length and the model's expert count (`vllm_routes`)."""
     ids = list(sample.token_ids)
     if sample.logprobs is None or len(sample.logprobs) != len(ids):
         raise EngineError(f"vLLM returned {len(sample.logprobs or [])} logprobs for {len(ids)} tokens")
@@ -179,7 +196,48 @@ def vllm_completion(sample: CompletionOutput, versions: list[PolicyVersion] | No
         text=sample.text,
         finish_reason="length" if sample.finish_reason == "length" else "stop",
         versions=versions,
+        routes=None if routes_of is None else routes_of.routes(sample.routed_experts, len(ids)),
     )
+
+
+def routes_of(prompt: list[int], route_experts: int | None) -> RoutesOf | None:
+    """What `vllm_completion` needs to return the routes of a completion of ``prompt`` (None: no routes)."""
+    return None if route_experts is None else RoutesOf(len(prompt), route_experts)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutesOf:
+    """What turns vLLM's routed experts of one request into a completion's routes: its prompt's length and the
+    model's expert count."""
+
+    prompt_length: int
+    num_experts: int
+
+    def routes(self, rows: Any, num_generated: int) -> ExpertRoutes:
+        return vllm_routes(rows, num_tokens=self.prompt_length + num_generated, num_experts=self.num_experts)
+
+
+def vllm_routes(rows: Any, *, num_tokens: int, num_experts: int) -> ExpertRoutes:
+    """vLLM's routed experts of one request (``rows``: ``[num_tokens - 1, layers, top_k]``, every token it ran: the
+    prompt's and the generated ones but the last) as the ``[num_tokens, layers, top_k]`` routes a rollout carries,
+    the last token unknown (`UNROUTED`)."""
+    import numpy as np
+    import torch
+
+    if rows is None:
+        raise EngineError(
+            "vLLM returned no routed experts: the engine must run with enable_return_routed_experts (R3), on a "
+            "build that can (not the CPU build, docs/moe.md)"
+        )
+    array = np.asarray(rows)
+    if array.ndim != 3 or array.shape[0] != num_tokens - 1:
+        raise EngineError(
+            f"vLLM returned routed experts of shape {tuple(array.shape)} for {num_tokens} tokens (expected "
+            f"[{num_tokens - 1}, layers, top_k]: every token but the last)"
+        )
+    indices = torch.from_numpy(array.astype(np.int64))
+    unknown = torch.full((1, *indices.shape[1:]), UNROUTED, dtype=torch.long)
+    return expert_routes(torch.cat([indices, unknown]), num_experts=num_experts)
 
 
 def probe_logprobs(output: RequestOutput, token_ids: list[int]) -> list[float]:
@@ -277,9 +335,11 @@ class VllmEngine:
         bucket_bytes: int = 128 << 20,
         sleep_mode: bool = False,
         lora: LoraConfig | None = None,
+        route_experts: int | None = None,
     ) -> None:
         """``lora``: the run's adapters when it syncs them alone (``trainer.lora.sync = "adapter"``): the engine then
-        serves the base model's weights from ``model_path`` plus the adapter of the last `load_weights`."""
+        serves the base model's weights from ``model_path`` plus the adapter of the last `load_weights`;
+        ``route_experts``: the MoE's routed experts per layer, when each completion carries its routes (R3)."""
         prepare_cpu_environment(config.tensor_parallel_size)
         from vllm import LLM
 
@@ -288,8 +348,15 @@ class VllmEngine:
             raise EngineError("vLLM engine: an adapter-only LoRA sync cannot refill an engine woken from sleep")
         self.config = config
         started = time.perf_counter()
+        self.route_experts = route_experts
         arguments = engine_arguments(
-            config, model_path=model_path, dtype=dtype, seed=seed, sleep_mode=sleep_mode, lora=lora
+            config,
+            model_path=model_path,
+            dtype=dtype,
+            seed=seed,
+            sleep_mode=sleep_mode,
+            lora=lora,
+            return_routes=route_experts is not None,
         )
         self.llm = LLM(**arguments)
         self.requests = VllmRequests(model_path)
@@ -345,7 +412,10 @@ class VllmEngine:
         for output, ids, row in zip(outputs, prompts, images, strict=True):
             if row:
                 self.requests.check_expanded(output, ids)
-        return [vllm_completion(output.outputs[0]) for output in outputs]
+        return [
+            vllm_completion(output.outputs[0], routes_of=routes_of(ids, self.route_experts))
+            for output, ids in zip(outputs, prompts, strict=True)
+        ]
 
     def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         """`InferenceEngine.score`; ``images``: those the ids hold placeholders for (an image prompt's probe)."""

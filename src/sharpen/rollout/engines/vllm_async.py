@@ -41,6 +41,7 @@ from sharpen.rollout.engines.vllm import (
     prepare_cpu_environment,
     probe_logprobs,
     probe_params,
+    routes_of,
     vllm_completion,
     vllm_sampling_params,
 )
@@ -72,10 +73,20 @@ class VllmAsyncEngine(RequestLevelEngine):
         seed: int,
         bucket_bytes: int = 128 << 20,
         sleep_mode: bool = False,
+        route_experts: int | None = None,
     ) -> None:
+        """``route_experts``: the MoE's routed experts per layer, when each completion carries its routes (R3)."""
         prepare_cpu_environment(config.tensor_parallel_size)
         check_sleep_mode(sleep_mode)
-        arguments = engine_arguments(config, model_path=model_path, dtype=dtype, seed=seed, sleep_mode=sleep_mode)
+        arguments = engine_arguments(
+            config,
+            model_path=model_path,
+            dtype=dtype,
+            seed=seed,
+            sleep_mode=sleep_mode,
+            return_routes=route_experts is not None,
+        )
+        self.route_experts = route_experts
         super().__init__()
         self.config = config
         started = time.perf_counter()
@@ -177,7 +188,8 @@ class VllmAsyncEngine(RequestLevelEngine):
         options = vllm_sampling_params(params, output_kind=RequestOutputKind.FINAL_ONLY)
         output = await self._request(prompt, options, images)
         sample = output.outputs[0]
-        return vllm_completion(sample, versions=self._versions(sample, request_id=output.request_id))
+        versions = self._versions(sample, request_id=output.request_id)
+        return vllm_completion(sample, versions=versions, routes_of=routes_of(prompt, self.route_experts))
 
     def _versions(self, sample: CompletionOutput, *, request_id: str) -> list[PolicyVersion]:
         """The policy version of each token, from vLLM's weight-version spans (the version held now when vLLM

@@ -52,10 +52,11 @@ from sharpen.rollout.engines.vllm import (
     check_joined,
     cpu_scheduling_arguments,
     prepare_cpu_environment,
+    vllm_routes,
 )
 from sharpen.rollout.weight_sync.buckets import BucketError, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
-from sharpen.types import Completion, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ExpertRoutes, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -78,8 +79,12 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
         bucket_bytes: int = 128 << 20,
         request_timeout_s: float | None = None,
         log_dir: Path | None = None,
+        route_experts: int | None = None,
     ) -> None:
+        """``route_experts``: the MoE's routed experts per layer, when each completion carries its routes (R3: a
+        server sharpen starts gets ``--enable-return-routed-experts``; a server at a URL must have it)."""
         super().__init__(config)
+        self.route_experts = route_experts
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype  # floating-point weights are synced in it (`engine_sync_dtype`)
         self.sender: BucketedSender | None = None
@@ -118,6 +123,7 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
             "--worker-extension-cls",
             WORKER_EXTENSION,
             "--enable-scale-out",
+            *(["--enable-return-routed-experts"] if self.route_experts is not None else []),
             *(["--enforce-eager"] if config.enforce_eager else []),
             *_cpu_scheduling_flags(config.max_model_len),
             *config.extra_args,
@@ -203,6 +209,7 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
             logprobs = [float(entry["logprob"]) for entry in (choice.get("logprobs") or {}).get("content") or []]
             reason = choice.get("finish_reason")
             spans = choice.get("weight_versions")
+            routed = choice.get("routed_experts")
         except (KeyError, TypeError, ValueError) as error:
             raise EngineError(
                 f"{self.name} at {self.url}: unexpected generate reply ({error!r}): {reply!r:.300}"
@@ -217,7 +224,22 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
             text=str(choice.get("text") or ""),
             finish_reason="length" if reason == "length" else "stop",
             versions=self._versions(spans, len(ids)),
+            routes=None if self.route_experts is None else self._routes(routed, prompt, ids),
         )
+
+    def _routes(self, routed: Any, prompt: list[int], ids: list[int]) -> ExpertRoutes:
+        """The completion's routes from the reply's ``routed_experts`` (base64 of a ``.npy``, `decode_routed`)."""
+        assert self.route_experts is not None
+        try:
+            rows = None if routed is None else decode_routed(str(routed))
+        except ValueError as error:
+            raise EngineError(f"{self.name} at {self.url}: unreadable routed_experts ({error})") from None
+        try:
+            return vllm_routes(rows, num_tokens=len(prompt) + len(ids), num_experts=self.route_experts)
+        except EngineError as error:
+            raise EngineError(
+                f"{self.name} at {self.url}: {error} (start it with --enable-return-routed-experts)"
+            ) from None
 
     def _versions(self, spans: Any, num_tokens: int) -> list[PolicyVersion]:
         """Per-token versions from the server's weight-version spans (the labels sharpen set)."""
@@ -331,6 +353,21 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
             if self.sender is not None:
                 self.sender.close()
                 self.sender = None
+
+
+def decode_routed(encoded: str) -> Any:
+    """The array of a generate reply's ``routed_experts``: base64 of numpy's ``.npy`` bytes (vLLM 0.32's scale-out
+    protocol), ``[tokens - 1, layers, top_k]``; a `ValueError` for anything else. Never unpickles."""
+    import base64
+    import binascii
+    import io
+
+    import numpy as np
+
+    try:
+        return np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
+    except (binascii.Error, OSError, EOFError) as error:
+        raise ValueError(str(error) or type(error).__name__) from None
 
 
 def _cpu_scheduling_flags(max_model_len: int) -> list[str]:
