@@ -219,7 +219,7 @@ def assert_actor_spans_on_the_timeline(path: Path) -> None:
     spans = [e for e in events if e["ph"] == "X"]
     names = {pid: {e["name"] for e in spans if e["pid"] == pid} for pid in (trainer, engine)}
     assert {"start", "step", "probe", "put_weights"} <= names[trainer]  # probe: the weight-sync check
-    assert {"start", "generate", "score", "load_weights"} <= names[engine]
+    assert {"start", "generate", "probe", "load_weights"} <= names[engine]  # probe: the weight-sync check
     # Clocks line up across processes: every trainer step lies inside one of the driver's train phases.
     trains = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == driver and e["name"] == "train"]
     steps = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] == trainer and e["name"] == "step"]
@@ -275,3 +275,16 @@ def test_two_fsdp2_trainer_ranks_on_ray_resume_exactly(tiny_model_path: Path, tm
     assert stable(resumed_rows)[2] == stable(full_rows)[2]
     assert resumed_rows[2]["train/num_loss_tokens"] > 0
     assert wait_for_free_cpus(2.0) == 2.0
+
+
+def test_an_moe_engine_actor_replays_the_trainer_routes_in_the_weight_sync_probe(
+    tiny_moe_path: Path, tmp_path: Path
+) -> None:
+    """The weight-sync probe of an MoE policy replays the trainer actor's routes in the engine actor (the `hf`
+    engine can), as it does in one process: the check compares weights, not a route one side's rounding flipped."""
+    moe = {"trainer.moe.routing_replay": '"r3"', "trainer.num_threads": "1"}
+    config = tiny_config(tiny_moe_path, tmp_path, name="moe", num_steps=1, **moe)
+    rows = read_jsonl(run(config, runtime=RAY_RUNTIME, reward_fn=vowel_reward) / "metrics.jsonl")
+    assert len(rows) == 1
+    assert rows[0]["sync/probe_replayed"] == 1.0
+    assert rows[0]["sync/probe_mismatch_max"] < 1e-4

@@ -24,11 +24,20 @@ from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
 from sharpen.orchestration.build import build_run_engine, build_trainer, load_tokenizer
 from sharpen.orchestration.storage import MarkerAnswer, answer_marker
-from sharpen.rollout.engines import WeightGroupEngine, sleepable
+from sharpen.rollout.engines import WeightGroupEngine, probe_engine, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
 from sharpen.rollout.weight_sync.broadcast import open_weight_group, receive_weights, send_weights
 from sharpen.trainer.backends.single_device import resolve_device
-from sharpen.types import Completion, ImagePart, PolicyVersion, ProbeScores, Rollout, SamplingParams, TrainBatch
+from sharpen.types import (
+    Completion,
+    ExpertRoutes,
+    ImagePart,
+    PolicyVersion,
+    ProbeScores,
+    Rollout,
+    SamplingParams,
+    TrainBatch,
+)
 from sharpen.weight_shards import assemble_ranks
 
 if TYPE_CHECKING:
@@ -231,6 +240,10 @@ class EngineActor(SpanRecordingActor):
 
     def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         return score_prompt(self.engine, token_ids, images)
+
+    def probe(self, token_ids: list[int], routes: ExpertRoutes | None) -> tuple[list[float], bool]:
+        """The weight-sync probe's logprobs, replaying the trainer's ``routes`` where the engine can."""
+        return probe_engine(self.engine, token_ids, routes)
 
     def load_weights(self, weights: dict[str, torch.Tensor], *, version: PolicyVersion) -> dict[str, float]:
         return self.engine.load_weights(weights.items(), version=version)

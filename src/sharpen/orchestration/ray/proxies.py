@@ -26,7 +26,16 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from sharpen.monitoring import Span, Timeline
 from sharpen.rollout.engines import InferenceEngine, pop_engine_metrics, replicas_of, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
-from sharpen.types import Completion, ImagePart, PolicyVersion, ProbeScores, Rollout, SamplingParams, TrainBatch
+from sharpen.types import (
+    Completion,
+    ExpertRoutes,
+    ImagePart,
+    PolicyVersion,
+    ProbeScores,
+    Rollout,
+    SamplingParams,
+    TrainBatch,
+)
 from sharpen.weight_shards import assemble_ranks
 
 if TYPE_CHECKING:
@@ -260,6 +269,11 @@ class EngineProxy(ActorProxy):
 
     def score(self, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
         return self.call("score", token_ids, images)
+
+    def probe(self, token_ids: list[int], routes: ExpertRoutes | None) -> tuple[list[float], bool]:
+        """The weight-sync probe, run by the actor on its engine (`ProbedElsewhere`): it replays ``routes`` where the
+        engine can."""
+        return self.call("probe", token_ids, routes)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, version: PolicyVersion) -> dict[str, float]:
         started = time.perf_counter()

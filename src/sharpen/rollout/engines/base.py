@@ -189,11 +189,23 @@ class RouteReplayingEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class ProbedElsewhere(Protocol):
+    """An engine in another process (a Ray engine actor's proxy): the weight-sync probe runs `probe_engine` where
+    the engine is, which knows whether it can replay routes."""
+
+    def probe(self, token_ids: list[int], routes: ExpertRoutes | None) -> tuple[list[float], bool]:
+        """`probe_engine` on the engine itself."""
+        ...
+
+
 def probe_engine(
     engine: InferenceEngine, token_ids: list[int], routes: ExpertRoutes | None
 ) -> tuple[list[float], bool]:
     """``engine``'s probe logprobs of ``token_ids``, and whether they replayed ``routes`` (an engine that can,
-    given routes; the others score with their own)."""
+    given routes, wherever it runs; the others score with their own)."""
+    if isinstance(engine, ProbedElsewhere):
+        return engine.probe(token_ids, routes)
     if routes is not None and isinstance(engine, RouteReplayingEngine):
         return engine.score_replaying(token_ids, routes), True
     return engine.score(token_ids), False
