@@ -229,6 +229,9 @@ class ByteChatTokenizer:
     role_ids: ClassVar[dict[str, int]] = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
     newline_id = 16 + ord("\n")
 
+    def __len__(self) -> int:  # the vocabulary: 16 special ids, then the 256 bytes
+        return 16 + 256
+
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [16 + byte for byte in text.encode()]
 

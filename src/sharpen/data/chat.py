@@ -2,7 +2,9 @@
 
 Owns the one place where messages become tokens, so the engine and the trainer see identical prompt ids. It renders
 later turns only as continuations (`render_continuation`): tokens are never re-rendered from text between
-turns. Imports no transformers: any object with HF's ``apply_chat_template`` works.
+turns. Every render goes through `sharpen.control_tokens.template_ids`, so a chat-template marker typed in a message
+(a dataset row, an observation, a tool's output, an agent's message) stays text and never becomes the marker's token.
+Imports no transformers: any object with HF's ``apply_chat_template`` works.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sharpen.control_tokens import template_ids
 from sharpen.types import Message
 
 
@@ -86,18 +89,3 @@ def _text_messages(where: str, messages: Sequence[Message]) -> list[dict[str, An
             "vision-language model's prompts go through sharpen.data.vision.VisionProcessor.render_prompt"
         )
     return [{"role": m.role, "content": m.text} for m in messages]
-
-
-def template_ids(
-    tokenizer: Any, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: list[Any] | None = None
-) -> list[int]:
-    """The flat token ids of ``messages`` (dicts as the template reads them) under the tokenizer's chat template."""
-    extra = {} if tools is None else {"tools": tools}
-    rendered = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra
-    )
-    # transformers < 5 returns the ids; transformers >= 5 returns a BatchEncoding (a Mapping) holding them.
-    ids = rendered["input_ids"] if isinstance(rendered, Mapping) else rendered
-    if len(ids) > 0 and not isinstance(ids[0], int):
-        raise ValueError(f"chat template: expected a flat list of token ids, got a list of {type(ids[0]).__name__}")
-    return [int(token_id) for token_id in ids]

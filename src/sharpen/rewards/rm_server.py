@@ -1,15 +1,16 @@
 """The reward-model service (`sharpen serve-rm`): a sequence-classification reward model on the service shell.
 
-Owns: rendering (prompt, completion) pairs as a chat and truncating them to ``max_length`` tokens
-(`RewardModelScorer`, also what the Ray reward-model actors load), one batcher thread that gathers the requests
-arriving within ``max_wait_ms`` (up to ``max_batch_size`` inputs) into one padded forward, and the route
-``POST /score`` ``{"inputs": [{"prompt": [{"role", "content"}...], "completion": "..."}]}`` -> ``{"scores": [...],
-"truncated": [...], "num_truncated": n}``. The shell (`sharpen.serving.shell`) gives what every served component
-has: the bearer token (checked before the body is read), the body limit, admission (``2 * max_batch_size``
-requests with the batcher, ``service.max_queue_size`` waiting for a place, then 503 with Retry-After), answers kept
-by Idempotency-Key, ``GET /healthz``, ``/readyz`` and ``/metrics``. A failed forward is answered 503: nothing was
-scored, so the client may ask again. Does not load the model (`sharpen serve-rm` does) nor retry (the client,
-`rm_client`, does).
+Owns: rendering (prompt, completion) pairs as a chat and truncating them to ``max_length`` tokens (`RewardModelScorer`,
+also what the Ray reward-model actors load; through `sharpen.control_tokens`, so a completion that types the reward
+model's template markers, e.g. a forged turn after its answer, scores as the text it is), one batcher thread that
+gathers the requests arriving within ``max_wait_ms`` (up to ``max_batch_size`` inputs) into one padded forward, and the
+route ``POST /score`` ``{"inputs": [{"prompt": [{"role", "content"}...], "completion": "..."}]}`` -> ``{"scores":
+[...], "truncated": [...], "num_truncated": n}``. The shell (`sharpen.serving.shell`) gives what every served component
+has: the bearer token (checked before the body is read), the body limit, admission (``2 * max_batch_size`` requests
+with the batcher, ``service.max_queue_size`` waiting for a place, then 503 with Retry-After), answers kept by
+Idempotency-Key, ``GET /healthz``, ``/readyz`` and ``/metrics``. A failed forward is answered 503: nothing was scored,
+so the client may ask again. Does not load the model (`sharpen serve-rm` does) nor retry (the client, `rm_client`,
+does).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sharpen.config.service import ServiceConfig
+from sharpen.control_tokens import encode_text, template_ids
 from sharpen.serving.shell import Request, Route, ServedComponent, ServiceError, ServiceShell
 
 logger = logging.getLogger(__name__)
@@ -74,12 +76,11 @@ class RewardModelScorer:
         the end: the score is read at the last token, so the completion's end must survive."""
         with self._encode_lock:
             if self.tokenizer.chat_template:
-                messages = [*prompt, {"role": "assistant", "content": completion}]
-                text = self.tokenizer.apply_chat_template(messages, tokenize=False)
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+                messages = [*(dict(m) for m in prompt), {"role": "assistant", "content": completion}]
+                ids = template_ids(self.tokenizer, messages, add_generation_prompt=False)
             else:
                 text = "\n\n".join([*(m["content"] for m in prompt), completion])
-                ids = self.tokenizer(text)["input_ids"]
+                ids = encode_text(self.tokenizer, text, add_special_tokens=True)
         is_truncated = len(ids) > self.max_length
         return list(ids[-self.max_length :]), is_truncated
 

@@ -11,6 +11,15 @@ inputs, not trained), any other call starts a new segment, so a rewritten histor
 segments instead of silent drift. Sampling is the run's (temperature, top-p, per-call seeds derived like the episode
 loop's turn seeds); a request's own ``temperature``/``top_p`` are ignored, since the trainer's importance ratios are
 computed at the run's temperature. It does not speak HTTP (`sharpen.rollout.agent_endpoint` does).
+
+What the agent sends cannot forge control tokens: chat messages (user, system, tool, the agent's own assistant text)
+are rendered through `sharpen.control_tokens.template_ids`, so ``<|im_end|>`` typed in a message is the tokens of
+its characters and the template's markers are only where the template puts them. Two routes hand the agent the
+token stream on purpose and are checked, not rewritten: ``/v1/completions`` with token ids (each must be an id of
+the vocabulary, else 400 before the engine sees it) and ``/v1/completions`` with a text prompt (the raw-prompt
+route: the agent renders its own template there, so special tokens in that text are parsed as the tokenizer does).
+A prompt the engine refuses for its own content (`EngineInputError`: past the model's context) is a 400 for that
+call, never the run's error.
 """
 
 from __future__ import annotations
@@ -21,10 +30,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from sharpen.control_tokens import TokenIdError, check_token_ids
 from sharpen.data import render_continuation
 from sharpen.data.chat import render_messages
 from sharpen.environments.tools import HermesToolCallParser, ToolCall
-from sharpen.rollout.engines.base import EngineError
+from sharpen.rollout.engines.base import EngineError, EngineInputError
 from sharpen.types import Completion, ExpertRoutes, Message, PolicyVersion, SamplingParams
 
 Generate = Callable[[list[int], SamplingParams], Awaitable[tuple[Completion, PolicyVersion]]]
@@ -167,8 +177,11 @@ class AgentSession:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            prompt_ids, text = [int(t) for t in prompt], None
+        if isinstance(prompt, list) and prompt and not any(isinstance(t, str | list) for t in prompt):
+            try:  # ids outside the vocabulary never reach the engine
+                prompt_ids, text = check_token_ids(prompt, vocab_size=len(self.tokenizer), where="'prompt'"), None
+            except TokenIdError as error:
+                raise RequestError(str(error), code="invalid_token_ids") from None
         elif isinstance(prompt, str) and prompt:
             text = prompt
             last = self._last_text
@@ -256,6 +269,8 @@ class AgentSession:
         self.num_in_flight += 1
         try:
             completion, version = await self.generate(prompt_ids, params)
+        except EngineInputError as error:  # the engine refused this prompt (past its context): the run goes on
+            raise RequestError(f"the engine refused the prompt: {error}", code="invalid_prompt") from error
         except EngineError as error:
             self.engine_error = error
             raise RequestError(f"the engine failed: {error}", status=503, code="engine_error") from error

@@ -244,6 +244,12 @@ class EngineError(RuntimeError):
     """The engine failed in a way the run cannot recover from (the message names the engine and the cause)."""
 
 
+class EngineInputError(EngineError):
+    """The engine refused one request for that request's own input (a prompt longer than the model's context, a
+    malformed request), not because it failed: it goes on serving the others. The agent endpoint answers such a
+    call 400 and the run goes on; where nothing handles it, it is an `EngineError` like any other."""
+
+
 class EngineUnavailable(EngineError):
     """The engine could not serve a request because it is down, unreachable, stuck or failing as a whole
     (connection refused or reset, no answer in time, an HTTP 5xx, its process gone), not because of the request:

@@ -11,7 +11,8 @@ servers' APIs on top of it.
 - `JsonClient`: JSON over HTTP (httpx). Connection refused, DNS failure, a timeout, a non-2xx status and a body
   that is not JSON each become an `EngineError` that says which of them happened; those that say the server is
   down or failing (no connection, a connection reset, no answer in time, HTTP 5xx) are `EngineUnavailable`, which
-  the router answers by sending the request to another replica.
+  the router answers by sending the request to another replica; a request the server refuses for its own content
+  (HTTP 400, 413, 422: a prompt past the context) is an `EngineInputError`.
 - `ServerProcess`: starts a command in its own process group with its output in a log file, refuses a port that
   is taken (before starting anything), waits for a readiness route while checking the process is still alive (the
   error quotes the end of the log), and stops the whole group on `close` (or at once on `kill`, before a restart).
@@ -41,8 +42,11 @@ from typing import Any, ClassVar, Generic, TypeVar
 import httpx
 
 from sharpen.config.engines import EngineServerFields
-from sharpen.rollout.engines.base import EngineError, EngineUnavailable
+from sharpen.rollout.engines.base import EngineError, EngineInputError, EngineUnavailable
 from sharpen.types import Completion, PolicyVersion, SamplingParams
+
+_REFUSED_INPUT = frozenset({400, 413, 422})
+"""HTTP statuses of a request refused for its own content (`EngineInputError`), not of a failing server."""
 
 T = TypeVar("T")
 C = TypeVar("C", bound=EngineServerFields)
@@ -146,6 +150,8 @@ class JsonClient:
             raise EngineError(f"{self.name}: request to {url} failed: {_cause(error)}") from None
         if response.status_code >= 400:
             error_class = EngineUnavailable if response.status_code >= 500 else EngineError
+            if response.status_code in _REFUSED_INPUT:
+                error_class = EngineInputError
             raise error_class(
                 f"{self.name}: {method} {url} returned HTTP {response.status_code}: {_excerpt(response.text)}"
             )

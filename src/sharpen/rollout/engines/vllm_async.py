@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sharpen.config.engines import VllmEngineConfig
-from sharpen.rollout.engines.base import EngineError, device_free_bytes
+from sharpen.rollout.engines.base import EngineError, EngineInputError, device_free_bytes
 from sharpen.rollout.engines.server import RequestLevelEngine
 from sharpen.rollout.engines.vllm import (
     RpcBucketTarget,
@@ -150,6 +150,8 @@ class VllmAsyncEngine(RequestLevelEngine):
         try:
             async for output in self.llm.generate(request, params, request_id):
                 final = output
+        except ValueError as error:  # vLLM's check of the request's own input (a prompt past max_model_len)
+            raise EngineInputError(f"{_NAME}: request {request_id} refused: {_cause(error)}") from error
         except Exception as error:
             raise EngineError(f"{_NAME}: request {request_id} failed: {_cause(error)}") from error
         if final is None or not final.outputs:
