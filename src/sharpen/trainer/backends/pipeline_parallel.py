@@ -139,7 +139,7 @@ class _Stage(nn.Module):
             ids, positions = self._context.split(input_ids, positions)
             mask = None
         inputs = {"input_ids": ids} if self.is_first else {"inputs_embeds": x}
-        hidden = self._decoded(inputs, mask, positions, pass_index, routes)
+        hidden = self._decoded(inputs, mask, positions, pass_index, routes, shape=input_ids.shape)
         if self.lm_head is None:
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
         scores = score_hidden(
@@ -166,6 +166,8 @@ class _Stage(nn.Module):
         positions: torch.Tensor | None,
         pass_index: torch.Tensor | None,
         routes: torch.Tensor | None,
+        *,
+        shape: torch.Size,
     ) -> torch.Tensor:
         """The stage's decoder over ``inputs``; an MoE stage replays its layers' part of ``routes`` (``[rows,
         length, MoE layers, top_k]``, the micro-batch's; None: its routers choose) and keeps what they chose, for
@@ -176,11 +178,16 @@ class _Stage(nn.Module):
                 attention_mask=mask, position_ids=positions, use_cache=False, **inputs
             ).last_hidden_state
         given = None
+        rows, length = shape  # the micro-batch's padded rows (before a sequence split)
         if routes is not None:
             flat = routes.reshape(-1, *routes.shape[2:])  # [rows x length, MoE layers, top_k]
             given = Routes(layers=[flat[:, position] for position in self.route_layers])
+            if self._context is not None:  # sequence parallelism: the MoE blocks see the rows padded to tp
+                given = self._context.local_routes(given, rows, length)
         with router.capture() as used, replaying(router, given):
             hidden = self.decoder(attention_mask=mask, position_ids=positions, use_cache=False, **inputs)
+        if self._context is not None:
+            used = self._context.whole_routes(used, rows, length)
         assert pass_index is not None, "an MoE stage's run numbers its micro-batches"
         captured = self._run.captured.setdefault(int(pass_index[0]), {})
         differs = used.differs or [None] * len(used.layers)

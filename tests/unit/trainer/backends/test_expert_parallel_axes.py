@@ -3,8 +3,9 @@ mini-batches: every metric and the weights, float32): the experts split over ep 
 parallel ranks (cp 2 x ep 2: a row's two halves are routed on two ranks, and each rank's experts serve both), out of
 each pipeline stage's data ranks (pp 2 x dp_shard 2 x ep 2), beside HSDP's replicas (dp_replicate 2 x dp_shard 2 x
 ep 2), and with each expert split over tensor-parallel ranks too (dp_shard 2 x tp 2 x ep 2: experts on ep x tp), on
-a tiny random Mixtral; with the engine's routes replayed (R3) on the context-parallel layout. The ranks' pieces for
-the direct weight sync assemble into the same weights."""
+a tiny random Mixtral; with the engine's routes replayed (R3) on the context-parallel layout, and on a pipeline of
+tensor-parallel stages (pp 2 x tp 2, no ep: each stage's MoE blocks see the rows padded for sequence parallelism).
+The ranks' pieces for the direct weight sync assemble into the same weights."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ LAYOUTS = {  # name: (layout, routing replay)
     "pp 2 x dp_shard 2 x ep 2": (ParallelLayout(pp=2, dp_shard=2, ep=2), "none"),
     "dp_replicate 2 x dp_shard 2 x ep 2": (ParallelLayout(dp_replicate=2, dp_shard=2, ep=2), "none"),
     "dp_shard 2 x tp 2 x ep 2": (ParallelLayout(dp_shard=2, tp=2, ep=2), "none"),
+    "pp 2 x tp 2, R3": (ParallelLayout(pp=2, tp=2), "r3"),  # no ep: an MoE's tp stages, padded for sequence parallelism
 }
 NUM_LAYERS = 2
 
