@@ -291,6 +291,23 @@ class _Routed:
         return logits, weights, indices
 
 
+def layer_balance_losses(routes: Routes, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Switch Transformer's load-balancing loss (arXiv 2101.03961, eq. 4-6) of each layer of ``routes`` over the real
+    ``tokens`` (``[tokens]`` bool; some must be real): the number of experts times the sum over experts of the
+    expert's share of the layer's top-k assignments (``f``, summing to ``top_k``) and its mean router probability
+    (``P``, with the router's gradient); ``top_k`` at perfect balance. ``routes`` must hold the probabilities (a
+    pass with gradient: `Routes.probs`)."""
+    assert routes.probs is not None, "a balancing loss needs the routers' probabilities"
+    losses = []
+    for indices, probs in zip(routes.layers, routes.probs, strict=True):
+        mask = tokens.to(probs.device)
+        num_experts = probs.shape[1]
+        assignments = torch.bincount(indices[mask].reshape(-1), minlength=num_experts).to(probs.dtype)
+        share = assignments / mask.sum()
+        losses.append(num_experts * (share * probs[mask].mean(dim=0)).sum())
+    return losses
+
+
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
     """A router's output as a local tensor: a DTensor replicated over tensor-parallel ranks holds it whole."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -102,8 +102,7 @@ def check_moe(config: SharpenConfig) -> None:
     """One line (a `ConfigError`) before anything starts when ``trainer.moe`` cannot run: routing replay or load
     balancing on a dense model or a family whose routers sharpen cannot replay, R3 with an engine that returns no
     routes, an expert-bias update on routers without a bias or with LoRA (the bias would not reach the engine), any of
-    them with context and pipeline parallelism together, the balancing loss on a pipeline
-    (docs/moe.md)."""
+    them with context and pipeline parallelism together (docs/moe.md)."""
     moe = config.trainer.moe
     asked = [
         f"{key} = {value}"
@@ -147,11 +146,6 @@ def check_moe(config: SharpenConfig) -> None:
         raise ConfigError(
             f"{asked[0]} runs with context or pipeline parallelism, not both yet (trainer.parallel cp = {parallel.cp}, "
             f"pp = {parallel.pp})"
-        )
-    if moe.aux_loss_coef > 0 and parallel.pp > 1:
-        raise ConfigError(
-            "trainer.moe.aux_loss_coef: a pipeline keeps the routers' probabilities on their stages, where the loss "
-            "is not (trainer.parallel.pp > 1); set it to 0 or use data or context parallelism"
         )
 
 

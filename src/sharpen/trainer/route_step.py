@@ -131,7 +131,12 @@ class RouteStep:
         balance = balance_loss(routes, tokens) if self.config.aux_loss_coef > 0 else None
         if balance is None:
             return None
-        return balance * (self.config.aux_loss_coef * float(tokens.sum()) / mini_batch_tokens)
+        return balance * self.balance_weight(micro, mini_batch_tokens=mini_batch_tokens)
+
+    def balance_weight(self, micro: MicroBatch, *, mini_batch_tokens: int) -> float:
+        """What `training_pass` multiplies a pass's balancing loss by (0: the loss is off), for a backend that adds
+        the loss itself (`ScoreInputs.balance_weight`: a pipeline)."""
+        return self.config.aux_loss_coef * float(real_tokens(micro).sum()) / mini_batch_tokens
 
     def finish(self, share_loss_sums: Callable[[dict[str, float]], dict[str, float]]) -> dict[str, float]:
         """The ``moe/train_*`` metrics of the step's training passes, summed over the ranks (``share_loss_sums``:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sharpen.expert_routes import UNROUTED, RouterReplay, Routes, expert_routes
+from sharpen.expert_routes import UNROUTED, RouterReplay, Routes, expert_routes, layer_balance_losses
 from sharpen.trainer.backends.base import ScoreInputs, TrainerBackend, scored_routes
 from sharpen.trainer.packing import MicroBatch
 from sharpen.types import ProbeScores
@@ -178,14 +178,7 @@ def balance_loss(routes: Routes, tokens: torch.Tensor) -> torch.Tensor | None:
     pass kept no probabilities (no gradient) or has no real token."""
     if routes.probs is None or not bool(tokens.any()):
         return None
-    losses = []
-    for indices, probs in zip(routes.layers, routes.probs, strict=True):
-        mask = tokens.to(probs.device)
-        num_experts = probs.shape[1]
-        assignments = torch.bincount(indices[mask].reshape(-1), minlength=num_experts).to(probs.dtype)
-        share = assignments / mask.sum()
-        losses.append(num_experts * (share * probs[mask].mean(dim=0)).sum())
-    return torch.stack(losses).mean()
+    return torch.stack(layer_balance_losses(routes, tokens)).mean()
 
 
 def probe_scores(backend: TrainerBackend, token_ids: list[int]) -> ProbeScores | None:

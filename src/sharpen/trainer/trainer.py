@@ -344,8 +344,17 @@ class Trainer:
                 loss = loss + balance
             return loss * 0.0 if is_filler else loss  # a filler pass only keeps the ranks' collectives in step
 
+        routes_step = self._routes
         trained_routes = self.backend.train_micro_batches(
-            [self._policy_inputs(micro) for _, _, micro in passes],
+            [
+                self._policy_inputs(micro)
+                if routes_step is None or is_filler
+                else replace(
+                    self._policy_inputs(micro),
+                    balance_weight=routes_step.balance_weight(micro, mini_batch_tokens=mini_batch_tokens),
+                )
+                for _, is_filler, micro in passes
+            ],
             micro_batch_loss,
             temperature=self.temperature,
             with_entropy=True,

@@ -56,6 +56,10 @@ class ScoreInputs:
     routes: Routes | None = None
     """Expert routes to replay over the flattened ``input_ids`` (`UNROUTED` tokens route themselves); needs a
     backend with a `RouterReplay` (``trainer.moe.routing_replay``)."""
+    balance_weight: float = 0.0
+    """The pass's load-balancing loss weight (``trainer.moe.aux_loss_coef`` x its real tokens / its mini-batch's):
+    a pipeline's stages add their layers' share to the backward themselves, since the loss on the last stage cannot
+    see their routers' probabilities; every other backend ignores it (the loss adds the balance term)."""
 
 
 MicroBatchLoss = Callable[[int, TokenScores], torch.Tensor]

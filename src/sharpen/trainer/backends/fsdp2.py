@@ -187,15 +187,10 @@ class FSDP2Backend(ScoresTokenLogprobs):
         theirs: `routers`)."""
         replays = config.moe.routing_replay != "none"
         routes_run = self.layout.pp == 1 or self.layout.cp == 1
-        if config.moe.aux_loss_coef > 0 and (self.layout.pp > 1 or not routes_run):
+        if (replays or config.moe.aux_loss_coef > 0) and not routes_run:
             raise LayoutError(
-                "trainer.moe.aux_loss_coef runs with data, tensor and context parallelism yet, not "
-                + self.layout.describe()
-            )
-        if replays and not routes_run:
-            raise LayoutError(
-                "trainer.moe.routing_replay runs with data, tensor, context or pipeline parallelism (not context and "
-                f"pipeline together) yet, not {self.layout.describe()}"
+                "trainer.moe runs with data, tensor, context or pipeline parallelism (not context and pipeline "
+                f"together) yet, not {self.layout.describe()}"
             )
         if routes_run and self.layout.pp == 1:
             self.router = replay_routes_of(self.model, config, name=str(self.model_path))

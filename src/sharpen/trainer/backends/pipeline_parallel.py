@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -50,7 +50,13 @@ from sharpen.expert_routes import RouterReplay, Routes, RoutingError, is_moe_mod
 from sharpen.trainer.backends.base import MicroBatchLoss, ScoreInputs, TokenScores, replaying
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.mesh import weight_shard
-from sharpen.trainer.backends.pipeline_routes import Captured, PipelineRouters
+from sharpen.trainer.backends.pipeline_routes import (
+    Captured,
+    PipelineRouters,
+    balance_inputs,
+    stage_balance,
+    with_added_loss,
+)
 from sharpen.trainer.backends.scoring import score_hidden
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.trainer.layout import LayoutError, ParallelLayout
@@ -119,6 +125,11 @@ class _Stage(nn.Module):
         """An MoE stage's routers (`PipelineParallel.routers`); None: a dense stage, or routes not measured."""
         self.route_layers: list[int] = []
         """The positions, among the model's MoE layers, of this stage's."""
+        self.num_route_layers = 0
+        """The model's MoE layers (all stages')."""
+        self._balance: Routes | None = None
+        """The routes (with probabilities) of the forward in progress, for its balancing loss (`_decoded` to
+        `forward`)."""
 
     def forward(
         self,
@@ -130,6 +141,8 @@ class _Stage(nn.Module):
         target_mask: torch.Tensor,
         pass_index: torch.Tensor | None = None,
         routes: torch.Tensor | None = None,
+        balance: torch.Tensor | None = None,
+        real_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         run = self._run
         positions: torch.Tensor | None = position_ids if run.packed else None
@@ -140,6 +153,10 @@ class _Stage(nn.Module):
             mask = None
         inputs = {"input_ids": ids} if self.is_first else {"inputs_embeds": x}
         hidden = self._decoded(inputs, mask, positions, pass_index, routes, shape=input_ids.shape)
+        used, self._balance = self._balance, None
+        if used is not None and balance is not None and real_tokens is not None:
+            added = stage_balance(used, real_tokens, float(balance[0]), num_layers=self.num_route_layers)
+            hidden = hidden if added is None else with_added_loss(hidden, added)
         if self.lm_head is None:
             return hidden.to_local() if isinstance(hidden, DTensor) else hidden
         scores = score_hidden(
@@ -188,6 +205,7 @@ class _Stage(nn.Module):
             hidden = self.decoder(attention_mask=mask, position_ids=positions, use_cache=False, **inputs)
         if self._context is not None:
             used = self._context.whole_routes(used, rows, length)
+        self._balance = used if used.probs is not None else None
         assert pass_index is not None, "an MoE stage's run numbers its micro-batches"
         captured = self._run.captured.setdefault(int(pass_index[0]), {})
         differs = used.differs or [None] * len(used.layers)
@@ -292,6 +310,7 @@ class PipelineParallel:
             router = cast(Any, routers[0])
             for stage, module in zip(self.stage_ids, self.stages, strict=True):
                 module.route_layers = [moe_layers.index(i) for i in ranges[stage] if i in moe_layers]
+                module.num_route_layers = len(moe_layers)
                 if module.route_layers:
                     module.router = RouterReplay(module.decoder, name=f"pipeline stage {stage}", float32=router_float32)
             self.routers = PipelineRouters(
@@ -429,6 +448,9 @@ class PipelineParallel:
         routed = self.routers is not None and any(item.routes is not None for item in inputs)
         if routed:
             parts["routes"] = []
+        balanced = self.routers is not None and any(item.balance_weight > 0 for item in inputs)
+        if balanced:
+            parts["balance"], parts["real_tokens"] = [], []
         for index in range(passes):
             item = inputs[index] if index < len(inputs) else inputs[0]
             for name, tensor in _padded(item, rows=rows, length=length).items():
@@ -437,6 +459,10 @@ class PipelineParallel:
             if routed:
                 assert self.routers is not None
                 parts["routes"].append(self.routers.padded(item, rows=rows, length=length))
+            if balanced:  # a filler pass adds none
+                weighted = item if index < len(inputs) else replace(item, balance_weight=0.0)
+                for name, tensor in balance_inputs(weighted, rows=rows, length=length).items():
+                    parts[name].append(tensor)
         tensors = {name: torch.cat(values).to(self.device) for name, values in parts.items()}
         return _Batch(rows=rows, length=length, passes=passes, tensors=tensors)
 

@@ -6,17 +6,25 @@ run, `PipelineRouters.padded` lays a micro-batch's routes over the schedule's pa
 layers, top_k]`` (a keyword argument the schedule splits by micro-batch, like the masks); during it, each stage
 records what its layers chose, per micro-batch and MoE layer (`Captured`); after it, `PipelineRouters.gathered`
 exchanges those over the pipeline's ranks, so every rank has each micro-batch's routes over all layers and its own
-rows. It runs no schedule and decides no loss.
+rows. It runs no schedule.
+
+The load-balancing loss (``trainer.moe.aux_loss_coef``) needs each layer's router probabilities, which stay on
+their stage, while the trainer's loss runs on the last stage. So, as Megatron does, each stage adds its own layers'
+share to the backward itself: `stage_balance` computes it over the micro-batch's real tokens, weighted by the pass's
+`ScoreInputs.balance_weight` over the model's MoE layers, and `with_added_loss` hands it a gradient of 1 in the
+stage's backward, through the stage's output. The stages' shares add up to the loss the trainer adds on one device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from sharpen.expert_routes import UNROUTED, RouterReplay, Routes, RoutingError
+from sharpen.expert_routes import UNROUTED, RouterReplay, Routes, RoutingError, layer_balance_losses
 from sharpen.trainer.backends.base import ScoreInputs
 
 Captured = dict[int, dict[int, tuple[torch.Tensor, torch.Tensor | None]]]
@@ -105,3 +113,46 @@ def _unpadded(tensor: torch.Tensor, shape: tuple[int, int, int, int], device: to
     padded_rows, padded_length, rows, length = shape
     grid = tensor.reshape(padded_rows, padded_length, *tensor.shape[1:])[:rows, :length]
     return grid.reshape(rows * length, *tensor.shape[1:]).to(device)
+
+
+def balance_inputs(item: ScoreInputs, *, rows: int, length: int) -> dict[str, torch.Tensor]:
+    """A micro-batch's tensors for its stages' balancing loss, padded as the schedule pads its rows: ``balance``
+    (``[rows]``, the pass's weight on each row) and ``real_tokens`` (``[rows, length]``: the rollouts' tokens, as
+    `trainer.routes.real_tokens` counts them: a right-padded row's attended tokens, all of a packed row)."""
+    batch, width = item.input_ids.shape
+    real = item.attention_mask.bool() if item.attention_mask is not None else torch.ones(batch, width, dtype=torch.bool)
+    grid = torch.zeros(rows, length, dtype=torch.bool)
+    grid[:batch, :width] = real.cpu()
+    return {"balance": torch.full((rows,), float(item.balance_weight)), "real_tokens": grid}
+
+
+def stage_balance(used: Routes, real_tokens: torch.Tensor, weight: float, *, num_layers: int) -> torch.Tensor | None:
+    """This stage's share of a pass's balancing loss: its layers' losses (`expert_routes.layer_balance_losses`, on
+    the ``real_tokens``) summed, over the model's ``num_layers`` MoE layers, times the pass's ``weight``; None when
+    there is nothing to add (no weight, no real token, no probabilities kept)."""
+    tokens = real_tokens.reshape(-1)
+    if weight == 0.0 or used.probs is None or not bool(tokens.any()):
+        return None
+    return torch.stack(layer_balance_losses(used, tokens)).sum() * (weight / num_layers)
+
+
+def with_added_loss(hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    """``hidden`` unchanged, and in the backward a gradient of 1 for ``loss`` (Megatron's aux-loss auto-scaler):
+    the stage's output carries its share of a loss the last stage cannot compute."""
+    if isinstance(hidden, DTensor):  # a sequence-parallel norm's output: the local shard carries it
+        local = _AddedLoss.apply(hidden.to_local(), loss)
+        return DTensor.from_local(
+            local, hidden.device_mesh, hidden.placements, shape=hidden.shape, stride=hidden.stride()
+        )
+    return _AddedLoss.apply(hidden, loss)
+
+
+class _AddedLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_shape, ctx.loss_dtype, ctx.loss_device = loss.shape, loss.dtype, loss.device
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=ctx.loss_device)

@@ -2,8 +2,9 @@
 two mini-batches: every metric and the weights): without routing replay (pp 2, 1F1B) on a tiny random model of each
 router family, and with the engine's routes replayed (R3) on an interleaved pipeline (pp 2, 2 stages a rank, a
 4-layer Mixtral), on a DeepSeek-V3 whose first layer is dense (so a stage's MoE layers are not its decoder
-layers' numbers) and with activation checkpointing (the backward's recomputation replays its forward's routes).
-Tensor parallelism of an MoE: test_moe_tensor_parallel.py."""
+layers' numbers) and with activation checkpointing (the backward's recomputation replays its forward's routes); and
+with the load-balancing loss, which each stage adds for its own layers. Tensor parallelism of an MoE:
+test_moe_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -36,6 +37,11 @@ REPLAYED = {  # name: family, config overrides, layout, MoE layers
     "mixtral, gradient checkpointing": ("mixtral", {}, ParallelLayout(pp=2), 2),
 }
 OPTIONS = {"mixtral, gradient checkpointing": {"gradient_checkpointing": True}}
+BALANCED = {  # name: model, layout: the load-balancing loss, each stage adding its own layers' share
+    "qwen3_moe, balancing loss": ("qwen3_moe", ParallelLayout(pp=2)),
+    "mixtral, balancing loss": ("mixtral", ParallelLayout(pp=2)),
+}
+BALANCE = {"moe": {"aux_loss_coef": 0.5}}  # large enough to move the routers visibly in two steps
 
 pytestmark = pytest.mark.slow  # forks 2 ranks
 
@@ -70,6 +76,9 @@ def _worker(rank: int, num_ranks: int, port: int, models: dict[str, Path], out: 
     for name, (_, _, layout, num_layers) in REPLAYED.items():
         backend = FSDP2Backend(_r3_config(name), model_path=models[name], dtype="float32", layout=layout)
         results[name] = replayed_steps(backend, num_layers)
+    for name, (model, layout) in BALANCED.items():
+        backend = FSDP2Backend(trainer_config(**BALANCE), model_path=models[model], dtype="float32", layout=layout)
+        results[name] = trainer_steps(backend)
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -111,4 +120,15 @@ def test_a_pipeline_replays_the_engine_routes_like_one_process(pp2: dict, models
     one = replayed_steps(SingleDeviceBackend(_r3_config(name), model_path=models[name], dtype="float32"), num_layers)
     assert one[0][0]["moe/engine_disagreement"] > 0.1  # the replayed routes are not the routers' own
     assert f"moe/engine_disagreement/layer_{num_layers - 1:03d}" in one[0][0]
+    _assert_matches(pp2[name], one)
+
+
+@pytest.mark.parametrize("name", list(BALANCED))
+def test_a_pipeline_adds_the_balancing_loss_like_one_process(pp2: dict, models: dict[str, Path], name: str):
+    model = models[BALANCED[name][0]]
+    one = trainer_steps(SingleDeviceBackend(trainer_config(**BALANCE), model_path=model, dtype="float32"))
+    without = trainer_steps(SingleDeviceBackend(trainer_config(), model_path=model, dtype="float32"))
+    assert one[0][0]["moe/train_aux_loss"] > 0
+    routers = [key for key in one[1] if key.endswith(".gate.weight")]
+    assert any(not torch.allclose(one[1][key], without[1][key], atol=1e-4) for key in routers)  # the loss acts
     _assert_matches(pp2[name], one)
