@@ -35,6 +35,9 @@ RESERVED_COMPONENT_NAMES = (
 component normalisation, and the ``reward/*`` metrics that a component's ``reward/<name>`` metric would overwrite."""
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
+DEFAULT_CANARY_EVERY = 50
+"""The judge canaries' schedule when a recipe has a judge and does not set reward.judge_canary_every (each check
+costs one request per canary, about a dozen)."""
 
 
 class ComponentSection(Section):
@@ -241,9 +244,10 @@ class RewardConfig(Section):
     normalisation is kept as the ``rubric_score`` component, each normalised value as ``normalized/<name>``. Applied
     before overlong and hack shaping; training only (evaluation reports the raw score); needs the Rubric's score
     (not an environment's own reward) and refuses advantage = "remax"."""
-    judge_canary_every: int = Field(default=0, ge=0)
-    """Grade the canaries (known-bad responses) with every judge component at steps 0, N, 2N, ... and log
-    ``hack/judge_canary_alert`` (0: never). Needs a judge component."""
+    judge_canary_every: int | None = Field(default=None, ge=0)
+    """Grade the canaries (known-bad responses) with every judge component at steps 0, N, 2N, ..., log
+    ``hack/judge_canary_alert`` and gate a judge that fails them (its ``on_canary_failure``). None: every 50 steps
+    when a judge component is configured (a judge is never trusted unchecked); 0: never. A number needs a judge."""
     overlong_buffer_tokens: int = Field(default=0, ge=0)
     """DAPO soft overlong punishment: the last N tokens before rollout.max_new_tokens lower the reward linearly, to
     -overlong_penalty at the limit (0: off)."""
@@ -255,6 +259,12 @@ class RewardConfig(Section):
     -hack_penalty before the advantages."""
     hack_penalty: float = Field(default=1.0, ge=0.0)
     """The score of a flagged rollout under hack_policy = "penalise"."""
+
+    def canary_every_steps(self) -> int:
+        """The canary schedule in force: judge_canary_every, or its default when unset (0 without a judge)."""
+        if self.judge_canary_every is not None:
+            return self.judge_canary_every
+        return DEFAULT_CANARY_EVERY if any(c.type == "judge" for c in self.components) else 0
 
     @model_validator(mode="after")
     def _check_components(self) -> RewardConfig:

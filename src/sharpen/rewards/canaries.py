@@ -64,11 +64,13 @@ class CanaryMonitor:
 
 
 def build_canary_monitor(reward_fn: RewardFn) -> CanaryMonitor | None:
-    """The monitor of a `Rubric` with judge components and ``reward.judge_canary_every`` > 0; None otherwise (any
-    other reward function, or canaries off)."""
-    if not isinstance(reward_fn, Rubric) or reward_fn.config.judge_canary_every == 0:
+    """The monitor of a `Rubric` with judge components, on the schedule `RewardConfig.canary_every_steps` (every 50
+    steps unless ``reward.judge_canary_every`` says otherwise); None otherwise (any other reward function, no judge,
+    or canaries off with ``judge_canary_every = 0``)."""
+    if not isinstance(reward_fn, Rubric):
         return None
+    every_steps = reward_fn.config.canary_every_steps()
     judges = reward_fn.judges()
-    if not judges:
+    if every_steps == 0 or not judges:
         return None
-    return CanaryMonitor(judges, reward_fn.config.judge_canary_every)
+    return CanaryMonitor(judges, every_steps)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from sharpen.rewards import code_values
+from sharpen.rewards.code_compare import matches_expected
 
 _HERE = Path(__file__).parent
 CANDIDATE_RUNNER = (_HERE / "code_candidate.py").read_text()
@@ -209,19 +210,11 @@ def case_call(case: Mapping[str, Any], entry_point: str | None) -> tuple[str, li
     return node.func.id, args, kwargs
 
 
-def _as_json(value: Any) -> Any:
-    """A result as JSON would carry it, for comparison with an expected value from JSON (tuples are lists)."""
-    if isinstance(value, list | tuple):
-        return [_as_json(item) for item in value]
-    if type(value) is dict:
-        return {key: _as_json(item) for key, item in value.items()}
-    return value
-
-
 def grade_cases(
     runner: CodeRunner, program: str, cases: list[Mapping[str, Any]], *, entry_point: str | None, wall_seconds: float
 ) -> Verdict:
-    """Each case called in the candidate's sandbox; the reply compared here with the case's ``expected``."""
+    """Each case called in the candidate's sandbox; the reply compared here with the case's ``expected``, in JSON's
+    data model with its types (`code_compare.matches_expected`: ``True`` is not ``1``, ``{1: x}`` is ``{"1": x}``)."""
     calls = []
     for name, args, kwargs in (case_call(case, entry_point) for case in cases):  # the dataset's error: raise now
         calls.append((name, code_values.encode(args), {key: code_values.encode(v) for key, v in kwargs.items()}))
@@ -236,7 +229,7 @@ def grade_cases(
             reply = candidate.call(name, args, kwargs)
             if reply is None:
                 ended = f"the program ended in {name}()"
-            elif "decoded" in reply and _as_json(reply["decoded"]) == _as_json(case["expected"]):
+            elif "decoded" in reply and matches_expected(reply["decoded"], case["expected"]):
                 num_passed += 1
     except _Protocol as error:
         candidate.flags.append("grader_patched")

@@ -19,19 +19,27 @@ are used (pytest runs in the checker's sandbox only).
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from sharpen.rewards.code_grading import CodeRunner, Verdict, grade_cases, grade_with_checker, is_program_started
+from sharpen.rewards.code_grading import (
+    CodeRunner,
+    Verdict,
+    case_call,
+    grade_cases,
+    grade_with_checker,
+    is_program_started,
+)
 from sharpen.types import Example, RewardResult, RewardStatus
 
-__all__ = ["CodeRunner", "CodeTestReward", "HumanEvalReward", "extract_program", "pytest_ro_binds"]
+__all__ = ["CodeRunner", "CodeTestReward", "HumanEvalReward", "extract_program", "pytest_ro_binds", "required_names"]
 
-VERSION = "2"
+VERSION = "3"  # 3: the block that defines the tested names is graded; cases compare in JSON's types
 PYTEST_PATH = "/opt/sharpen-pytest"
 """Where `pytest_ro_binds` makes pytest and its dependencies visible inside the sandbox."""
 _PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py")
@@ -89,15 +97,69 @@ def _code_blocks(completion: str) -> list[tuple[str, str]]:
     return blocks
 
 
-def extract_program(completion: str) -> str | None:
-    """The last fenced Python block of the completion (any common spelling: ```python, ```py, ```Python3,
-    ~~~python, ```{python}, an indented fence), else the last unlabelled block; None when there is neither."""
+def extract_program(completion: str, *, required_names: Collection[str] = ()) -> str | None:
+    """The program to grade: the last fenced Python block of the completion (any common spelling: ```python, ```py,
+    ```Python3, ~~~python, ```{python}, an indented fence), else the last unlabelled block; None when there is neither.
+
+    With ``required_names`` (the functions the tests call, `required_names`), the last block of that kind that
+    defines them all at its top level wins, so a correct solution followed by a usage example (```python
+    print(add(1, 2))```) is graded by its solution. One block is graded, never several joined: a later block cannot
+    patch an earlier one, and an example's top-level code never runs. A block that defines none of them all (or
+    does not parse) is skipped; when none does, the last block is graded as before (and fails its tests)."""
     blocks = _code_blocks(completion)
     for wanted in (lambda lang: lang in _PYTHON_LANGUAGES, lambda lang: lang == ""):
         chosen = [code for language, code in blocks if wanted(language)]
         if chosen:
-            return chosen[-1]
+            defining = [code for code in chosen if set(required_names) <= _top_level_names(code)]
+            return defining[-1] if defining else chosen[-1]
     return None
+
+
+def required_names(metadata: Mapping[str, Any]) -> frozenset[str]:
+    """The names a program must define for ``metadata``'s tests: the functions its cases call, the names its pytest
+    files import from ``solution`` (``from solution import f`` or ``solution.f``), HumanEval's ``entry_point``; empty
+    for stdin/stdout cases. A case that is not a plain call is the dataset's error (`case_call` says so)."""
+    if metadata.get("cases"):
+        entry_point = metadata.get("entry_point")
+        return frozenset(case_call(case, entry_point)[0] for case in metadata["cases"])
+    if metadata.get("test_files"):
+        return frozenset(name for source in dict(metadata["test_files"]).values() for name in _solution_imports(source))
+    if metadata.get("prompt_code") and metadata.get("entry_point"):
+        return frozenset([str(metadata["entry_point"])])
+    return frozenset()
+
+
+def _top_level_names(code: str) -> set[str]:
+    """Names bound at the top level of ``code`` (def, class, assignment, import); empty when it does not parse."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return set()
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for target in targets for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
+
+
+def _solution_imports(source: str) -> set[str]:
+    """What a pytest file takes from the ``solution`` module; empty when it does not parse (the checker says so)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "solution":
+            names.update(alias.name for alias in node.names if alias.name != "*")
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "solution":
+            names.add(node.attr)
+    return names
 
 
 def _normalised_output(text: str) -> str:
@@ -106,8 +168,9 @@ def _normalised_output(text: str) -> str:
 
 
 class CodeTestReward:
-    """Scores a completion's last fenced python block against ``example.metadata``: ``cases`` (a list of
-    ``{"args": [...], "expected": ...}`` or ``{"call": "f(1)", "expected": ...}``, with ``entry_point``),
+    """Scores the completion's program (`extract_program`: the last fenced Python block that defines the tested
+    names) against ``example.metadata``: ``cases`` (a list of ``{"args": [...], "expected": ...}`` or ``{"call":
+    "f(1)", "expected": ...}``, with ``entry_point``; results compared by `code_compare.matches_expected`),
     ``test_files`` (name -> pytest source, run in the checker's sandbox against the candidate's functions), or
     ``io_cases`` (``{"stdin": ..., "stdout": ...}``: the program run on stdin, its stdout compared here).
     ``runner`` runs the programs (a `Sandbox`); ``wall_seconds`` is its wall clock (the relay's bound)."""
@@ -123,7 +186,7 @@ class CodeTestReward:
         self.wall_seconds = wall_seconds or float(getattr(config, "wall_seconds", 10.0))
 
     def __call__(self, example: Example, completion: str) -> RewardResult:
-        program = extract_program(completion)
+        program = extract_program(completion, required_names=required_names(example.metadata))
         if program is None:
             return self._result(example, completion, Verdict(outcome="wrong"), status=RewardStatus.FORMAT_ERROR)
         return self.score_program(example, completion, program)
@@ -198,7 +261,7 @@ class HumanEvalReward(CodeTestReward):
 
     def __call__(self, example: Example, completion: str) -> RewardResult:
         metadata = example.metadata
-        block = extract_program(completion)
+        block = extract_program(completion, required_names=required_names(metadata))
         prompt_code = metadata["prompt_code"]
         program = prompt_code + completion if block is None else f"{prompt_code}\n\n{block}"
         return self.score_program(example, completion, program)

@@ -6,6 +6,8 @@ token accounting, pairwise comparison in both orders (so position bias cancels),
 that a sound judge must score low) and the gate they drive, and what each outcome scores:
 - a candidate with injection structure (`judge_guard`, run on the normalised text first) is never sent: it scores
   the bottom of the scale, ``wrong``, flagged ``judge_injection``;
+- a "master key" (no answer: only punctuation and openers such as "Solution:", `judge_guard.is_master_key`) is never
+  sent either: ``wrong``, score 0, unflagged (it is a wrong answer, and the policy should learn that it is);
 - a reply that ends in a verdict not bound to this call (no or a wrong nonce, or a copy of the candidate's object)
   was written at the candidate's bidding: ``wrong``, score 0, flagged ``judge_hijacked`` (the policy caused it, so it
   is no free abstention);
@@ -167,7 +169,7 @@ class Judge:
         self._lock = threading.Lock()  # reward functions may be called from a thread pool
         counted = (
             "prompt_tokens completion_tokens requests cache_hits unparseable transport_errors pairwise_comparisons "
-            "pairwise_inconsistent screened hijacked canary_gated"
+            "pairwise_inconsistent screened hijacked canary_gated master_keys"
         )
         self._counts: dict[str, float] = dict.fromkeys(counted.split(), 0.0)
         self._disagreement_sum = 0.0
@@ -187,6 +189,10 @@ class Judge:
         candidate = self._screen(example, completion)
         if candidate.signals:
             return self._failed(result, "judge_injection", f"injection structure: {', '.join(candidate.signals)}")
+        if candidate.is_master_key:  # nothing to grade: wrong, and unflagged, so the policy learns it earns nothing
+            result.score, result.status, result.components["judge"] = 0.0, RewardStatus.WRONG, 0.0
+            result.detail = "no answer to grade (a master key: only punctuation and openers such as 'Solution:')"
+            return result
         nonce = secrets.token_hex(8)
         try:
             reply, nonce = self._ask(key, self.prompt.messages(example, candidate.text, nonce=nonce), nonce=nonce)
@@ -215,8 +221,12 @@ class Judge:
         if self._is_gated():
             return PairwiseVerdict(preference=None, preference_ab=None, preference_ba=None)
         first, second = self._screen(example, a), self._screen(example, b)
-        if first.signals or second.signals:
-            screened = None if first.signals and second.signals else float(bool(second.signals))
+        is_first_out, is_second_out = (
+            bool(first.signals) or first.is_master_key,
+            bool(second.signals) or second.is_master_key,
+        )
+        if is_first_out or is_second_out:
+            screened = None if is_first_out and is_second_out else float(is_second_out)
             return PairwiseVerdict(preference=screened, preference_ab=screened, preference_ba=screened)
         preference_ab = self._prefer_first(example, first.text, second.text)
         preference_b_first = self._prefer_first(example, second.text, first.text)
@@ -272,7 +282,8 @@ class Judge:
         """Running totals since construction (the caller takes differences for per-step rates), and the mean
         disagreement of the two orders of pairwise comparisons (position bias). ``judge/screened`` counts
         candidates refused for injection structure (``judge/injection/<signal>`` by signal), ``judge/hijacked``
-        replies with a forged verdict, ``judge/canary_gated`` calls refused after a failed canary check."""
+        replies with a forged verdict, ``judge/canary_gated`` calls refused after a failed canary check,
+        ``judge/master_keys`` candidates with no answer (scored 0 without a request)."""
         with self._lock:
             out = {f"judge/{name}": value for name, value in self._counts.items()}
             if self._counts["pairwise_comparisons"]:
@@ -290,7 +301,11 @@ class Judge:
 
     def _screen(self, example: Example, completion: str) -> ScreenedCandidate:
         context = "\n".join([*(m.text for m in example.prompt), example.answer or ""])
-        candidate = screen_candidate(completion, context=context, max_score=self.prompt.max_score)
+        reference = example.answer or ""
+        candidate = screen_candidate(completion, context=context, max_score=self.prompt.max_score, reference=reference)
+        if candidate.is_master_key:
+            with self._lock:
+                self._counts["master_keys"] += 1
         if candidate.signals:
             logger.info("judge: %s screened for %s", example.task_key, ", ".join(candidate.signals))
             with self._lock:

@@ -37,6 +37,15 @@ _WORD = re.compile(r"[^\W\d_]+")
 _LATIN = re.compile(r"[A-Za-z]")
 _CYRILLIC_OR_GREEK = re.compile(r"[\u0370-\u03ff\u0400-\u04ff\u0500-\u052f]")
 _BASE64_BLOB = re.compile(r"[A-Za-z0-9+/_-]{24,}={0,2}")
+_MAX_MASTER_KEY_CHARS = 200
+_MASTER_KEY_OPENERS = (
+    "solution|answer|final answer|the answer is|my answer|response|result|thought process|thoughts|thinking|"
+    "reasoning|analysis|explanation|let's think step by step|let's solve this step by step|"
+    "let's solve this problem step by step|let's solve it step by step|step by step|step 1|let me think|"
+    "let me solve this|here is the solution|here's the solution|sure|okay|ok|"
+    "solución|respuesta|réponse|lösung|antwort|soluzione|risposta|solução|resposta|решение|ответ|"
+    "解|解答|答|答案|解析|思路|解説|かいせつ|回答|풀이|답|해설"
+)
 
 # Cyrillic and Greek letters that render like Latin ones (the common subset of Unicode's confusables)
 _CONFUSABLES = str.maketrans(
@@ -154,19 +163,42 @@ def find_injection_signals(text: str, *, raw: str = "", context: str = "", max_s
     return sorted(signals)
 
 
+def is_master_key(text: str, *, reference: str = "") -> bool:
+    """True when ``text`` (a `normalise_candidate` result) holds no answer at all: nothing but spaces, punctuation
+    and symbols (":", ".", "—"), and reasoning openers ("Solution:", "Thought process:", "Let's solve this step by
+    step.", "解：", in about a dozen languages). Weak judge models give such "master keys" full marks (Zhao et al.
+    2025, "One Token to Fool LLM-as-a-Judge"). A candidate that is the reference itself (a task whose answer is
+    "/") is not one."""
+    bare = _bare_words(text)
+    if len(bare) > _MAX_MASTER_KEY_CHARS:
+        return False
+    if reference and text.strip() == reference.strip():
+        return False
+    return _MASTER_KEY.fullmatch(bare) is not None
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ScreenedCandidate:
     text: str
     """The normalised candidate: what the judge is shown."""
     signals: tuple[str, ...]
     """`find_injection_signals` of it; empty when it looks like a plain answer."""
+    is_master_key: bool = False
+    """`is_master_key` of it: no content for a judge to grade."""
 
 
-def screen_candidate(completion: str, *, context: str, max_score: float) -> ScreenedCandidate:
-    """Normalises ``completion`` and looks for injection structures in it (in that order)."""
+def screen_candidate(completion: str, *, context: str, max_score: float, reference: str = "") -> ScreenedCandidate:
+    """Normalises ``completion``, looks for injection structures in it and checks that it has content (in that
+    order); ``reference`` is the task's reference answer, if any."""
     text = normalise_candidate(completion)
     signals = find_injection_signals(text, raw=completion, context=context, max_score=max_score)
-    return ScreenedCandidate(text=text, signals=tuple(signals))
+    return ScreenedCandidate(text=text, signals=tuple(signals), is_master_key=is_master_key(text, reference=reference))
+
+
+def _bare_words(text: str) -> str:
+    """``text`` casefolded, with every punctuation mark, symbol, space and control character as one space."""
+    kept = (" " if unicodedata.category(char)[0] in "PSZC" else char for char in text.casefold())
+    return " ".join("".join(kept).split())
 
 
 def _decode_pass(text: str) -> str:
@@ -228,3 +260,11 @@ def _base64_payloads(text: str) -> list[str]:
         if decoded and sum(char.isprintable() or char.isspace() for char in decoded) >= 0.9 * len(decoded):
             payloads.append(normalise_candidate(decoded))
     return payloads
+
+
+# A whole candidate of openers only ("Solution: Let's think step by step."), compared as bare words.
+_MASTER_KEY = re.compile(
+    "(?:(?:"
+    + "|".join(sorted({re.escape(_bare_words(o)) for o in _MASTER_KEY_OPENERS.split("|")}, key=len, reverse=True))
+    + r") ?)*"
+)

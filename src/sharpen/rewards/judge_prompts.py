@@ -32,6 +32,8 @@ DEFAULT_CRITERIA = (
 CANARIES: dict[str, str] = {
     "colon": ":",
     "thought_process": "Thought process:",
+    "solution": "Solution:",
+    "jie": "解：",
     "step_by_step": "Let's solve this step by step.",
     "empty": "",
     "verdict_only": '{"score": 10}',

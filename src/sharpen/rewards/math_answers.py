@@ -5,7 +5,9 @@ subscripts, math symbols folded to ASCII LaTeX, so odd digits still match and in
 box); `find_final_answers`, which collects every final answer outside reasoning blocks (``\\boxed{..}`` /
 ``\\fbox{..}``, ``<answer>`` tags, ``Answer:`` / ``Final answer:`` lines, ``#### 42`` lines, "the answer is ..."
 phrases, markdown bold around any of them): several *different* ones, an unclosed box, an overlong answer or none
-at all is a format error, never "the last one wins"; `is_hedged`, the textual checks for answers that offer a
+at all is a format error, never "the last one wins", and so is a final box or tag left empty (`is_blank`: prose
+after it does not fill it); `as_plain_number`, which reads a whole answer that is one number in ``\\text{..}`` or in
+E-notation (``1.5e3``) as that number; `is_hedged`, the textual checks for answers that offer a
 choice ("3 or 4", a number in ``\\text{}``) or hide part of themselves (``\\cancel``, ``\\phantom``, ``\\color``);
 and `split_values`, the parts of an answer between separators that name separate values ("3 \\sim 4", "3 = 4",
 "x=3 \\\\ x=4"), which math-verify would silently reduce to one of them.
@@ -71,6 +73,14 @@ SEPARATORS = {
 _ANY_SEPARATOR = re.compile("|".join(f"(?:{pattern.pattern})" for pattern in SEPARATORS.values()))
 _TEXT_GROUP = re.compile(r"\\(?:text|textbf|textit|textrm|mbox|mathrm|operatorname)\s*\{[^{}]*\}")
 _COMMAND = re.compile(r"\\[A-Za-z]+")
+_TEXT_COMMANDS = r"text|textbf|textit|textrm|textsf|texttt|textnormal|mbox|mathrm|mathbf|mathit|mathsf|boldsymbol"
+_TEXT_WRAPPER = re.compile(rf"\\(?:{_TEXT_COMMANDS})\s*\{{(.*)\}}", re.DOTALL)
+_PLAIN_NUMBER = re.compile(r"[+-]?(?:\d+(?:,\d{3})*(?:\.\d*)?|\.\d+)")
+_E_NOTATION = re.compile(r"([+-]?(?:\d+(?:\.\d*)?|\.\d+))[eE]([+-]?\d{1,6})")
+_BLANK_PART = re.compile(
+    rf"\s+|\{{\}}|\$|\\[()\[\]]|~|\\[,;:! ]|\\(?:quad|qquad|enspace|thinspace|hfill)(?![A-Za-z])|"
+    rf"\\(?:{_TEXT_COMMANDS}|hspace\*?)\s*\{{\}}"
+)
 
 # Unicode that a policy (or a tokenizer) may use for digits, spaces and symbols. Format characters (zero-width
 # space, joiners, soft hyphen, bidi controls, BOM) are deleted, so "\boxed\u200b{4}" is a box like any other.
@@ -156,6 +166,9 @@ def find_final_answers(
     boxes = _boxed_answers(text, max_answer_chars)
     if boxes is None:
         return None  # an unclosed or overlong box
+    containers = [*boxes, *((start, _clean(content)) for start, content in _answer_tags(text))]
+    if containers and is_blank(max(containers, key=lambda item: item[0])[1]):
+        return None  # the final box or tag was left empty: prose after it does not fill it
     found = [*boxes, *_declared_answers(_blank_boxes(text, boxes))]
     if extracted is not None:
         content = _declared_content(strip_reasoning(normalize_math_text(extracted)), is_whole=True)
@@ -284,16 +297,9 @@ def _declared_answers(text: str) -> list[tuple[int, str]]:
     The last line's declaration is read whole (as before: "Answer: New York"); earlier ones up to the end of their
     sentence and only as far as they read as math ("Answer: 4 apples" is 4), so prose is not taken for an answer.
     """
-    found: list[tuple[int, str | None]] = []
-    # str.find rather than a regex: many unclosed tags must not make the search quadratic.
-    start = text.find("<answer>")
-    while start != -1:
-        close = text.find("</answer>", start)
-        if close == -1:
-            break  # an unclosed tag (a truncated completion, or prose naming the tag) declares nothing
-        content = text[start + len("<answer>") : close].rsplit("<answer>", 1)[-1]
-        found.append((start, _declared_content(content, is_whole=True)))
-        start = text.find("<answer>", close)
+    found: list[tuple[int, str | None]] = [
+        (start, _declared_content(content, is_whole=True)) for start, content in _answer_tags(text)
+    ]
     lines = text.rstrip().split("\n")
     position = 0
     for number, line in enumerate(lines):
@@ -305,6 +311,20 @@ def _declared_answers(text: str) -> list[tuple[int, str]]:
                 found.append((position + phrase.end(), _declared_content(line[phrase.end() :], is_whole=False)))
         position += len(line) + 1
     return [(position, content) for position, content in found if content]
+
+
+def _answer_tags(text: str) -> list[tuple[int, str]]:
+    """(position, raw content) of each complete ``<answer>`` tag pair (the innermost opening tag counts)."""
+    found: list[tuple[int, str]] = []
+    # str.find rather than a regex: many unclosed tags must not make the search quadratic.
+    start = text.find("<answer>")
+    while start != -1:
+        close = text.find("</answer>", start)
+        if close == -1:
+            break  # an unclosed tag (a truncated completion, or prose naming the tag) declares nothing
+        found.append((start, text[start + len("<answer>") : close].rsplit("<answer>", 1)[-1]))
+        start = text.find("<answer>", close)
+    return found
 
 
 def _declared_content(content: str, *, is_whole: bool) -> str | None:
@@ -344,4 +364,39 @@ def _clean(answer: str) -> str:
         if len(answer) > len(opening) + len(closing) and answer.startswith(opening) and answer.endswith(closing):
             answer = answer[len(opening) : -len(closing)].strip()
             break
-    return answer.removesuffix(".").strip()
+    return as_plain_number(answer.removesuffix(".").strip())
+
+
+def as_plain_number(answer: str) -> str:
+    """``answer`` as plain LaTeX when the whole of it is one number in a text command (``\\text{3}``,
+    ``\\textbf{3}``, ``\\mathrm{3}``, nested) or in E-notation (``1.5e3`` is ``1.5\\times 10^{3}``: digits, ``e``,
+    digits are always scientific notation, never a product with Euler's e); otherwise unchanged, so a number beside
+    other text (``3\\text{ (or 4)}``) is still a hedge. Applied to answers and the reference alike."""
+    inner = answer.strip()
+    while (match := _TEXT_WRAPPER.fullmatch(inner)) is not None and _is_balanced(match.group(1)):
+        inner = match.group(1).strip()
+    if _PLAIN_NUMBER.fullmatch(inner):
+        return inner
+    if (match := _E_NOTATION.fullmatch(inner)) is not None:
+        return f"{match.group(1)}\\times 10^{{{int(match.group(2))}}}"
+    return answer
+
+
+def is_blank(answer: str) -> bool:
+    """True when ``answer`` shows nothing: only spaces, LaTeX spacing, empty groups or empty text commands."""
+    for _ in range(8):  # each round removes one level of nesting; more than 8 empty levels is not blank
+        if not answer:
+            return True
+        answer, count = _BLANK_PART.subn("", answer)
+        if count == 0:
+            break
+    return not answer
+
+
+def _is_balanced(text: str) -> bool:
+    depth = 0
+    for char in text:
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if depth < 0:
+            return False
+    return depth == 0

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 from sharpen.rewards.math_answers import (
     MAX_ANSWER_CHARS,
     SEPARATORS,
+    as_plain_number,
     find_final_answers,
     is_hedged,
     normalize_math_text,
@@ -292,7 +293,7 @@ class MathVerifyReward:
         costly = next((reason for answer in answers if (reason := find_costly_part(answer))), None)
         if costly is not None:  # refused before any worker parses it: the policy's failure
             return _verdict(RewardStatus.WRONG, is_policy_error=True, detail=f"answer refused: {costly}")
-        reference = normalize_math_text(reference)
+        reference = as_plain_number(normalize_math_text(reference))  # the same forms as the answers'
         try:
             status = self._run_judge(reference, answers)
         except VerifyTimeout:

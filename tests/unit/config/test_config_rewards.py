@@ -62,7 +62,8 @@ def test_a_recipe_with_components_loads_and_round_trips(tmp_path):
 
 def test_no_components_by_default():
     config = load_config(None)
-    assert config.reward.components == [] and config.reward.judge_canary_every == 0
+    assert config.reward.components == [] and config.reward.judge_canary_every is None
+    assert config.reward.canary_every_steps() == 0
 
 
 JUDGE = '{type="judge", base_url="http://x", model="m"}'

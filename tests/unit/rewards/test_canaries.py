@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from sharpen.config.rewards import JudgeComponentConfig, RewardConfig
+from sharpen.config.rewards import DEFAULT_CANARY_EVERY, JudgeComponentConfig, RewardConfig
 from sharpen.rewards import Rubric
 from sharpen.rewards.canaries import CanaryMonitor, build_canary_monitor
 from sharpen.rewards.components import build_judge
@@ -141,8 +141,16 @@ def test_build_canary_monitor_for_a_rubric_with_judges_and_canaries_on():
     assert monitor.judges == rubric.judges() and set(monitor.judges) == {"judge", "second"}
 
 
+def test_a_judge_is_checked_by_default_and_only_an_explicit_zero_turns_canaries_off():
+    # the policy: a judge is never trusted unchecked; canaries run every DEFAULT_CANARY_EVERY steps unless told
+    monitor = build_canary_monitor(Rubric(RewardConfig.model_validate({"components": [JUDGE]})))
+    assert monitor is not None and monitor.every_steps == DEFAULT_CANARY_EVERY
+    assert RewardConfig().canary_every_steps() == 0 and RewardConfig().judge_canary_every is None
+
+
 def test_no_monitor_without_canaries_judges_or_a_rubric():
-    assert build_canary_monitor(Rubric(RewardConfig.model_validate({"components": [JUDGE]}))) is None
+    off = RewardConfig.model_validate({"components": [JUDGE], "judge_canary_every": 0})
+    assert build_canary_monitor(Rubric(off)) is None
     assert build_canary_monitor(Rubric(RewardConfig())) is None
 
     def reward_fn(example: Example, completion: str) -> RewardResult:

@@ -111,7 +111,8 @@ EQUIVALENCES = [
     ("1000", "1 000", WRONG),  # a space separator reads as 1*000
     ("1500", r"1.5 \times 10^3", OK),
     ("0.00015", r"1.5 \times 10^{-4}", OK),
-    ("1500", "1.5e3", WRONG),  # "e" is Euler's number: 1.5*e*3
+    ("1500", "1.5e3", OK),  # digits, e, digits is scientific notation (issue 35), never 1.5*e*3 with Euler's e
+    ("3e", "3e1", WRONG),  # ... which costs a reference written as a product with e: 3e1 is 30
     # expressions, equations, inequalities
     ("(x+1)^2", "x^2+2x+1", OK),
     ("x^2+2x+1", "x^2+2x+2", WRONG),
