@@ -79,7 +79,13 @@ def test_an_earlier_versions_resolved_config_loads_to_todays_recipe(name: str):
     assert lines == ['runtime.type = "local" is now called "embedded"', "trainer.algorithm"], "one line each"
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # today's recipes use no deprecated key
-        assert legacy == load_config(_RECIPES / f"{name}.toml")
+        today = load_config(_RECIPES / f"{name}.toml")
+    # reward.judge_canary_every: the earlier versions wrote their default 0 (never); today's default (unset) runs the
+    # canaries only with a judge, and these recipes have none, so both mean never
+    assert legacy.reward.judge_canary_every == 0 and today.reward.judge_canary_every is None
+    assert legacy.reward.canary_every_steps() == today.reward.canary_every_steps() == 0
+    reward = legacy.reward.model_copy(update={"judge_canary_every": None})
+    assert legacy.model_copy(update={"reward": reward}) == today
 
 
 def test_the_deprecation_line_says_what_to_write():
