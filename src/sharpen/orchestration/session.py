@@ -34,9 +34,16 @@ from sharpen.orchestration.build import (
     load_tokenizer,
     uses_ray_reward_models,
 )
-from sharpen.orchestration.checkpoint import CheckpointScan, load_checkpoint, scan_checkpoints
+from sharpen.orchestration.checkpoint import (
+    CheckpointScan,
+    checkpoint_home,
+    export_model,
+    load_checkpoint,
+    scan_checkpoints,
+)
 from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.loop import run_loop
+from sharpen.orchestration.object_store import StoreFolder
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
 
@@ -60,14 +67,16 @@ class RunStart:
     """Where a run starts: from ``checkpoint``, or from step 0 (None); ``set_aside``: first move the files of an
     earlier attempt that left steps but no complete checkpoint to ``run_dir/attempts/N`` (`set_aside_attempt`)."""
 
-    checkpoint: Path | None = None
+    checkpoint: Path | StoreFolder | None = None
     set_aside: bool = False
 
 
-def choose_start(resume: Resume, *, run_dir: Path, holds_steps: bool, scan: CheckpointScan) -> RunStart:
+def choose_start(
+    resume: Resume, *, run_dir: Path, holds_steps: bool, scan: CheckpointScan, home: Path | StoreFolder | None = None
+) -> RunStart:
     """The rule of where a run starts, from what its run directory holds (``holds_steps``: it has ``metrics.jsonl``;
-    ``scan``: its checkpoints); raises `ConfigError` when ``resume`` cannot be honoured. Pure: decides, moves
-    nothing."""
+    ``scan``: its checkpoints, under ``home``, the run directory unless they are in an object store); raises
+    `ConfigError` when ``resume`` cannot be honoured. Pure: decides, moves nothing."""
     skipped = f" (incomplete: {'; '.join(scan.skipped)})" if scan.skipped else ""
     if resume is False:
         if holds_steps:
@@ -79,7 +88,7 @@ def choose_start(resume: Resume, *, run_dir: Path, holds_steps: bool, scan: Chec
     if scan.latest is not None:
         return RunStart(checkpoint=scan.latest)
     if resume is True:
-        raise ConfigError(f"--resume: {run_dir} has no complete checkpoint to resume from{skipped}")
+        raise ConfigError(f"--resume: {home or run_dir} has no complete checkpoint to resume from{skipped}")
     return RunStart(set_aside=holds_steps)
 
 
@@ -87,11 +96,14 @@ def run_directory(config: SharpenConfig) -> Path:
     return Path(config.run.output_dir) / config.run.name
 
 
-def prepare_run_dir(config: SharpenConfig, *, resume: Resume) -> tuple[Path, Path | None]:
-    """The run directory, and the checkpoint to resume from (None for a run from step 0)."""
+def prepare_run_dir(config: SharpenConfig, *, resume: Resume) -> tuple[Path, Path | StoreFolder | None]:
+    """The run directory, and the checkpoint to resume from (None for a run from step 0), on the disk or in the
+    object store (``run.checkpoint_uri``)."""
     run_dir = run_directory(config)
-    scan = scan_checkpoints(run_dir) if resume is not False else CheckpointScan()
-    start = choose_start(resume, run_dir=run_dir, holds_steps=(run_dir / "metrics.jsonl").exists(), scan=scan)
+    home = checkpoint_home(config.run, run_dir)
+    scan = scan_checkpoints(home) if resume is not False else CheckpointScan()
+    holds_steps = (run_dir / "metrics.jsonl").exists()
+    start = choose_start(resume, run_dir=run_dir, holds_steps=holds_steps, scan=scan, home=home)
     if start.checkpoint is not None:
         for reason in scan.skipped:
             logger.warning("skipping incomplete checkpoint %s", reason)
@@ -183,7 +195,7 @@ def run_session(
             components.parity_probe = build_parity_probe(config, components, examples)
             run_loop(components, start_step=next_step, pending=pending)
             if config.run.export_model:
-                components.trainer.export(run_dir / "model")
+                export_model(checkpoint_home(config.run, run_dir), trainer=components.trainer)
         finally:
             components.sink.close()
             components.recorder.close()

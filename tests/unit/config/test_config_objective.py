@@ -127,3 +127,27 @@ def test_flat_knobs_dropped_to_what_each_part_needs():
     assert len(AlgorithmConfig.model_fields) == 10
     sizes = {s.model_fields["type"].default: len(s.model_fields) for s in get_args(get_args(PolicyLossConfig)[0])}
     assert sizes == {"ppo_clip": 4, "gspo": 3, "cispo": 3, "sapo": 3, "gmpo": 3, "clip_cov": 6, "kl_cov": 3, "pg": 1}
+
+
+def test_a_turn_level_estimator_needs_a_multi_turn_environment():
+    assert _error(['trainer.algorithm.advantage="gigpo"']) == (
+        'trainer.algorithm.advantage = "gigpo" gives each turn of an episode its own advantage and needs a multi-turn '
+        'environment (environment.max_turns > 1), not environment.type = "single_turn": use an episode-level '
+        'estimator such as "grpo" there'
+    )
+    game = ['environment.type="guess_number"', 'data.type="environment"']
+    message = _error(['trainer.algorithm.advantage="turn_grpo"', *game, "environment.max_turns=1"])
+    assert 'not environment.type = "guess_number" with max_turns = 1' in message
+    config = load_config(None, ['trainer.algorithm.advantage="turn_grpo"', *game])
+    assert config.trainer.algorithm.advantage.model_dump() == {"type": "turn_grpo", "gamma": 0.95, "std": "unbiased"}
+
+
+def test_a_turn_discount_outside_0_1_is_refused():
+    game = ['environment.type="guess_number"', 'data.type="environment"']
+    message = _error(['trainer.algorithm.advantage={type = "gigpo", gamma = 1.5}', *game])
+    assert message.startswith("trainer.algorithm.advantage.gamma: Input should be less than or equal to 1")
+    message = _error(['trainer.algorithm.advantage={type = "turn_grpo", gamma = -0.1}', *game])
+    assert message.startswith("trainer.algorithm.advantage.gamma: Input should be greater than or equal to 0")
+    assert _error(['trainer.algorithm.advantage={type = "gigpo", omega = -1}', *game]).startswith(
+        "trainer.algorithm.advantage.omega: Input should be greater than or equal to 0"
+    )

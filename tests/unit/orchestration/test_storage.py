@@ -53,7 +53,10 @@ def test_a_rank_that_cannot_see_the_drivers_folder_is_refused(tmp_path: Path) ->
         f"run.output_dir {tmp_path} is not shared: trainer rank 1 on host {socket.gethostname()} cannot read the "
         "driver's marker"
     )
-    assert message.endswith("put run.output_dir on a filesystem every node mounts")
+    assert message.endswith(
+        "put run.output_dir on a filesystem every node mounts, or the checkpoints in an object store "
+        "(run.checkpoint_uri)"
+    )
 
 
 def test_a_rank_whose_writes_the_driver_cannot_read_is_refused(tmp_path: Path) -> None:

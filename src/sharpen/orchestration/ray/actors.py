@@ -23,6 +23,8 @@ from sharpen.config import SharpenConfig
 from sharpen.config.models import resolve_model_path
 from sharpen.monitoring import Span, SpanBuffer
 from sharpen.orchestration.build import build_run_engine, build_trainer, load_tokenizer
+from sharpen.orchestration.manifest import Entries
+from sharpen.orchestration.object_store import StoreFolder, export_to_store, load_from_store, save_to_store
 from sharpen.orchestration.storage import MarkerAnswer, answer_marker
 from sharpen.rollout.engines import WeightGroupEngine, probe_engine, sleepable
 from sharpen.rollout.engines.base import generate_prompts, score_prompt
@@ -169,9 +171,19 @@ class TrainerActor(SpanRecordingActor):
         owned by this actor, inside a list as `put_weights`'."""
         return [ray.put(self._trainer.weight_shards())]
 
-    def check_shared_dir(self, folder: Path, token: str) -> MarkerAnswer:
-        """This actor's half of the start-up check that the run directory is shared (`storage.check_shared_run_dir`)."""
+    def check_shared_dir(self, folder: Path | StoreFolder, token: str) -> MarkerAnswer:
+        """This actor's half of the start-up check that checkpoints have one place (`storage.check_storage`)."""
         return answer_marker(folder, token, rank=self.rank)
+
+    def save_to_store(self, target: StoreFolder) -> Entries:
+        """This rank's checkpoint files, uploaded to the object store (`object_store.RANK_CALLS`, as all three)."""
+        return save_to_store(self._trainer, target)
+
+    def export_to_store(self, target: StoreFolder) -> Entries:
+        return export_to_store(self._trainer, target)
+
+    def load_from_store(self, source: StoreFolder, files: Entries) -> str | None:
+        return load_from_store(self._trainer, source, files)
 
     def save_checkpoint(self, folder: Path) -> None:
         self._trainer.save_checkpoint(folder)

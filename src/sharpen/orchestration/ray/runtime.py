@@ -1,7 +1,8 @@
 """The Ray runtime: the same loop as the embedded runtime, with the trainer and the engine in Ray actors.
 
-Owns connecting to (or starting) Ray, placing the actors with the resources of `RuntimeConfig`, the check that the
-run directory is one folder for the driver and every trainer actor (`storage.check_shared_run_dir`), and stopping
+Owns connecting to (or starting) Ray, placing the actors with the resources of `RuntimeConfig`, the check that
+checkpoints have one place for the driver and every trainer actor (`storage.check_storage`: a shared run directory
+or the object store), and stopping
 them. Everything else (run directory, resume, export, sinks, sandboxes, the loop itself) is
 `sharpen.orchestration.session.run_session`'s, which receives the actors' proxies as the run's trainer and engine.
 The trainer is one actor, or several FSDP2 rank actors behind one `TrainerGroupProxy` (``runtime.trainer_ranks``);
@@ -40,7 +41,7 @@ from sharpen.orchestration.ray.proxies import (
 )
 from sharpen.orchestration.ray.reward_actors import start_reward_model_pools
 from sharpen.orchestration.session import Resume, run_directory, run_session
-from sharpen.orchestration.storage import check_shared_run_dir
+from sharpen.orchestration.storage import check_storage
 from sharpen.orchestration.trainer_layout import check_trainer_layout
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
@@ -187,7 +188,7 @@ def run_ray(config: SharpenConfig, *, resume: Resume = False, reward_fn: RewardF
             engine = BroadcastEngines(engine, trainer=trainer, engines=engines)
 
         def placed(model_path: Path, tokenizer: Any) -> tuple[TrainerHandle, InferenceEngine]:
-            check_shared_run_dir(run_directory(config), trainer, output_dir=config.run.output_dir)
+            check_storage(config.run, run_directory(config), trainer)
             return trainer, engine
 
         run_dir = run_session(

@@ -28,6 +28,7 @@ from sharpen.config.advantages import (
     AdvantageConfig,
     DrGRPOAdvantage,
     GAEAdvantage,
+    GiGPOAdvantage,
     GRPOAdvantage,
     PassKAdvantage,
     ReinforcePPAdvantage,
@@ -35,6 +36,7 @@ from sharpen.config.advantages import (
     ReMaxAdvantage,
     RLOOAdvantage,
     StdConvention,
+    TurnGRPOAdvantage,
 )
 from sharpen.trainer.algorithms.advantages import compute_grpo_advantages
 
@@ -48,7 +50,8 @@ def compute_advantages(
     ``scores``: [num_groups, group_size], NaN where the reward abstained (and where a group is shorter than the
     largest); abstained entries come back NaN. ``baselines``: [num_groups], the score of each group's greedy
     completion, NaN where there is none; needed by ReMax, ignored by the others. GAE is not a group estimator: its
-    advantages are per token and come from the critic's values, so the trainer computes them (``compute_gae``).
+    advantages are per token and come from the critic's values, so the trainer computes them (``compute_gae``);
+    the turn-level estimators (``needs_turns``) are per turn (``turn_estimators.py: compute_turn_advantages``).
     """
     match estimator:
         case GRPOAdvantage():
@@ -71,6 +74,11 @@ def compute_advantages(
             raise ValueError(
                 "GAE is not a group estimator: its per-token advantages need the critic's values, so the trainer "
                 "computes them (compute_gae)"
+            )
+        case TurnGRPOAdvantage() | GiGPOAdvantage():
+            raise ValueError(
+                f"{estimator.type} is a turn-level estimator: its advantages are per turn of an episode, from the "
+                "turns' rewards (compute_turn_advantages)"
             )
         case _:
             assert_never(estimator)

@@ -255,7 +255,8 @@ def test_outcome_estimators_accept_empty_inputs(estimator, shape):
 # --- the registry ------------------------------------------------------------------------------------------------
 
 _SECTIONS: tuple[type[AdvantageConfig], ...] = typing.get_args(typing.get_args(AdvantageConfig)[0])
-_GROUP_SECTIONS = [section for section in _SECTIONS if section is not GAEAdvantage]  # gae needs a critic
+# gae needs a critic; the turn-level estimators turns (tests/unit/trainer/algorithms/test_trainer_turn_estimators.py)
+_GROUP_SECTIONS = [section for section in _SECTIONS if section is not GAEAdvantage and not section.needs_turns]
 
 
 def _type(section: type[AdvantageConfig]) -> str:
@@ -273,11 +274,16 @@ def _section(section: type[AdvantageConfig], **knobs: object) -> AdvantageConfig
 @pytest.mark.parametrize("section", _SECTIONS, ids=_type)
 def test_every_section_of_the_union_has_a_case(section: type[AdvantageConfig]):
     """The registry knows every member of `AdvantageConfig` (pyright's assert_never checks it statically; this
-    checks it at run time): a group estimator gives finite advantages on the valid scores, GAE its own refusal."""
+    checks it at run time): a group estimator gives finite advantages on the valid scores, GAE and the turn-level
+    estimators their own refusal."""
     scores = _t([[1.0, 0.0, NAN, 1.0], [3.0, NAN, 1.0, 0.0]])
     baselines = _t([0.5, 1.0]) if section is ReMaxAdvantage else None
     if section is GAEAdvantage:
         with pytest.raises(ValueError, match="critic"):
+            compute_advantages(_section(section), scores, baselines=baselines)
+        return
+    if section.needs_turns:  # per turn: compute_turn_advantages
+        with pytest.raises(ValueError, match="turn-level estimator"):
             compute_advantages(_section(section), scores, baselines=baselines)
         return
     advantages = compute_advantages(_section(section), scores, baselines=baselines)

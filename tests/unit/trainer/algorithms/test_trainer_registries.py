@@ -11,7 +11,13 @@ import typing
 import pytest
 import torch
 
-from sharpen.config.advantages import AdvantageConfig, GAEAdvantage, PassKAdvantage, ReMaxAdvantage
+from sharpen.config.advantages import (
+    AdvantageConfig,
+    GAEAdvantage,
+    PassKAdvantage,
+    ReMaxAdvantage,
+    TurnAdvantageConfig,
+)
 from sharpen.config.corrections import CorrectionConfig, TokenTISCorrection
 from sharpen.config.kl import KLConfig, KLLoss, KLReward, NoKL
 from sharpen.config.policy_losses import GSPOLoss, PolicyLossConfig, PPOClipLoss
@@ -19,6 +25,7 @@ from sharpen.trainer.algorithms.estimators import compute_advantages
 from sharpen.trainer.algorithms.kl import AdaptiveKLController, FixedKLController, build_kl_controller, kl_per_token
 from sharpen.trainer.algorithms.offpolicy import compute_correction
 from sharpen.trainer.algorithms.policy_losses import compute_policy_loss, select_tokens
+from sharpen.trainer.algorithms.turn_estimators import compute_turn_advantages
 
 F64 = torch.float64
 NAN = float("nan")
@@ -53,10 +60,27 @@ def test_every_advantage_section_goes_through_compute_advantages(section: type[A
         with pytest.raises(ValueError, match="critic"):
             compute_advantages(_advantage(section), scores, baselines=baselines)
         return
+    if section.needs_turns:  # its case refuses: per-turn advantages go through compute_turn_advantages (below)
+        with pytest.raises(ValueError, match="turn-level estimator"):
+            compute_advantages(_advantage(section), scores, baselines=baselines)
+        return
     advantages = compute_advantages(_advantage(section), scores, baselines=baselines)
     assert advantages.shape == scores.shape
     assert torch.equal(torch.isnan(advantages), torch.isnan(scores))
     assert torch.isfinite(advantages[~torch.isnan(scores)]).all()
+
+
+@pytest.mark.parametrize("section", typing.get_args(TurnAdvantageConfig), ids=_type)
+def test_every_turn_advantage_section_goes_through_compute_turn_advantages_with_its_gamma(section: type):
+    assert section.needs_turns and section in _members(AdvantageConfig)
+    # two one-group samples: turns [0, 1] and [0]; every first turn from the same state
+    rewards, mask = _t([[[0.0, 1.0], [0.0, 0.0]]]), torch.tensor([[[True, True], [True, False]]])
+    states = torch.tensor([[[0, 1], [0, -1]]])
+    advantages = compute_turn_advantages(section(), rewards, mask, states)
+    assert torch.isfinite(advantages).all() and advantages[0, 1, 1] == 0.0  # past the second sample's last turn
+    # gamma = 0: the first turn's return drops from 0.95 (the default's) to 0, its advantage with it
+    undiscounted = compute_turn_advantages(section(gamma=0.0), rewards, mask, states)
+    assert undiscounted[0, 0, 0] < advantages[0, 0, 0]
 
 
 @pytest.mark.parametrize("section", _members(PolicyLossConfig), ids=_type)
