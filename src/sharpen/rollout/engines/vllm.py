@@ -17,8 +17,7 @@ the images. vLLM's expansion must give back exactly the ids sharpen rendered, or
 
 With ``route_experts`` (R3: ``trainer.moe.routing_replay = "r3"``) the engine starts with vLLM's
 ``enable_return_routed_experts``, and each completion carries the experts every prompt and generated token went to
-(`vllm_routes`: vLLM returns ``[prompt + completion - 1, layers, top_k]``, every token it ran; the last sampled token
-never ran, so it is unknown). vLLM's CPU build cannot (docs/moe.md); this path is written against vLLM 0.32's
+(`vllm_routes`). vLLM's CPU build cannot (docs/moe.md); this path is written against vLLM 0.32's
 ``CompletionOutput.routed_experts`` and tested here on that type, not on a running engine.
 """
 
@@ -27,7 +26,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -40,11 +38,11 @@ from sharpen.data.vision import (
     placeholders_without_images,
     text_only_error,
 )
-from sharpen.expert_routes import UNROUTED, expert_routes
 from sharpen.rollout.engines.base import EngineError, device_free_bytes
+from sharpen.rollout.engines.vllm_routes import RoutesOf, routes_of
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
-from sharpen.types import Completion, ExpertRoutes, ImagePart, PolicyVersion, SamplingParams
+from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 if TYPE_CHECKING:
     import torch
@@ -198,46 +196,6 @@ def vllm_completion(
         versions=versions,
         routes=None if routes_of is None else routes_of.routes(sample.routed_experts, len(ids)),
     )
-
-
-def routes_of(prompt: list[int], route_experts: int | None) -> RoutesOf | None:
-    """What `vllm_completion` needs to return the routes of a completion of ``prompt`` (None: no routes)."""
-    return None if route_experts is None else RoutesOf(len(prompt), route_experts)
-
-
-@dataclass(frozen=True, slots=True)
-class RoutesOf:
-    """What turns vLLM's routed experts of one request into a completion's routes: its prompt's length and the
-    model's expert count."""
-
-    prompt_length: int
-    num_experts: int
-
-    def routes(self, rows: Any, num_generated: int) -> ExpertRoutes:
-        return vllm_routes(rows, num_tokens=self.prompt_length + num_generated, num_experts=self.num_experts)
-
-
-def vllm_routes(rows: Any, *, num_tokens: int, num_experts: int) -> ExpertRoutes:
-    """vLLM's routed experts of one request (``rows``: ``[num_tokens - 1, layers, top_k]``, every token it ran: the
-    prompt's and the generated ones but the last) as the ``[num_tokens, layers, top_k]`` routes a rollout carries,
-    the last token unknown (`UNROUTED`)."""
-    import numpy as np
-    import torch
-
-    if rows is None:
-        raise EngineError(
-            "vLLM returned no routed experts: the engine must run with enable_return_routed_experts (R3), on a "
-            "build that can (not the CPU build, docs/moe.md)"
-        )
-    array = np.asarray(rows)
-    if array.ndim != 3 or array.shape[0] != num_tokens - 1:
-        raise EngineError(
-            f"vLLM returned routed experts of shape {tuple(array.shape)} for {num_tokens} tokens (expected "
-            f"[{num_tokens - 1}, layers, top_k]: every token but the last)"
-        )
-    indices = torch.from_numpy(array.astype(np.int64))
-    unknown = torch.full((1, *indices.shape[1:]), UNROUTED, dtype=torch.long)
-    return expert_routes(torch.cat([indices, unknown]), num_experts=num_experts)
 
 
 def probe_logprobs(output: RequestOutput, token_ids: list[int]) -> list[float]:

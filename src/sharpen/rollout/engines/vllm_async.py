@@ -41,10 +41,10 @@ from sharpen.rollout.engines.vllm import (
     prepare_cpu_environment,
     probe_logprobs,
     probe_params,
-    routes_of,
     vllm_completion,
     vllm_sampling_params,
 )
+from sharpen.rollout.engines.vllm_routes import routes_of
 from sharpen.rollout.weight_sync.buckets import BucketError, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams

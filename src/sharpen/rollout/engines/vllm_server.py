@@ -52,8 +52,8 @@ from sharpen.rollout.engines.vllm import (
     check_joined,
     cpu_scheduling_arguments,
     prepare_cpu_environment,
-    vllm_routes,
 )
+from sharpen.rollout.engines.vllm_routes import decode_routed, vllm_routes
 from sharpen.rollout.weight_sync.buckets import BucketError, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
 from sharpen.types import Completion, ExpertRoutes, PolicyVersion, SamplingParams
@@ -353,21 +353,6 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
             if self.sender is not None:
                 self.sender.close()
                 self.sender = None
-
-
-def decode_routed(encoded: str) -> Any:
-    """The array of a generate reply's ``routed_experts``: base64 of numpy's ``.npy`` bytes (vLLM 0.32's scale-out
-    protocol), ``[tokens - 1, layers, top_k]``; a `ValueError` for anything else. Never unpickles."""
-    import base64
-    import binascii
-    import io
-
-    import numpy as np
-
-    try:
-        return np.load(io.BytesIO(base64.b64decode(encoded, validate=True)), allow_pickle=False)
-    except (binascii.Error, OSError, EOFError) as error:
-        raise ValueError(str(error) or type(error).__name__) from None
 
 
 def _cpu_scheduling_flags(max_model_len: int) -> list[str]:

@@ -16,8 +16,8 @@ import torch
 from sharpen.config.engines import VllmEngineConfig
 from sharpen.expert_routes import UNROUTED, routes_tensor
 from sharpen.rollout.engines.base import EngineError
-from sharpen.rollout.engines.vllm import RoutesOf, engine_arguments, vllm_completion, vllm_routes
-from sharpen.rollout.engines.vllm_server import decode_routed
+from sharpen.rollout.engines.vllm import engine_arguments, vllm_completion
+from sharpen.rollout.engines.vllm_routes import RoutesOf, decode_routed, vllm_routes
 
 PROMPT, GENERATED, LAYERS, TOP_K, EXPERTS = 5, 3, 2, 2, 8
 
