@@ -134,6 +134,14 @@ def build_parser() -> argparse.ArgumentParser:
     dashboard.add_argument("runs_dir", help="a folder of run directories (each holds metrics.jsonl)")
     dashboard.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     dashboard.add_argument("--port", type=int, default=8765, help="port to listen on (0 picks a free one)")
+    dashboard.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a DNS name the page may be reached by, beside IP addresses and localhost (repeatable; other Host "
+        "headers are refused, against DNS rebinding)",
+    )
 
     models = commands.add_parser("models", help="manage known models: shipped in Python packages or built here")
     model_commands = models.add_subparsers(dest="models_command", required=True)
@@ -340,7 +348,7 @@ def _dashboard(args: argparse.Namespace) -> int:
     from sharpen.monitoring.dashboard import DashboardServer
 
     try:
-        server = DashboardServer(Path(args.runs_dir), host=args.host, port=args.port)
+        server = DashboardServer(Path(args.runs_dir), host=args.host, port=args.port, allowed_hosts=args.allow_host)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     except OSError as error:  # the port is taken, or the host is not an address of this machine

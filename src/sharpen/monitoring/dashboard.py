@@ -6,7 +6,11 @@ Owns a read-only, standard-library HTTP server and its JSON API: ``GET /`` the p
 ``completion_tokens``: the text of every completion token when the run's tokenizer has loaded, else null; and
 ``tokens_pending``: true while that tokenizer is still loading, so the page shows token ids at once and asks again)
 and ``GET /api/runs/<name>/eval`` (eval.json). A run name is one folder name: anything that could leave ``runs_dir``
-(``..``, a slash, an absolute path) is answered 400. Does not write to a run, compute metrics or need a GPU; the
+(``..``, a slash, an absolute path) is answered 400, and so is a run folder or a run's file that is a symlink
+resolving elsewhere. A request whose ``Host`` header names neither an IP address, ``localhost`` nor a name given
+with ``allowed_hosts`` is answered 403: a web page whose DNS name re-resolves to this server (DNS rebinding) cannot
+read it. A run that cannot be read (a file that is not JSON lines, no permission) is answered with its own error,
+and the page shows the other runs. Does not write to a run, compute metrics or need a GPU; the
 tokenizer is the only heavy import (seconds), so it is loaded once per run on a background thread, started for
 every run with rollouts when the server starts, and no request ever waits for it.
 """
@@ -14,12 +18,13 @@ every run with rollouts when the server starts, and no request ever waits for it
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import logging
 import math
 import threading
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
@@ -44,6 +49,25 @@ class _BadRequest(ValueError):
 
 class _NotFound(ValueError):
     pass
+
+
+def host_allowed(header: str | None, allowed: frozenset[str] = frozenset()) -> bool:
+    """Whether a request's ``Host`` header may be served: an IP address, ``localhost`` or a name in ``allowed``
+    (any port). A DNS rebinding attack's page sends its own domain name, which is none of them."""
+    if not header:
+        return False
+    host = header.strip().lower()
+    if host.startswith("["):  # [::1]:8765
+        host = host[1 : host.find("]")] if "]" in host else host
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    if host == "localhost" or host in allowed:
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def read_complete_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -71,7 +95,7 @@ def load_run_decoder(run_dir: Path) -> TokenDecoder | None:
     show everything the colouring needs.
     """
     config_path = run_dir / "config.toml"
-    if not config_path.is_file():
+    if not config_path.is_file() or config_path.resolve().parent != run_dir.resolve():
         return None
     model_path = tomllib.loads(config_path.read_text(encoding="utf-8")).get("model", {}).get("path")
     if not isinstance(model_path, str):
@@ -110,23 +134,31 @@ class RunStore:
             raise _NotFound(f"no run {name!r} (a folder with {METRICS_FILE_NAME}) in {self.runs_dir}")
         return path
 
+    def file(self, run_dir: Path, name: str) -> Path:
+        """A file of a run, which must not be a symlink out of the run's folder."""
+        path = run_dir / name
+        if path.resolve().parent != run_dir:
+            raise _BadRequest(f"{run_dir.name}/{name} resolves outside its run's folder")
+        return path
+
     def runs(self) -> list[dict[str, Any]]:
-        found = sorted(path for path in self.runs_dir.iterdir() if (path / METRICS_FILE_NAME).is_file())
+        found = sorted(path for path in self.runs_dir.iterdir() if _is_file(path / METRICS_FILE_NAME))
         return [
             {
                 "name": path.name,
-                "has_rollouts": (path / ROLLOUTS_FILE_NAME).is_file(),
-                "has_eval": (path / EVAL_FILE_NAME).is_file(),
+                "has_rollouts": _is_file(path / ROLLOUTS_FILE_NAME),
+                "has_eval": _is_file(path / EVAL_FILE_NAME),
             }
             for path in found
         ]
 
     def metrics(self, name: str) -> list[dict[str, Any]]:
-        return read_complete_jsonl(self.run_dir(name) / METRICS_FILE_NAME)
+        run_dir = self.run_dir(name)
+        return read_complete_jsonl(self.file(run_dir, METRICS_FILE_NAME))
 
     def rollouts(self, name: str, step: int | None) -> dict[str, Any]:
         run_dir = self.run_dir(name)
-        path = run_dir / ROLLOUTS_FILE_NAME
+        path = self.file(run_dir, ROLLOUTS_FILE_NAME)
         records = read_complete_jsonl(path) if path.is_file() else []
         steps = sorted({record["step"] for record in records})
         if step is None and steps:
@@ -138,7 +170,8 @@ class RunStore:
         return {"step": step, "steps": steps, "records": chosen, "tokens_pending": pending}
 
     def evaluation(self, name: str) -> dict[str, Any]:
-        path = self.run_dir(name) / EVAL_FILE_NAME
+        run_dir = self.run_dir(name)
+        path = self.file(run_dir, EVAL_FILE_NAME)
         if not path.is_file():
             raise _NotFound(f"run {name!r} has no {EVAL_FILE_NAME} (write one with `sharpen eval`)")
         return json.loads(path.read_text(encoding="utf-8"))
@@ -172,6 +205,14 @@ class RunStore:
                 self._decoders[name] = decoder
 
 
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False where it cannot be told (no permission to the folder)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def page_html() -> bytes:
     return (resources.files("sharpen.monitoring") / "dashboard_static" / "dashboard.html").read_bytes()
 
@@ -198,9 +239,15 @@ def route(store: RunStore, raw_path: str) -> Any:
     raise _NotFound(f"unknown path {url.path!r}; a run has metrics, rollouts and eval")
 
 
-def _make_handler(store: RunStore) -> type[BaseHTTPRequestHandler]:
+def _make_handler(store: RunStore, allowed_hosts: frozenset[str]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            host = self.headers.get("Host")
+            if not host_allowed(host, allowed_hosts):
+                message = (
+                    f"Host {host!r} is not served here (an IP address, localhost, or sharpen dashboard --allow-host)"
+                )
+                return self._send(403, json.dumps({"error": message}).encode(), "application/json")
             if urlsplit(self.path).path in {"", "/", "/index.html"}:
                 return self._send(200, page_html(), "text/html; charset=utf-8")
             try:
@@ -209,6 +256,10 @@ def _make_handler(store: RunStore) -> type[BaseHTTPRequestHandler]:
                 payload, status = {"error": str(error)}, 400
             except _NotFound as error:
                 payload, status = {"error": str(error)}, 404
+            except ValueError as error:  # a run's file that is not JSON (lines)
+                payload, status = {"error": f"{urlsplit(self.path).path}: not readable as JSON ({error})"}, 422
+            except OSError as error:  # no permission, a file gone mid-read
+                payload, status = {"error": f"{urlsplit(self.path).path}: cannot be read ({error})"}, 500
             body = json.dumps(_finite(payload)).encode()
             self._send(status, body, "application/json")
 
@@ -237,11 +288,14 @@ class DashboardServer:
         host: str = "127.0.0.1",
         port: int = 8765,
         load_decoder: Callable[[Path], TokenDecoder | None] = load_run_decoder,
+        allowed_hosts: Sequence[str] = (),
     ) -> None:
+        """``allowed_hosts``: DNS names the page may be reached by, beside IP addresses and ``localhost``."""
         if not Path(runs_dir).is_dir():
             raise ValueError(f"dashboard: runs directory {str(runs_dir)!r} is not a folder")
         self.store = RunStore(Path(runs_dir), load_decoder=load_decoder)
-        self._http = ThreadingHTTPServer((host, port), _make_handler(self.store))
+        names = frozenset(name.strip().lower() for name in allowed_hosts)
+        self._http = ThreadingHTTPServer((host, port), _make_handler(self.store, names))
         self._http.daemon_threads = True
         self._thread: threading.Thread | None = None
 

@@ -258,6 +258,7 @@ def test_cli_surface_is_frozen():
         "dashboard runs_dir",
         "dashboard --host",
         "dashboard --port",
+        "dashboard --allow-host",
         "models",
         "models list",
         "models pull",

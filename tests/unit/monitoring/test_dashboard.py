@@ -1,6 +1,7 @@
-"""`sharpen dashboard`: the JSON API over a folder of runs, names that would leave it are rejected, a tokenizer that
-is still loading never holds up the rollouts, and the page renders curves (identical ones told apart) and coloured
-tokens in a real (headless) browser."""
+"""`sharpen dashboard`: the JSON API over a folder of runs, names and files that would leave it are rejected, a page
+reached by another DNS name is refused (DNS rebinding), a run that cannot be read does not blank the page, a
+tokenizer that is still loading never holds up the rollouts, and the page renders curves (identical ones told
+apart) and coloured tokens in a real (headless) browser."""
 
 from __future__ import annotations
 
@@ -136,6 +137,59 @@ def test_a_symlink_out_of_the_runs_directory_is_rejected(server, runs_dir):
     assert _get(server, "/api/runs/link/metrics")[0] == 400
 
 
+def _get_as(server: DashboardServer, path: str, host: str) -> tuple[int, Any]:
+    """`_get` with the Host header a browser at ``host`` sends (a page whose name resolved to this server)."""
+    request = urllib.request.Request(server.url.rstrip("/") + path, headers={"Host": host})
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_a_page_reached_by_another_dns_name_is_refused(runs_dir):
+    """DNS rebinding: attacker.example re-resolves to 127.0.0.1, and its page asks this server for the runs. The
+    request carries ``Host: attacker.example``: refused. IP addresses and localhost are served, and a name the user
+    allows."""
+    server = DashboardServer(runs_dir, port=0, allowed_hosts=["dash.lab.internal"]).start()
+    port = server.url.rstrip("/").rsplit(":", 1)[1]
+    try:
+        status, payload = _get_as(server, "/api/runs", f"attacker.example:{port}")
+        assert status == 403 and "attacker.example" in payload["error"]
+        assert _get_as(server, "/", "attacker.example")[0] == 403  # the page too
+        for host in [f"127.0.0.1:{port}", f"localhost:{port}", "[::1]", f"DASH.lab.internal:{port}", "10.1.2.3"]:
+            assert _get_as(server, "/api/runs", host)[0] == 200, host
+    finally:
+        server.close()
+
+
+def test_a_run_s_file_symlinked_out_of_its_run_is_not_served(server, runs_dir):
+    secret = runs_dir.parent / "secret" / "eval.json"
+    secret.write_text('{"token": "s3cr3t"}')
+    (runs_dir / "beta" / "eval.json").symlink_to(secret)
+    status, payload = _get(server, "/api/runs/beta/eval")
+    assert status == 400 and "resolves outside its run's folder" in payload["error"]
+    assert "s3cr3t" not in json.dumps(payload)
+    (runs_dir / "beta" / "rollouts.jsonl").symlink_to(runs_dir.parent / "secret" / "metrics.jsonl")
+    assert _get(server, "/api/runs/beta/rollouts")[0] == 400
+
+
+def _with_a_broken_run(runs_dir: Path) -> None:
+    broken = runs_dir / "broken"
+    broken.mkdir()
+    (broken / "metrics.jsonl").write_text('{"step": 0}\nnot json\n')
+    (broken / "eval.json").write_text("{not json")
+
+
+def test_a_run_that_cannot_be_read_gets_its_own_error(server, runs_dir):
+    _with_a_broken_run(runs_dir)
+    assert [run["name"] for run in _get(server, "/api/runs")[1]] == ["alpha", "beta", "broken"]
+    status, payload = _get(server, "/api/runs/broken/metrics")
+    assert status == 422 and "not readable as JSON" in payload["error"]
+    assert _get(server, "/api/runs/broken/eval")[0] == 422
+    assert _get(server, "/api/runs/alpha/metrics")[0] == 200
+
+
 def test_without_a_tokenizer_tokens_are_ids(runs_dir):
     server = DashboardServer(runs_dir, port=0).start()  # the fake runs have no config.toml
     try:
@@ -225,6 +279,26 @@ def test_the_page_renders_curves_and_coloured_tokens_in_a_browser(server, tmp_pa
         check=True,
     )
     assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and screenshot.stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="headless check needs Debian chromium at /usr/bin/chromium")
+def test_a_run_that_cannot_be_read_does_not_blank_the_page(runs_dir, tmp_path):
+    _with_a_broken_run(runs_dir)
+    server = DashboardServer(runs_dir, port=0).start()
+    try:
+        dom = subprocess.run(
+            [str(CHROMIUM), *_browser_flags(tmp_path), "--dump-dom", server.url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+    finally:
+        server.close()
+    assert 'data-ready="1"' in dom, dom[-2000:]
+    for run in ["alpha", "beta"]:  # the readable runs' curves are drawn
+        assert f'class="run-line" data-run="{run}" d="M' in dom
+    assert "/api/runs/broken/metrics: 422" in dom  # and the broken run is named in the status line
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="headless check needs Debian chromium at /usr/bin/chromium")
