@@ -29,12 +29,11 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from sharpen.types import ExpertRoutes
 
@@ -309,8 +308,10 @@ def layer_balance_losses(routes: Routes, tokens: torch.Tensor) -> list[torch.Ten
 
 
 def _plain(tensor: torch.Tensor) -> torch.Tensor:
-    """A router's output as a local tensor: a DTensor replicated over tensor-parallel ranks holds it whole."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """A router's output as a local tensor: a DTensor replicated over tensor-parallel ranks holds it whole (asked by
+    its ``to_local``: DTensor stays imported by the trainer backends alone, `tests/unit/test_import_fences.py`)."""
+    to_local = getattr(tensor, "to_local", None)
+    return cast(torch.Tensor, to_local()) if callable(to_local) else tensor
 
 
 def checkpoint_contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
