@@ -347,11 +347,11 @@ class Trainer:
         routes_step = self._routes
         trained_routes = self.backend.train_micro_batches(
             [
-                self._policy_inputs(micro)
-                if routes_step is None or is_filler
-                else replace(
-                    self._policy_inputs(micro),
-                    balance_weight=routes_step.balance_weight(micro, mini_batch_tokens=mini_batch_tokens),
+                self._policy_inputs(
+                    micro,
+                    balance_weight=0.0
+                    if routes_step is None or is_filler
+                    else routes_step.balance_weight(micro, mini_batch_tokens=mini_batch_tokens),
                 )
                 for _, is_filler, micro in passes
             ],
@@ -414,9 +414,9 @@ class Trainer:
         assert selected is not None, "a loss that selects tokens returns them"
         return {id(r): selected[row][whole.loss_mask[row]] for row, r in enumerate(rollouts)}
 
-    def _policy_inputs(self, micro: MicroBatch) -> ScoreInputs:
+    def _policy_inputs(self, micro: MicroBatch, *, balance_weight: float = 0.0) -> ScoreInputs:
         """What the policy scores of ``micro``: its packed row when it has one, else its padded rows (with their
-        prompts' lengths when prompts are computed once)."""
+        prompts' lengths when prompts are computed once); ``balance_weight``: `ScoreInputs.balance_weight`."""
         packed = micro.packed
         if packed is None:
             return ScoreInputs(
@@ -426,6 +426,7 @@ class Trainer:
                 prompt_lengths=micro.prompt_lengths if self._shares_prompts(micro) else None,
                 images=micro.images,
                 routes=micro.routes,
+                balance_weight=balance_weight,
             )
         return ScoreInputs(
             input_ids=packed.input_ids,
@@ -433,6 +434,7 @@ class Trainer:
             target_mask=packed.target_mask,
             position_ids=packed.position_ids,
             routes=micro.routes,
+            balance_weight=balance_weight,
         )
 
     @staticmethod

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
 EXPERT_CLASSES = ("MixtralExperts", "Qwen2MoeExperts", "Qwen3MoeExperts", "DeepseekV3Experts")
 """The experts modules whose weights are fused ``[experts, ...]`` tensors and whose forward takes ``(hidden,
@@ -64,24 +64,25 @@ def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]
         )
     size = mesh.size(0)
     split_tp = mesh.ndim == 2
-    placements = [Shard(0), Shard(1)] if split_tp else [Shard(0)]
+    placements: list[Placement] = [Shard(0), Shard(1)] if split_tp else [Shard(0)]
     for module in modules:
         experts: Any = module
         if experts.num_experts % size:
             raise ExpertParallelError(f"the model's {experts.num_experts} experts are not divisible by ep {size}")
-        for name in ("gate_up_proj", "down_proj"):
-            whole = cast(nn.Parameter, getattr(module, name))
-            if split_tp:
-                _check_rows(name, whole, mesh.size(1))
-            local = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)  # each keeps its slice
-            setattr(module, name, nn.Parameter(local, requires_grad=whole.requires_grad))
+        _shard(module, mesh, placements, tp=mesh.size(1) if split_tp else 1)
         module.forward = _DispatchedExperts(module, mesh)  # an instance attribute: module() calls it
     return modules
 
 
-def _check_rows(name: str, weight: torch.Tensor, tp: int) -> None:
-    if weight.shape[1] % tp:
-        raise ExpertParallelError(f"the experts' {name} has {weight.shape[1]} output rows, not divisible by tp {tp}")
+def _shard(module: nn.Module, mesh: DeviceMesh, placements: list[Placement], *, tp: int) -> None:
+    """Both fused weights of an experts module as DTensors on ``mesh``, each rank keeping its slice of the whole
+    weights every rank holds; ``tp``: the ranks its output rows are split over (dimension 1)."""
+    for name in ("gate_up_proj", "down_proj"):
+        whole = cast(nn.Parameter, getattr(module, name))
+        if whole.shape[1] % tp:
+            raise ExpertParallelError(f"the experts' {name} has {whole.shape[1]} output rows, not divisible by tp {tp}")
+        local = distribute_tensor(whole.detach(), mesh, placements, src_data_rank=None)
+        setattr(module, name, nn.Parameter(local, requires_grad=whole.requires_grad))
 
 
 def apply_expert_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.Module]:
@@ -89,13 +90,8 @@ def apply_expert_tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> list[nn.
     docstring); returns the experts modules. Every rank must hold the same whole weights before (each keeps its
     slice)."""
     modules = expert_modules(model)
-    size = mesh.size()
     for module in modules:
-        for name in ("gate_up_proj", "down_proj"):
-            whole = cast(nn.Parameter, getattr(module, name))
-            _check_rows(name, whole, size)
-            local = distribute_tensor(whole.detach(), mesh, [Shard(1)], src_data_rank=None)  # each keeps its slice
-            setattr(module, name, nn.Parameter(local, requires_grad=whole.requires_grad))
+        _shard(module, mesh, [Shard(1)], tp=mesh.size())
         module.forward = _SlicedExperts(module, mesh)  # an instance attribute: module() calls it
     return modules
 
@@ -121,11 +117,7 @@ class _DispatchedExperts:
         module: Any = self.module
         gate_up, down = _local(module.gate_up_proj), _local(module.down_proj)  # [E / ep, ...]
         num_local = gate_up.shape[0]
-        top_k = top_k_index.shape[1]
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert, so by destination rank
-        experts = flat[order]
-        tokens = order // top_k
+        order, experts, tokens = _pairs_by_expert(top_k_index)  # so by destination rank
         destination = experts // num_local
         send = torch.bincount(destination, minlength=self.size)
         received = torch.empty_like(send)
@@ -152,13 +144,18 @@ class _SlicedExperts:
     ) -> torch.Tensor:
         module: Any = self.module
         gate_up, down = _local(module.gate_up_proj), _local(module.down_proj)  # [E, rows / tp, ...]
-        top_k = top_k_index.shape[1]
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert
-        tokens = order // top_k
+        order, experts, tokens = _pairs_by_expert(top_k_index)
         inputs = _CopyToGroup.apply(hidden_states, self.group)[tokens]
-        outputs = _run_experts(inputs, flat[order], gate_up, down, module.act_fn, group=self.group)
+        outputs = _run_experts(inputs, experts, gate_up, down, module.act_fn, group=self.group)
         return _combine(hidden_states, outputs, tokens, top_k_weights.reshape(-1)[order, None])
+
+
+def _pairs_by_expert(top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs of ``top_k_index`` ``[tokens, top_k]`` sorted by expert (stable): the sorting order
+    over the flattened pairs, each pair's expert and its token."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    return order, flat[order], order // top_k_index.shape[1]
 
 
 def _combine(

@@ -54,7 +54,7 @@ from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
 from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
-from sharpen.trainer.layout import LayoutError, ModelShape, ParallelLayout
+from sharpen.trainer.layout import ModelShape, ParallelLayout
 from sharpen.trainer.optim import build_adamw, mesh_groups
 from sharpen.trainer.precision import PrecisionChoice, resolve_precision
 from sharpen.types import ImagePart
@@ -185,16 +185,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.router: RouterReplay | None = None
         """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``) without a pipeline (whose stages have
         theirs: `routers`)."""
-        replays = config.moe.routing_replay != "none"
-        routes_run = self.layout.pp == 1 or self.layout.cp == 1
-        if (replays or config.moe.aux_loss_coef > 0) and not routes_run:
-            raise LayoutError(
-                "trainer.moe runs with data, tensor, context or pipeline parallelism (not context and pipeline "
-                f"together) yet, not {self.layout.describe()}"
-            )
-        if routes_run and self.layout.pp == 1:
+        if self.layout.pp == 1:  # every layout runs routes (context and pipeline together are refused above)
             self.router = replay_routes_of(self.model, config, name=str(self.model_path))
-        elif routes_run and replays and not is_moe_model(self.model):
+        elif config.moe.routing_replay != "none" and not is_moe_model(self.model):
             RouterReplay(self.model, name=str(self.model_path))  # raises: a dense model, or routers it cannot replay
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled, injected before sharding
         if config.lora.enabled:
@@ -247,7 +240,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 logits_chunk_tokens=config.logits_chunk_tokens,
                 context=self.context_parallel,
                 vocab=self.vocab_shard,
-                routes=routes_run and is_moe_model(self.model),
+                routes=is_moe_model(self.model),
                 router_float32=config.moe.router_float32,
             )
             layers, roots = self.pipeline.owned_layers, list(self.pipeline.stages)

@@ -127,9 +127,6 @@ class _Stage(nn.Module):
         """The positions, among the model's MoE layers, of this stage's."""
         self.num_route_layers = 0
         """The model's MoE layers (all stages')."""
-        self._balance: Routes | None = None
-        """The routes (with probabilities) of the forward in progress, for its balancing loss (`_decoded` to
-        `forward`)."""
 
     def forward(
         self,
@@ -152,8 +149,7 @@ class _Stage(nn.Module):
             ids, positions = self._context.split(input_ids, positions)
             mask = None
         inputs = {"input_ids": ids} if self.is_first else {"inputs_embeds": x}
-        hidden = self._decoded(inputs, mask, positions, pass_index, routes, shape=input_ids.shape)
-        used, self._balance = self._balance, None
+        hidden, used = self._decoded(inputs, mask, positions, pass_index, routes, shape=input_ids.shape)
         if used is not None and balance is not None and real_tokens is not None:
             added = stage_balance(used, real_tokens, float(balance[0]), num_layers=self.num_route_layers)
             hidden = hidden if added is None else with_added_loss(hidden, added)
@@ -185,15 +181,15 @@ class _Stage(nn.Module):
         routes: torch.Tensor | None,
         *,
         shape: torch.Size,
-    ) -> torch.Tensor:
-        """The stage's decoder over ``inputs``; an MoE stage replays its layers' part of ``routes`` (``[rows,
-        length, MoE layers, top_k]``, the micro-batch's; None: its routers choose) and keeps what they chose, for
-        micro-batch ``pass_index``, in the run's ``captured``."""
+    ) -> tuple[torch.Tensor, Routes | None]:
+        """The stage's decoder over ``inputs``, and the routes its MoE layers used (None: a dense stage). An MoE
+        stage replays its layers' part of ``routes`` (``[rows, length, MoE layers, top_k]``, the micro-batch's;
+        None: its routers choose) and keeps what they chose, for micro-batch ``pass_index``, in the run's
+        ``captured``."""
         router = self.router
         if router is None:
-            return self.decoder(
-                attention_mask=mask, position_ids=positions, use_cache=False, **inputs
-            ).last_hidden_state
+            output = self.decoder(attention_mask=mask, position_ids=positions, use_cache=False, **inputs)
+            return output.last_hidden_state, None
         given = None
         rows, length = shape  # the micro-batch's padded rows (before a sequence split)
         if routes is not None:
@@ -205,13 +201,12 @@ class _Stage(nn.Module):
             hidden = self.decoder(attention_mask=mask, position_ids=positions, use_cache=False, **inputs)
         if self._context is not None:
             used = self._context.whole_routes(used, rows, length)
-        self._balance = used if used.probs is not None else None
         assert pass_index is not None, "an MoE stage's run numbers its micro-batches"
         captured = self._run.captured.setdefault(int(pass_index[0]), {})
         differs = used.differs or [None] * len(used.layers)
         for position, indices, differ in zip(self.route_layers, used.layers, differs, strict=True):
             captured[position] = (indices.cpu(), None if differ is None else differ.cpu())
-        return hidden.last_hidden_state
+        return hidden.last_hidden_state, used
 
 
 @dataclass(frozen=True, slots=True)

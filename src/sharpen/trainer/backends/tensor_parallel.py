@@ -106,21 +106,24 @@ def apply_tensor_parallel(
     moe_blocks = [name for name, module in decoder.named_modules() if _holds_experts(module)]
     styles: dict[str, ParallelStyle] = {}
     per_head: list[str] = []  # modules whose input holds the rank's heads (replicated_with_grad_allreduce)
+    colwise_blocks: set[str] = set()  # the blocks of the projections split by column
     between: Placement = Shard(1) if sequence_parallel else Replicate()
     for name, module in decoder.named_modules():
         for pattern, style_name in layer_plan.items():
             if not _matches(name, pattern):
                 continue
             # inside an MoE block (a shared expert), the rows are whole and replicated
-            inner = Replicate() if any(name.startswith(block + ".") for block in moe_blocks) else between
-            style = _style(style_name, plan, between=inner)
+            style = _style(style_name, plan, between=Replicate() if _inside(name, moe_blocks) else between)
             if style is None:
                 per_head.append(name)
             elif isinstance(module, nn.Linear | nn.Embedding):
                 styles[name] = style
-    styles = {**_shared_inputs(styles, layer_plan, moe_blocks, between=between), **styles}
-    for block in moe_blocks:  # whole rows in, and out as the residual stream between blocks holds them
-        styles[block] = _whole_rows(between)
+                if style_name == "colwise":
+                    colwise_blocks.add(name.rsplit(".", 1)[0])
+    styles = {**_shared_inputs(colwise_blocks, moe_blocks, between=between), **styles}
+    if sequence_parallel:  # an MoE block takes whole rows, gathered over the sequence, and splits its output again
+        for block in moe_blocks:
+            styles[block] = _SequenceGathered(between)
     if experts:
         apply_expert_tensor_parallel(decoder, mesh)
     embeddings = cast(nn.Module, model.get_input_embeddings())
@@ -137,7 +140,7 @@ def apply_tensor_parallel(
             continue
         if any(not isinstance(p, DTensor) for p in module.parameters(recurse=False)):
             split_heads = name in per_head
-            in_moe = any(name.startswith(block + ".") for block in moe_blocks)  # a router: on whole rows
+            in_moe = _inside(name, moe_blocks)  # a router: on whole rows
             if sequence_parallel and not split_heads and not in_moe:  # a norm of the residual stream: its shard
                 parallelize_module(module, mesh, SequenceParallel(use_local_output=False))
             else:
@@ -147,21 +150,16 @@ def apply_tensor_parallel(
     return VocabShard(start=mesh.get_local_rank() * local, size=local, group=mesh.get_group())
 
 
-def _shared_inputs(
-    styles: dict[str, ParallelStyle], layer_plan: dict[str, str], moe_blocks: list[str], *, between: Placement
-) -> dict[str, ParallelStyle]:
-    """One replicated DTensor input for each block whose projections split by column (attention: q/k/v; MLP or
-    shared expert: gate/up; ``styles``: the projections' styles by module name): their input gradients, partial
-    sums on each rank, then add up in that one DTensor and are all-reduced once per block instead of once per
-    projection (2 all-reduces per layer in the backward, not 5). The attention takes its input as the
-    ``hidden_states`` keyword, an MLP as its one argument (Llama, Qwen2, Qwen3, Mistral); a block called otherwise
-    keeps one all-reduce per projection (the same values). A block inside an MoE block (``moe_blocks``) gets whole
-    replicated rows."""
-    colwise = [pattern for pattern, style in layer_plan.items() if style == "colwise"]
-    blocks = {name.rsplit(".", 1)[0] for name in styles if any(_matches(name, pattern) for pattern in colwise)}
+def _shared_inputs(blocks: set[str], moe_blocks: list[str], *, between: Placement) -> dict[str, ParallelStyle]:
+    """One replicated DTensor input for each of ``blocks``, those whose projections split by column (attention:
+    q/k/v; MLP or shared expert: gate/up): their input gradients, partial sums on each rank, then add up in that one
+    DTensor and are all-reduced once per block instead of once per projection (2 all-reduces per layer in the
+    backward, not 5). The attention takes its input as the ``hidden_states`` keyword, an MLP as its one argument
+    (Llama, Qwen2, Qwen3, Mistral); a block called otherwise keeps one all-reduce per projection (the same values). A
+    block inside an MoE block (``moe_blocks``) gets whole replicated rows."""
     inputs: dict[str, ParallelStyle] = {}
     for block in sorted(blocks):
-        layout = Replicate() if any(block.startswith(moe + ".") for moe in moe_blocks) else between
+        layout = Replicate() if _inside(block, moe_blocks) else between
         if block.rsplit(".", 1)[-1] != "self_attn":
             inputs[block] = PrepareModuleInput(
                 input_layouts=(layout,), desired_input_layouts=(Replicate(),), use_local_output=False
@@ -180,16 +178,15 @@ def _holds_experts(module: nn.Module) -> bool:
     return any(type(child).__name__ in EXPERT_CLASSES for child in module.children())
 
 
-def _whole_rows(between: Placement) -> ParallelStyle:
-    """An MoE block's input and output: whole replicated rows (local tensors) inside; outside, the residual stream's
-    layout ``between`` (with sequence parallelism, all-gathered over the sequence in, split again out)."""
-    if isinstance(between, Replicate):
-        return PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),), use_local_output=True)
-    return _SequenceGathered(between)
+def _inside(name: str, blocks: list[str]) -> bool:
+    """Whether module ``name`` lies inside one of ``blocks`` (module names)."""
+    return any(name.startswith(block + ".") for block in blocks)
 
 
 class _SequenceGathered(ParallelStyle):
-    """`_whole_rows` with sequence parallelism: both a `PrepareModuleInput` and a `PrepareModuleOutput`."""
+    """An MoE block under sequence parallelism: its input all-gathered over the sequence into whole replicated rows
+    (local tensors), its output split over the sequence again, as the residual stream between blocks holds it
+    (``between``). Without sequence parallelism the block's input is already whole and replicated."""
 
     def __init__(self, between: Placement) -> None:
         super().__init__()
