@@ -7,17 +7,15 @@ prints PASS), where it must succeed: every attack here is real."""
 
 from __future__ import annotations
 
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from sharpen.config.sandbox import SandboxConfig
 from sharpen.data.humaneval import humaneval_examples
 from sharpen.environments.sandbox import Sandbox
-from sharpen.rewards.code_tests import PYTEST_PATH, CodeTestReward, HumanEvalReward, pytest_ro_binds
+from sharpen.rewards.code_tests import PYTEST_PATH, CodeTestReward, HumanEvalReward
 from sharpen.types import Example, Message, RewardResult, RewardStatus
 
 CASES = [{"args": [1, 2], "expected": 3}, {"args": [5, 7], "expected": 12}, {"call": "add(-4, 4)", "expected": 0}]
@@ -27,17 +25,6 @@ SORT_TEST = "from solution import sort_copy\n\ndef test_sort():\n    data = [3, 
 
 def _example(**metadata: Any) -> Example:
     return Example(task_key="redteam/0", prompt=(Message(role="user", content="Write it."),), metadata=metadata)
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> Iterator[Sandbox]:
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (make system-deps)")
-    config = SandboxConfig(
-        backend="bwrap", wall_seconds=3.0, cpu_seconds=3, memory_mb=256, extra_ro_binds=pytest_ro_binds()
-    )
-    with Sandbox(config) as box:
-        yield box
 
 
 @pytest.fixture(scope="module")

@@ -11,17 +11,15 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import shutil
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from sharpen.config.sandbox import SandboxConfig
 from sharpen.environments.sandbox import Sandbox
 from sharpen.rewards.code_compare import matches_expected
-from sharpen.rewards.code_tests import CodeTestReward, extract_program, pytest_ro_binds, required_names
+from sharpen.rewards.code_tests import CodeTestReward, extract_program, required_names
 from sharpen.rewards.judge import ChatReply, Judge
 from sharpen.rewards.judge_guard import is_master_key, normalise_candidate
 from sharpen.rewards.judge_prompts import CANARIES, RubricPrompt, read_verdict
@@ -132,17 +130,6 @@ def test_keys_that_json_would_merge_or_values_of_another_type_do_not_match(value
 
 
 # --- the two comparison classes end to end, in the sandbox --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def sandbox() -> Iterator[Sandbox]:
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed (make system-deps)")
-    config = SandboxConfig(
-        backend="bwrap", wall_seconds=3.0, cpu_seconds=3, memory_mb=256, extra_ro_binds=pytest_ro_binds()
-    )
-    with Sandbox(config) as box:
-        yield box
 
 
 def _code_example(**metadata: Any) -> Example:
