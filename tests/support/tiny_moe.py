@@ -50,6 +50,16 @@ def tiny_moe(family: str, **overrides: Any):
     return transformers.DeepseekV3ForCausalLM(config)
 
 
+def decisive_routers(model):
+    """``model`` with its routers' weights drawn with std 1, so they choose decisively (not near ties): replayed
+    routes then differ from the routers' own choices, and rounding does not flip routes. Returns the model."""
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
+                module.weight.normal_(0, 1.0)
+    return model
+
+
 def routed_rollouts(num_layers: int, step: int) -> list:
     """`tiny_trainer.uneven_rollouts` of a step (as `parity.trainer_steps` takes them) with random engine routes: two
     distinct experts of 4 per token and layer, the last token unknown (as an engine leaves it)."""

@@ -19,7 +19,7 @@ from sharpen.expert_routes import Routes
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.trainer.routes import balance_loss
 from sharpen.types import Example, Message, Rollout, TrainBatch
-from support.tiny_moe import tiny_moe
+from support.tiny_moe import decisive_routers, tiny_moe
 
 PAD, EXPERTS, TOP_K = 0, 4, 2
 _EXAMPLE = Example(task_key="t/0", prompt=(Message(role="user", content="q"),), answer="a")
@@ -56,10 +56,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folders = {}
     for family in ("mixtral", "deepseek_v3"):
         model = tiny_moe(family, pad_token_id=PAD)
-        with torch.no_grad():  # routers that choose decisively (not near ties)
-            for module in model.modules():
-                if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
-                    module.weight.normal_(0, 1.0)
+        decisive_routers(model)
         folders[family] = tmp_path_factory.mktemp(family)
         model.save_pretrained(folders[family])
     return folders

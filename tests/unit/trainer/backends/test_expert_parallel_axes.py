@@ -19,7 +19,7 @@ from sharpen.trainer.layout import ParallelLayout
 from sharpen.weight_shards import assemble_ranks
 from support.parity import PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
 from support.ranks import join_process_group, launch_ranks
-from support.tiny_moe import replayed_steps, tiny_moe
+from support.tiny_moe import decisive_routers, replayed_steps, tiny_moe
 
 pytestmark = pytest.mark.slow  # forks 2 and 4 ranks
 
@@ -41,10 +41,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("ep_axes")
     tiny_moe("mixtral", vocab_size=VOCAB, pad_token_id=PAD).save_pretrained(folder / "none")
     model = tiny_moe("mixtral", vocab_size=VOCAB, pad_token_id=PAD)
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__.endswith("TopKRouter"):
-                module.weight.normal_(0, 1.0)
+    decisive_routers(model)
     model.save_pretrained(folder / "r3")
     return {"none": folder / "none", "r3": folder / "r3"}
 

@@ -17,7 +17,7 @@ from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.layout import ParallelLayout
 from support.parity import PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
 from support.ranks import join_process_group, launch_ranks
-from support.tiny_moe import FAMILIES, replayed_steps, tiny_moe
+from support.tiny_moe import FAMILIES, decisive_routers, replayed_steps, tiny_moe
 
 REPLAYED = {  # name: family, config overrides, layout, MoE layers
     "mixtral, interleaved": (
@@ -53,10 +53,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         tiny_moe(family, vocab_size=VOCAB, pad_token_id=PAD).save_pretrained(folder / family)
     for name, (family, overrides, _, _) in REPLAYED.items():
         model = tiny_moe(family, vocab_size=VOCAB, pad_token_id=PAD, **overrides)
-        with torch.no_grad():  # decisive routers: the replayed routes differ from the routers' own choices
-            for module in model.modules():
-                if type(module).__name__.endswith(("TopKRouter", "TopkRouter")):
-                    module.weight.normal_(0, 1.0)
+        decisive_routers(model)
         model.save_pretrained(folder / name)
     return {name: folder / name for name in (*FAMILIES, *REPLAYED)}
 

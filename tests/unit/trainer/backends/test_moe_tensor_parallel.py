@@ -15,7 +15,7 @@ from sharpen.trainer.backends import SingleDeviceBackend
 from sharpen.trainer.layout import LayoutError, ParallelLayout
 from support.parity import PAD, VOCAB, assert_trainer_matches, trainer_config, trainer_steps
 from support.ranks import join_process_group, launch_ranks
-from support.tiny_moe import FAMILIES, replayed_steps, tiny_moe
+from support.tiny_moe import FAMILIES, decisive_routers, replayed_steps, tiny_moe
 
 CASES = {  # name: model folder, trainer config overrides
     "mixtral": ("mixtral", {}),
@@ -38,10 +38,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for family in FAMILIES:
         tiny_moe(family, vocab_size=VOCAB, pad_token_id=PAD).save_pretrained(folder / family)
     model = tiny_moe("mixtral", vocab_size=VOCAB, pad_token_id=PAD)
-    with torch.no_grad():
-        for module in model.modules():
-            if type(module).__name__.endswith("TopKRouter"):
-                module.weight.normal_(0, 1.0)
+    decisive_routers(model)
     model.save_pretrained(folder / REPLAYED)
     return {name: folder / name for name in (*FAMILIES, REPLAYED)}
 
