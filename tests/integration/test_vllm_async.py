@@ -19,6 +19,7 @@ from test_vllm_sync import corrupt_bucket, join_trainer_weight_group
 from sharpen.config.engines import VllmEngineConfig
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import AsyncEngine, EngineError, WeightGroupEngine, build_engine, request_level
+from sharpen.rollout.engines.base import EngineInputError
 from sharpen.trainer import SingleDeviceBackend, Trainer
 from sharpen.types import Completion, SamplingParams
 
@@ -153,11 +154,11 @@ def test_concurrent_requests_from_foreign_loops_match_one_at_a_time(engine, prom
     assert all(c.versions == [engine.policy_version] * len(c.token_ids) for c in together)
 
 
-def test_a_request_vllm_refuses_is_an_engine_error_naming_the_engine(engine) -> None:
-    too_long = [1] * 2000  # max_model_len is 1024
-    with pytest.raises(EngineError, match=r"vLLM async engine: request sharpen-\d+ failed: .*1024"):
+def test_a_request_vllm_refuses_is_an_engine_input_error_naming_the_engine(engine) -> None:
+    too_long = [1] * 2000  # max_model_len is 1024: the request's own input, not a failing engine
+    with pytest.raises(EngineInputError, match=r"vLLM async engine: request sharpen-\d+ refused: .*1024"):
         asyncio.run(engine.generate_async(too_long, SamplingParams(max_new_tokens=4)))
-    with pytest.raises(EngineError, match=r"vLLM async engine: request sharpen-\d+ failed"):
+    with pytest.raises(EngineInputError, match=r"vLLM async engine: request sharpen-\d+ refused"):
         engine.score(too_long)
     assert engine.generate([[1, 2, 3]], [SamplingParams(max_new_tokens=2, seed=0)])[0].token_ids  # still serving
 

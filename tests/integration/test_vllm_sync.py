@@ -13,6 +13,7 @@ from sharpen.config.engines import VllmEngineConfig
 from sharpen.orchestration.phases import assign_advantages
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import EngineError
+from sharpen.rollout.engines.base import EngineInputError, generate_each
 from sharpen.rollout.weight_sync import WeightSyncError
 from sharpen.rollout.weight_sync.buckets import SharedMemorySlot
 from sharpen.types import (
@@ -90,6 +91,19 @@ def test_more_prompt_tokens_than_one_step_takes_do_not_kill_the_engine(engine) -
     prompts = [[1 + (i * 7 + j) % 5000 for j in range(300)] for i in range(48)]
     completions = engine.generate(prompts, [SamplingParams(max_new_tokens=4, seed=i) for i in range(48)])
     assert len(completions) == 48 and all(c.token_ids for c in completions)
+
+
+def test_a_batch_with_a_prompt_past_the_context_fails_that_request_alone(engine) -> None:
+    """vLLM refuses the whole batch when one prompt is past max_model_len (1024): `generate_each` then asks one
+    request at a time, and the others get the completions the batch without the long prompt gives (seeded)."""
+    short = [[1 + j for j in range(20)], [7 + j for j in range(30)]]
+    params = [SamplingParams(max_new_tokens=4, seed=i) for i in range(3)]
+    with pytest.raises(EngineInputError, match=r"vLLM engine: a request refused: .*1024"):
+        engine.generate([short[0], [1] * 2000, short[1]], params)
+    answers = generate_each(engine, [short[0], [1] * 2000, short[1]], [(), (), ()], params)
+    assert isinstance(answers[1], EngineInputError)
+    alone = engine.generate(short, [params[0], params[2]])
+    assert [a.token_ids for a in (answers[0], answers[2])] == [c.token_ids for c in alone]  # type: ignore[union-attr]
 
 
 class _SilentEngine:

@@ -104,6 +104,7 @@ _LIMIT_KEYS = {
     "max_tokens": "environment.max_episode_tokens",
     "wall_clock": "environment.wall_seconds",
     "episode_timeout": "rollout.episode_timeout_s",
+    "engine_refused": "rollout.engine.max_model_len (the engine refused prompts past it)",
 }
 """The key that bounds each ``rollout/stop_<reason>`` of a truncated episode."""
 

@@ -48,8 +48,9 @@ from sharpen.rollout.engines.base import (
     AsyncEngine,
     AsyncImageEngine,
     EngineError,
+    EngineInputError,
     InferenceEngine,
-    generate_prompts,
+    generate_each,
     request_level,
     takes_no_images,
 )
@@ -312,6 +313,9 @@ class EpisodeRunner:
                     episode.end("episode_timeout", is_truncated=True)
                     break
                 raise self._timeout_error(batcher) from None
+            except EngineInputError as error:  # a prompt past the engine's context: this episode ends, the run goes on
+                _refused(episode, error)
+                break
             assert completion.versions is not None  # the batcher stamps every completion's tokens
             _append(episode, completion.token_ids, completion.logprobs, versions=completion.versions, is_generated=True)
             episode.add_routes(completion.routes)
@@ -349,8 +353,13 @@ class EpisodeRunner:
                     groups.ended(episode)
             requests = [_request(e, sampling, limits=limits, seed=seed, turn=turn) for e in live]
             prompts_now, params_now = [ids for ids, _ in requests], [params for _, params in requests]
-            completions = generate_prompts(engine, prompts_now, [e.images for e in live], params_now)
+            answers = generate_each(engine, prompts_now, [e.images for e in live], params_now)
             version = engine.policy_version
+            for episode, answer in zip(live, answers, strict=True):
+                if isinstance(answer, EngineInputError):
+                    _refused(episode, answer)
+            live = [e for e in live if not e.is_done]
+            completions = [a for a in answers if not isinstance(a, EngineInputError)]
             for episode, completion in zip(live, completions, strict=True):
                 versions = completion.versions or [version] * len(completion.token_ids)
                 _append(episode, completion.token_ids, completion.logprobs, versions=versions, is_generated=True)
@@ -426,6 +435,14 @@ async def _step(episode: EpisodeState, action: str) -> StepResult:
         return StepResult(truncated=True, info={"stop": "environment_error"})
     finally:
         episode.env_seconds += time.perf_counter() - started
+
+
+def _refused(episode: EpisodeState, error: EngineInputError) -> None:
+    """The engine refused the episode's next request for its own input (the prompt and the turns so far past the
+    engine's context): the episode ends, truncated, with the tokens it has (stop reason ``engine_refused``)."""
+    logger.warning("episode (example %d, sample %d): %s", episode.example_index, episode.sample_index, error)
+    episode.record.error = str(error)
+    episode.end("engine_refused", is_truncated=True)
 
 
 def _request(

@@ -107,6 +107,30 @@ def generate_prompts(
     return engine.generate_with_images(prompts, images, params)
 
 
+def generate_each(
+    engine: InferenceEngine,
+    prompts: list[list[int]],
+    images: Sequence[tuple[ImagePart, ...]],
+    params: list[SamplingParams],
+) -> list[Completion | EngineInputError]:
+    """`generate_prompts`, where a request the engine refuses for its own input fails alone. An engine that refuses
+    a batch (`EngineInputError`: one prompt past its context) is asked again one request at a time; a refused
+    request's entry is its `EngineInputError`, every other entry its completion (the batch's own, on an engine that
+    honours per-request seeds). Any other error fails the whole call, as before."""
+    try:
+        return list(generate_prompts(engine, prompts, images, params))
+    except EngineInputError as error:
+        if len(prompts) == 1:
+            return [error]
+    answers: list[Completion | EngineInputError] = []
+    for prompt, row, row_params in zip(prompts, images, params, strict=True):
+        try:
+            answers.extend(generate_prompts(engine, [prompt], [row], [row_params]))
+        except EngineInputError as error:
+            answers.append(error)
+    return answers
+
+
 def score_prompt(engine: InferenceEngine, token_ids: list[int], images: tuple[ImagePart, ...] = ()) -> list[float]:
     """``engine.score``, passing ``images`` (those the ids hold placeholders for) to an engine that takes images;
     an engine that takes none is an `EngineError` saying so."""

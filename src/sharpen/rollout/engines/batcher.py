@@ -17,7 +17,9 @@ One batch is in flight at a time (engines are not required to take concurrent ca
 worker thread) the batch generates there while the event loop goes on stepping environments, and the requests that
 arrive meanwhile form the next batch, sent as soon as the engine is free; without one, the engine call blocks the
 loop, as the lockstep loop did. Each completion is stamped with the engine's policy version read right after its
-batch (unless the engine stamped it per token).
+batch (unless the engine stamped it per token). A batch the engine refuses for one request's own input (a prompt past
+its context) is asked again request by request (`generate_each`): only the refused request's episode gets the
+`EngineInputError`; an engine failing as a whole fails every request of the batch.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sharpen.rollout.engines.base import InferenceEngine, generate_prompts
+from sharpen.rollout.engines.base import EngineInputError, InferenceEngine, generate_each
 from sharpen.types import Completion, ImagePart, PolicyVersion, SamplingParams
 
 
@@ -188,15 +190,17 @@ class RequestBatcher:
         running = asyncio.get_running_loop().run_in_executor(self.executor, self._generate, batch)
         running.add_done_callback(lambda done: self._done(batch, done))
 
-    def _generate(self, batch: list[_Request]) -> tuple[list[Completion], PolicyVersion]:
+    def _generate(self, batch: list[_Request]) -> tuple[list[Completion | EngineInputError], PolicyVersion]:
         started = time.perf_counter()
-        completions = generate_prompts(
+        completions = generate_each(
             self.engine, [r.prompt for r in batch], [r.images for r in batch], [r.params for r in batch]
         )
         self._last_batch_seconds = time.perf_counter() - started
         return completions, self.engine.policy_version
 
-    def _done(self, batch: list[_Request], done: asyncio.Future[tuple[list[Completion], PolicyVersion]]) -> None:
+    def _done(
+        self, batch: list[_Request], done: asyncio.Future[tuple[list[Completion | EngineInputError], PolicyVersion]]
+    ) -> None:
         self._is_busy = False
         error = done.exception()
         if error is not None:
@@ -212,13 +216,17 @@ class RequestBatcher:
             asyncio.get_running_loop().call_soon(self._tick)
 
     @staticmethod
-    def _deliver(batch: list[_Request], result: tuple[list[Completion], PolicyVersion]) -> None:
+    def _deliver(batch: list[_Request], result: tuple[list[Completion | EngineInputError], PolicyVersion]) -> None:
         completions, version = result
         for request, completion in zip(batch, completions, strict=True):
+            if request.future.done():  # its episode may have been cancelled meanwhile
+                continue
+            if isinstance(completion, EngineInputError):  # refused for its own input: only its episode sees it
+                request.future.set_exception(completion)
+                continue
             if not completion.versions:
                 completion = replace(completion, versions=[version] * len(completion.token_ids))
-            if not request.future.done():  # its episode may have been cancelled meanwhile
-                request.future.set_result((completion, version))
+            request.future.set_result((completion, version))
 
     @staticmethod
     def _fail(batch: list[_Request], error: BaseException) -> None:

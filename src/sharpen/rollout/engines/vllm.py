@@ -38,7 +38,7 @@ from sharpen.data.vision import (
     placeholders_without_images,
     text_only_error,
 )
-from sharpen.rollout.engines.base import EngineError, device_free_bytes
+from sharpen.rollout.engines.base import EngineError, EngineInputError, device_free_bytes
 from sharpen.rollout.engines.vllm_routes import RoutesOf, routes_of
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
 from sharpen.rollout.weight_sync.streaming import BucketedSender
@@ -362,11 +362,16 @@ class VllmEngine:
     ) -> list[Completion]:
         """`generate` for prompts that hold image placeholders (`VisionProcessor.render_prompt`): ``images[i]`` are
         prompt i's images, in order (empty for a text prompt)."""
+        from vllm.exceptions import VLLMClientError
+
         self._check_awake("generate")
         requests: Any = [self.requests.request(ids, row) for ids, row in zip(prompts, images, strict=True)]
-        outputs = self.llm.generate(
-            requests, [vllm_sampling_params(p) for p in params], use_tqdm=False, lora_request=self.lora_request
-        )
+        try:  # vLLM checks every request before it runs any (and drops those added when one fails)
+            outputs = self.llm.generate(
+                requests, [vllm_sampling_params(p) for p in params], use_tqdm=False, lora_request=self.lora_request
+            )
+        except VLLMClientError as error:  # a request's own input: a prompt past max_model_len
+            raise EngineInputError(f"vLLM engine: a request refused: {error}") from error
         for output, ids, row in zip(outputs, prompts, images, strict=True):
             if row:
                 self.requests.check_expanded(output, ids)

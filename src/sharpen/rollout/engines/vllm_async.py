@@ -140,6 +140,7 @@ class VllmAsyncEngine(RequestLevelEngine):
     ) -> RequestOutput:
         """One request's final output; any failure inside vLLM, and an aborted request, is an `EngineError`.
         ``images``: those the prompt holds placeholders for (a vision-language model's multimodal request)."""
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import tokens_input
 
         request: Any = self.requests.request(prompt, images)  # refuses placeholders without their images
@@ -150,7 +151,7 @@ class VllmAsyncEngine(RequestLevelEngine):
         try:
             async for output in self.llm.generate(request, params, request_id):
                 final = output
-        except ValueError as error:  # vLLM's check of the request's own input (a prompt past max_model_len)
+        except (VLLMClientError, ValueError) as error:  # vLLM's check of the request's own input (past max_model_len)
             raise EngineInputError(f"{_NAME}: request {request_id} refused: {_cause(error)}") from error
         except Exception as error:
             raise EngineError(f"{_NAME}: request {request_id} failed: {_cause(error)}") from error
