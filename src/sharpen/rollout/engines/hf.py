@@ -38,7 +38,7 @@ from sharpen.expert_routes import (
     routes_tensor,
     stack_layers,
 )
-from sharpen.rollout.engines.base import EngineError, EngineInputError
+from sharpen.rollout.engines.base import EngineError
 from sharpen.types import Completion, ExpertRoutes, ImagePart, PolicyVersion, SamplingParams
 
 _GLOBAL_RNG = threading.Lock()
@@ -61,9 +61,6 @@ class HfEngine:
         self.router = RouterReplay(self.model, name=str(model_path)) if is_moe_model(self.model) else None
         """A Mixture-of-Experts model's routes, captured while it generates (`Completion.routes`)."""
         self.batch_size = batch_size
-        self.context: int | None = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        """The model's context in tokens (None: unbounded); a longer prompt is refused, as vLLM refuses one past
-        max_model_len."""
         self.pad_token_id = self.tokenizer.pad_token_id
         if self.pad_token_id is None:
             self.pad_token_id = self.tokenizer.eos_token_id
@@ -121,11 +118,6 @@ class HfEngine:
         prompt i's images, in order (empty for a text prompt)."""
         self._check_awake("generate")
         self._check_takes_images(sum(len(row) for row in images))
-        too_long = [len(ids) for ids in prompts if self.context is not None and len(ids) >= self.context]
-        if too_long:
-            raise EngineInputError(
-                f"HF engine: a prompt of {too_long[0]} tokens leaves no room in the model's context of {self.context}"
-            )
         out: list[Completion] = []
         for start in range(0, len(prompts), self.batch_size):
             end = start + self.batch_size
