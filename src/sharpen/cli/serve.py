@@ -1,14 +1,15 @@
 """`sharpen serve-sandbox`, `sharpen serve-env` and `sharpen serve-rm`: build the component (from the recipe, or the
 reward model's folder), serve it until stopped.
 
-Owns the checks a user can fix before anything starts (the token variable, a recipe that would serve a remote
-component, a missing model folder, a port that is taken), said in one line each. The services themselves are
-`sharpen.environments.sandbox.service`, `sharpen.environments.service` and `sharpen.rewards.rm_server`; heavy
-imports happen here, lazily.
+Owns the checks a user can fix before anything starts (the token variable, the replica's advertised address, a
+recipe that would serve a remote component, a missing model folder, a port that is taken), said in one line each.
+The services themselves are `sharpen.environments.sandbox.service`, `sharpen.environments.service` and
+`sharpen.rewards.rm_server`; heavy imports happen here, lazily.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from sharpen.config import ConfigError, SharpenConfig
@@ -25,12 +26,26 @@ def _token(env_name: str) -> str:
         raise ConfigError(f"the service refuses to start without a token: {error}") from None
 
 
+def advertised_url(env_name: str) -> str | None:
+    """This replica's own address from environment variable ``env_name`` (None when unset or empty), which it gives
+    with every session or episode it opens (see `ServiceConfig.advertise_url_env`)."""
+    url = os.environ.get(env_name, "").strip()
+    if not url:
+        return None
+    if not url.startswith(("http://", "https://")) or "$(" in url:
+        raise ConfigError(
+            f"{env_name}={url!r}: the replica's own address must be an http(s) URL, e.g. http://10.0.0.7:8100"
+        )
+    return url.rstrip("/")
+
+
 def serve_sandbox(config: SharpenConfig, *, host: str, port: int) -> int:
     """Serve the recipe's [sandbox] until interrupted."""
     sandbox = config.sandbox
     if sandbox.backend == "remote":
         raise ConfigError('serve-sandbox runs a local sandbox: sandbox.backend may not be "remote" here')
     token = _token(sandbox.service.token_env)
+    advertise = advertised_url(sandbox.service.advertise_url_env)
     from sharpen.environments.sandbox import SandboxPool
     from sharpen.environments.sandbox.service import SandboxService
 
@@ -41,10 +56,11 @@ def serve_sandbox(config: SharpenConfig, *, host: str, port: int) -> int:
 
     with SandboxPool(sandbox) as pool:
         try:
-            service = SandboxService(sandbox, pool=pool, token=token, host=host, port=port)
+            service = SandboxService(sandbox, pool=pool, token=token, host=host, port=port, advertise_url=advertise)
         except OSError as error:
             raise ConfigError(f"serve-sandbox: cannot listen on {host}:{port}: {error.strerror}") from None
-        print(f"serving the sandbox ({pool.report.backend}, {pool.report.level}) at {service.url}", flush=True)
+        where = service.url + (f" (advertised as {advertise})" if advertise else "")
+        print(f"serving the sandbox ({pool.report.backend}, {pool.report.level}) at {where}", flush=True)
         service.serve_forever()
     return 0
 
@@ -58,14 +74,18 @@ def serve_environment(config: SharpenConfig, *, host: str, port: int) -> int:
 
     service_config = environment.service if isinstance(environment, EpisodeLimitsSection) else ServiceConfig()
     token = _token(service_config.token_env)
+    advertise = advertised_url(service_config.advertise_url_env)
 
     try:
-        service = EnvironmentService(environment, sandbox=config.sandbox, token=token, host=host, port=port)
+        service = EnvironmentService(
+            environment, sandbox=config.sandbox, token=token, host=host, port=port, advertise_url=advertise
+        )
     except OSError as error:
         raise ConfigError(f"serve-env: cannot listen on {host}:{port}: {error.strerror}") from None
     except ValueError as error:
         raise ConfigError(f"serve-env: {error}") from None
-    print(f"serving environment {environment.type!r} at {service.url}", flush=True)
+    where = service.url + (f" (advertised as {advertise})" if advertise else "")
+    print(f"serving environment {environment.type!r} at {where}", flush=True)
     service.serve_forever()
     return 0
 

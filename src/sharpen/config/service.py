@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 from sharpen.config.section import Section
 
 TOKEN_ENV = "SHARPEN_SERVICE_TOKEN"
+ADVERTISE_URL_ENV = "SHARPEN_ADVERTISE_URL"
 
 
 class ServiceConfig(Section):
@@ -39,16 +40,38 @@ class ServiceConfig(Section):
     """Answers kept by Idempotency-Key at most (the oldest finished ones are forgotten first)."""
     retry_after_s: int = Field(default=1, ge=0)
     """The Retry-After of a 503 answer, in seconds."""
+    max_items_per_request: int = Field(default=1024, ge=1)
+    """Items one request may carry in a route's batch (a reward model's ``inputs``); more are answered 413 before
+    the request waits for a slot, so one call cannot hold the server for a whole batch of batches."""
+    max_connections: int = Field(default=512, ge=1)
+    """Connections open at once. One more evicts the oldest connection that has not yet sent a whole request, or
+    that waits idle between requests; when every one is working, it is answered 503 and closed (no thread)."""
+    header_timeout_s: float = Field(default=10.0, gt=0.0)
+    """Longest time a request's line and headers may take to arrive, in all (not per read: a client that trickles
+    a byte at a time is cut off too); past it the connection is closed."""
+    read_timeout_s: float = Field(default=30.0, gt=0.0)
+    """Longest time an authorized request's body may take to arrive, in all; past it the connection is closed and
+    the request never runs. Also bounds each read or write on the connection."""
+    idle_timeout_s: float = Field(default=30.0, gt=0.0)
+    """A kept-alive connection with no next request for this long is closed (clients close theirs sooner)."""
     token_env: str = TOKEN_ENV
     """The environment variable that holds the shared-secret token every call but /healthz, /readyz and /metrics
     must carry (``Authorization: Bearer <token>``); the server refuses to start without it."""
+    advertise_url_env: str = ADVERTISE_URL_ENV
+    """The environment variable that holds this replica's own base URL (``http://<pod-ip>:<port>``), which the
+    answer that opens a session or an episode carries, so that a client that reached the replica through a shared
+    address (a Kubernetes Service in front of several pods) sends the session's or episode's later calls to this
+    replica and no other. Unset or empty: the client keeps calling the address it opened it through, which is right
+    only when that address is this one replica. The Helm chart sets it from the pod's IP."""
 
 
 class RemoteConfig(Section):
     """Where the replicas of a served component are and how calls to them are retried (read by the client)."""
 
     urls: list[str] = Field(default_factory=list[str])
-    """Base URLs of the replicas (``http://host:port``); calls are spread over them, least busy first."""
+    """Base URLs of the replicas (``http://host:port``); calls are spread over them, least busy first. One URL may
+    stand for many replicas (a Kubernetes Service): sessions and episodes then stay on the replica that opened them
+    by the address it advertises (``service.advertise_url_env``)."""
     token_env: str | None = TOKEN_ENV
     """The environment variable that holds the servers' shared-secret token (None: send no token, for a server that
     takes none)."""

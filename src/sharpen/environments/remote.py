@@ -6,8 +6,10 @@ Owns moving an episode when its replica is lost. An episode is deterministic giv
 forgets it (expiry), the client resets it on another replica and replays the actions so far, checking that every
 observation, reward and end flag comes back as recorded; then the step goes on there. An episode that does not
 replay identically, or that no replica can take, raises `EnvironmentInfraError`: the fault is not the policy's and
-the episode abstains. A step is sent once per turn under one Idempotency-Key, so a retry never applies an action
-twice. Does not start replicas; the episode loop cannot tell this environment from a local one.
+the episode abstains. An episode's steps go to the replica that opened it, by the address that replica advertised
+(so a Kubernetes Service in front of several replicas opens episodes but never moves one). A step is sent once per
+turn under one Idempotency-Key, so a retry never applies an action twice. Does not start replicas; the episode loop
+cannot tell this environment from a local one.
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class RemoteEnvironment:
             raise EnvironmentInfraError(f"environment service: {error}") from None
 
     def _open(self, key: str) -> list[dict[str, str]]:
-        self._url, answer = self.client.call("POST", "/v1/episodes", self._start, key=key)
+        url, answer = self.client.call("POST", "/v1/episodes", self._start, key=key)
+        self._url = self.client.pin(url, answer)  # the replica itself, when it was reached through a Service
         self._episode_id = str(answer["episode_id"])
         return answer["observation"]
 

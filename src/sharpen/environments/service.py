@@ -4,9 +4,11 @@ Owns the routes, the wire format of the environment protocol's data, and the tab
 
 - ``GET /v1/info`` -> ``{"name", "version"}`` of the environment served.
 - ``POST /v1/episodes`` ``{"example": {...}, "context": {"seed", "sample_index", "max_turns", "max_tokens",
-  "wall_seconds"}}`` -> ``{"episode_id", "observation": [messages]}``: a fresh environment from the recipe's
-  factory, reset with an `EpisodeContext` rebuilt from those numbers (its rng from the seed; its sandbox this
-  server's), so an episode depends on its example, seed and actions alone.
+  "wall_seconds"}}`` -> ``{"episode_id", "observation": [messages], "replica_url"?}``: a fresh environment from the
+  recipe's factory, reset with an `EpisodeContext` rebuilt from those numbers (its rng from the seed; its sandbox
+  this server's), so an episode depends on its example, seed and actions alone. ``replica_url``, when the server
+  was given its own address (``advertise_url``), is where the episode's steps must go: a client that reached this
+  replica through a Kubernetes Service sends them to this pod, not back through the Service to another.
 - ``POST /v1/episodes/{id}/step`` ``{"action", "turn"}`` -> a `StepResult`. ``turn`` counts the steps before
   this one: a step that does not follow the last is refused (409) rather than applied out of order. An episode is
   forgotten after a step that ends it or its ``max_turns``-th step, else after ``service.idle_seconds`` untouched.
@@ -48,10 +50,18 @@ class _Episode:
 
 
 class EnvironmentService(ServedComponent):
-    """Serves the environment of ``config`` (and, for environments that run code, a pool of ``sandbox``)."""
+    """Serves the environment of ``config`` (and, for environments that run code, a pool of ``sandbox``).
+    ``advertise_url``: this replica's own address, given with every episode it opens (None: none)."""
 
     def __init__(
-        self, config: EnvironmentConfig, *, sandbox: SandboxConfig, token: str, host: str = "127.0.0.1", port: int = 0
+        self,
+        config: EnvironmentConfig,
+        *,
+        sandbox: SandboxConfig,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_url: str | None = None,
     ):
         local = config.model_copy(update={"remote": None}) if getattr(config, "remote", None) is not None else config
         self.factory = build_environment_factory(local)
@@ -89,6 +99,7 @@ class EnvironmentService(ServedComponent):
             gauges=lambda: {"sharpen_open_episodes": len(self._episodes)},
         )
         self.url = self.shell.url
+        self.advertise_url = advertise_url
 
     def close(self) -> None:
         self._stopping.set()
@@ -125,7 +136,10 @@ class EnvironmentService(ServedComponent):
             self._episodes[episode_id] = _Episode(
                 environment=environment, max_turns=ctx.max_turns, wall_seconds=ctx.wall_seconds
             )
-        return {"episode_id": episode_id, "observation": encode_messages(observation)}
+        answer: dict[str, Any] = {"episode_id": episode_id, "observation": encode_messages(observation)}
+        if self.advertise_url:
+            answer["replica_url"] = self.advertise_url
+        return answer
 
     def _step(self, request: Request) -> dict[str, Any]:
         action, turn = request.body.get("action"), request.body.get("turn")

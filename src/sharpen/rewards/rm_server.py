@@ -6,11 +6,13 @@ model's template markers, e.g. a forged turn after its answer, scores as the tex
 gathers the requests arriving within ``max_wait_ms`` (up to ``max_batch_size`` inputs) into one padded forward, and the
 route ``POST /score`` ``{"inputs": [{"prompt": [{"role", "content"}...], "completion": "..."}]}`` -> ``{"scores":
 [...], "truncated": [...], "num_truncated": n}``. The shell (`sharpen.serving.shell`) gives what every served component
-has: the bearer token (checked before the body is read), the body limit, admission (``2 * max_batch_size`` requests
-with the batcher, ``service.max_queue_size`` waiting for a place, then 503 with Retry-After), answers kept by
-Idempotency-Key, ``GET /healthz``, ``/readyz`` and ``/metrics``. A failed forward is answered 503: nothing was scored,
-so the client may ask again. Does not load the model (`sharpen serve-rm` does) nor retry (the client, `rm_client`,
-does).
+has: the bearer token (required: the service does not start without one, and a call without it is answered 401
+before its body is read), the body limit, the framing and connection limits, at most
+``service.max_items_per_request`` inputs per request (413), fair admission (``2 * max_batch_size`` requests with the
+batcher, ``service.max_queue_size`` waiting for a place, shared between callers, then 503 with Retry-After), answers
+kept by Idempotency-Key, ``GET /healthz``, ``/readyz`` and ``/metrics``. A failed forward is answered 503: nothing
+was scored, so the client may ask again. Does not load the model (`sharpen serve-rm` does) nor retry (the client,
+`rm_client`, does).
 """
 
 from __future__ import annotations
@@ -157,7 +159,9 @@ class RewardModelService(ServedComponent):
         self._lock = threading.Lock()  # no job is queued after close() has answered the queued ones
         self._stopping = threading.Event()
         self._threads = [threading.Thread(target=self._run_batcher, daemon=True, name="rm-service-batcher")]
-        route = Route(method="POST", pattern="/score", handler=self._score, is_queued=True, is_idempotent=True)
+        route = Route(
+            method="POST", pattern="/score", handler=self._score, is_queued=True, is_idempotent=True, items="inputs"
+        )
         self.shell = ServiceShell(
             service,
             routes=[route],

@@ -1,5 +1,6 @@
-"""Serving components over HTTP: the service shell (shell.py: token, limits, bounded queue, probes, idempotency)
-and the one HTTP client (replicas.py: load spread over N URLs, retries with backoff, timeouts, the token, what each
+"""Serving components over HTTP: the service shell (shell.py: token, limits, probes, idempotency; admission.py: a
+bounded queue shared fairly between callers; http_guard.py: one body framing, bounded connections, deadlines) and
+the one HTTP client (replicas.py: load spread over N URLs, retries with backoff, timeouts, the token, what each
 failure means), which every client of a served component uses (sandbox, environment, reward model, LLM judge).
 Components' own service modules (`sharpen.environments.sandbox.service`, `sharpen.environments.service`,
 `sharpen.rewards.rm_server`) give the routes; this package knows none of them. Standard library HTTP on the

@@ -2,8 +2,9 @@
 that is safe. The sandbox and environment clients, the reward-model client and the LLM judge's client use it.
 
 Owns choosing a replica (the one with the fewest calls in flight from here; a replica that refused a connection
-rests for ``replica_cooldown_s``), the token and Idempotency-Key headers, timeouts, backoff (``backoff_s`` doubled
-per round over all replicas, at most 2 s, or the server's Retry-After) and what each failure means:
+rests for ``replica_cooldown_s``), the token, Idempotency-Key and caller headers (the servers share their queues
+fairly between callers: one process is one), timeouts, backoff (``backoff_s`` doubled per round over all replicas,
+at most 2 s, or the server's Retry-After) and what each failure means:
 
 - not reached (connection refused, connect timeout), or not taken (503 full, 429 rate-limited, 408): another
   replica, same key; safe, nothing ran.
@@ -17,6 +18,12 @@ per round over all replicas, at most 2 s, or the server's Retry-After) and what 
 - any other answer: final. 4xx is `ServiceRequestError` (a bug or a wrong token, not load), 5xx
   `ServiceUnavailable`. When attempts run out, `ServiceUnavailable` (``is_timeout`` when the last attempt got no
   answer in time or a 504): an infrastructure fault, never the policy's.
+
+Stateful replicas are addressed one by one: the answer that opens a session or an episode may carry the replica's own
+address (``"replica_url"``, from the server's ``service.advertise_url_env``), and `pin` pins what it opened there. So
+a URL that stands for many replicas (a Kubernetes Service, any load balancer without session affinity) opens
+sessions and episodes, and their later calls go to the pod that holds them, never through the balancer again. An
+advertised address is called only for pinned calls; calls that are not pinned are spread over ``config.urls`` alone.
 
 Synchronous (httpx, thread-safe); ``in_thread`` runs calls in the client's own threads for asyncio callers, so one
 client serves any number of event loops. Does not know what the routes mean.
@@ -37,13 +44,16 @@ from typing import Any, TypeVar
 import httpx
 
 from sharpen.config.service import RemoteConfig
-from sharpen.serving.shell import read_token
+from sharpen.serving.shell import CALLER_HEADER, read_token
 
 T = TypeVar("T")
 _MAX_BACKOFF_S = 2.0
 _NOT_TAKEN = frozenset({408, 429, 503})
 """Answers that say the call did not run (timed out arriving, rate-limited, full): always retried."""
 _FAILED = frozenset({500, 502, 504})
+_CALLER = uuid.uuid4().hex[:16]
+"""This process's name for the servers' fair admission (``X-Sharpen-Caller``): opaque, so that it tells a third-party
+server (a judge's API) nothing about the host."""
 """Answers of a call that may have run and failed (or whose gateway gave up): retried only with an Idempotency-Key."""
 
 
@@ -129,7 +139,10 @@ class ReplicaClient:
         self.what = what
         self.replicas = [Replica(url=url) for url in config.urls]
         self._by_url = {r.url: r for r in self.replicas}
+        self._advertised: dict[str, Replica] = {}
+        """Replicas known only by the address they advertised (one per replica that opened something here)."""
         headers = {} if config.token_env is None else {"Authorization": f"Bearer {read_token(config.token_env)}"}
+        headers[CALLER_HEADER] = _CALLER
         max_in_flight = config.max_in_flight
         self._http = httpx.Client(
             headers=headers,
@@ -140,10 +153,27 @@ class ReplicaClient:
         self._executor = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix=f"{what}-client")
 
     def replica(self, url: str) -> Replica:
-        replica = self._by_url.get(url)
+        replica = self._by_url.get(url) or self._advertised.get(url)
         if replica is None:  # a pinned call to a replica that `set_urls` dropped
             raise ReplicaLost(f"{self.what} replica {url} is no longer one of this client's replicas")
         return replica
+
+    def pin(self, url: str, answer: dict[str, Any]) -> str:
+        """The address to pin what ``answer`` opened (a session, an episode): the replica's own when the answer
+        advertises one (``replica_url``), else ``url``, the one that was called."""
+        advertised = answer.get("replica_url")
+        if advertised is None:
+            return url
+        if not (isinstance(advertised, str) and advertised.startswith(("http://", "https://"))):
+            raise ServiceRequestError(
+                f"{self.what} replica {url} advertises {advertised!r} as its address, not an http(s) URL "
+                "(fix its service.advertise_url_env variable)"
+            )
+        advertised = advertised.rstrip("/")
+        with self._lock:
+            if advertised not in self._by_url:
+                self._advertised.setdefault(advertised, Replica(url=advertised))
+        return advertised
 
     def set_urls(self, urls: list[str]) -> None:
         """Call these replicas from now on (a fleet that grew, shrank or restarted one); a replica kept keeps its

@@ -1,12 +1,16 @@
-"""The HTTP shell every served component sits in: routes, a shared-secret token, limits, a bounded queue, probes.
+"""The HTTP shell every served component sits in: routes, a shared-secret token, limits, fair admission, probes.
 
 Owns what all services share: ``Authorization: Bearer <token>`` on every route but the probes (compared in constant
-time), a body size limit (413), admission of the routes that do work into ``max_running`` slots plus a bounded
-queue (beyond it 503 with Retry-After, never a silent drop), answers kept by ``Idempotency-Key`` (idempotency.py),
-``GET /healthz`` (alive), ``GET /readyz`` (503 when the queue is full or the component cannot serve) and
-``GET /metrics`` (Prometheus text). The token is checked before a request's body is read. JSON in, JSON out. Does not
-know what a route does: the component's service module gives the routes (the sandbox's, the environment's, the
-reward model's). Standard library HTTP only.
+time, checked before a single body byte is read: a caller without it is answered 401 and its connection closed
+after at most 64 KiB of its body are read and dropped, so unauthenticated bodies are never held), one unambiguous
+body framing (a single ``Content-Length``; see http_guard.py for what is refused), a body size limit (413), a cap on
+the items of a route's batch (``max_items_per_request``, 413), bounded connections with deadlines on their headers,
+bodies and idle time (http_guard.py), admission of the routes that do work into ``max_running`` slots plus a
+bounded queue shared fairly between callers (admission.py; beyond it 503 with Retry-After, never a silent drop),
+answers kept by ``Idempotency-Key`` (idempotency.py), ``GET /healthz`` (alive), ``GET /readyz`` (503 when the queue
+is full or the component cannot serve) and ``GET /metrics`` (Prometheus text). JSON in, JSON out. Does not know what
+a route does: the component's service module gives the routes (the sandbox's, the environment's, the reward
+model's). Standard library HTTP only.
 """
 
 from __future__ import annotations
@@ -14,21 +18,30 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import io
 import json
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Self
+from http.server import BaseHTTPRequestHandler
+from typing import Any, Self, cast
 
 from sharpen.config.service import ServiceConfig
+from sharpen.serving.admission import FairQueue
+from sharpen.serving.http_guard import ConnectionGuard, FramingError, GuardedHTTPServer, body_length
 from sharpen.serving.idempotency import Answer, IdempotencyTable, KeyConflict
 
 logger = logging.getLogger(__name__)
 
 PROBES = ("/healthz", "/readyz", "/metrics")
+CALLER_HEADER = "X-Sharpen-Caller"
+"""Names the caller for fair admission (a client process, a run); without it, the peer's address does."""
+DRAIN_BYTES = 1 << 16
+"""The most of a refused request's body that is read and dropped, unless it was authorized (then up to 4 times the
+body limit: its client learns why, e.g. 413, instead of seeing a reset while it still sends)."""
 
 
 class ServiceError(Exception):
@@ -58,6 +71,9 @@ class Route:
     """Does work: runs in one of ``max_running`` slots, waits in the bounded queue, or is refused with 503."""
     is_idempotent: bool = False
     """Honours Idempotency-Key: a repeated key gets the first answer (waiting for it while it runs)."""
+    items: str | None = None
+    """The body's field that holds a batch (a list or an object of items): more than ``max_items_per_request``
+    items are answered 413 before the request waits for a slot."""
 
     def match(self, method: str, path: str) -> list[str] | None:
         parts, wanted = path.strip("/").split("/"), self.pattern.strip("/").split("/")
@@ -102,12 +118,12 @@ class ServiceShell:
         self.max_body_bytes = int(config.max_body_mb * (1 << 20))
         self.is_ready, self.gauges = is_ready, gauges
         self.idempotency = IdempotencyTable(ttl_s=config.idempotency_ttl_s, max_keys=config.max_idempotency_keys)
-        self.counts = {"requests": 0, "rejected": 0, "unauthorized": 0}
+        self.counts = {"requests": 0, "rejected": 0, "unauthorized": 0, "misframed": 0}
+        self.admission = FairQueue(max_running=max_running, max_queue_size=config.max_queue_size)
+        self.guard = ConnectionGuard(config)
         self._token = token.encode()
-        self._num_running = self._num_waiting = 0
-        self._slots = threading.Condition()
         self._stopping = threading.Event()
-        self._http = _HTTPServer((host, port), _make_handler(self))
+        self._http = GuardedHTTPServer((host, port), _make_handler(self), guard=self.guard)
         self.url = "http://{}:{}".format(*self._http.server_address[:2])
         self._thread: threading.Thread | None = None
 
@@ -117,44 +133,28 @@ class ServiceShell:
 
     @property
     def queue_depth(self) -> int:
-        return self._num_waiting
+        return self.admission.num_waiting
 
     def is_authorized(self, header: str | None) -> bool:
         scheme, _, token = (header or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._token)
 
-    def admit(self) -> bool:
-        """Take a running slot, waiting in the queue when there is room; False when the queue is full."""
-        with self._slots:
-            if self._num_running >= self.max_running:
-                if self._num_waiting >= self.config.max_queue_size:
-                    self.counts["rejected"] += 1
-                    return False
-                self._num_waiting += 1
-                while self._num_running >= self.max_running:
-                    self._slots.wait()
-                self._num_waiting -= 1
-            self._num_running += 1
-            return True
-
-    def release(self) -> None:
-        with self._slots:
-            self._num_running -= 1
-            self._slots.notify()
-
     def ready(self) -> bool:
         """Alive, able to serve, and a queued request would be admitted now (not answered 503)."""
-        is_full = self._num_running >= self.max_running and self._num_waiting >= self.config.max_queue_size
-        return not self._stopping.is_set() and not is_full and self.is_ready()
+        return not self._stopping.is_set() and not self.admission.is_full and self.is_ready()
 
     def metrics_text(self) -> str:
         values: dict[str, tuple[str, float]] = {
-            "sharpen_queue_depth": ("gauge", self._num_waiting),
-            "sharpen_requests_running": ("gauge", self._num_running),
+            "sharpen_queue_depth": ("gauge", self.admission.num_waiting),
+            "sharpen_requests_running": ("gauge", self.admission.num_running),
             "sharpen_max_running": ("gauge", self.max_running),
+            "sharpen_connections_open": ("gauge", self.guard.num_open),
             "sharpen_requests_total": ("counter", self.counts["requests"]),
             "sharpen_requests_rejected_total": ("counter", self.counts["rejected"]),
             "sharpen_requests_unauthorized_total": ("counter", self.counts["unauthorized"]),
+            "sharpen_requests_misframed_total": ("counter", self.counts["misframed"]),
+            "sharpen_connections_cut_total": ("counter", self.guard.num_cut + self.guard.num_evicted),
+            "sharpen_connections_refused_total": ("counter", self.guard.num_refused),
             "sharpen_idempotent_replays_total": ("counter", self.idempotency.num_replayed),
             **{name: ("gauge", value) for name, value in self.gauges().items()},
         }
@@ -163,8 +163,8 @@ class ServiceShell:
             lines += [f"# TYPE {name} {kind}", f"{name} {value:g}"]
         return "\n".join(lines) + "\n"
 
-    def dispatch(self, method: str, path: str, raw: bytes, key: str | None) -> Answer:
-        """The answer to an authorized request: routing, idempotency, admission, the route itself."""
+    def dispatch(self, method: str, path: str, raw: bytes, key: str | None, *, caller: str = "") -> Answer:
+        """The answer to an authorized request: routing, idempotency, admission (as ``caller``), the route itself."""
         for route in self.routes:
             params = route.match(method, path)
             if params is not None:
@@ -172,7 +172,7 @@ class ServiceShell:
         else:
             return _answer(404, {"error": f"no route {method} {path}"})
         if not (route.is_idempotent and key):
-            return self._run(route, params, raw)
+            return self._run(route, params, raw, caller)
         digest = hashlib.sha256(b"%s %s\n%s" % (method.encode(), path.encode(), raw)).hexdigest()
         try:
             earlier = self.idempotency.claim(key, digest, timeout=self.config.idempotency_ttl_s)
@@ -182,19 +182,23 @@ class ServiceShell:
             return earlier
         answer = Answer(status=500, body=b'{"error": "the request failed"}')
         try:
-            answer = self._run(route, params, raw)
+            answer = self._run(route, params, raw, caller)
         finally:
             self.idempotency.finish(key, answer)
         return answer
 
-    def _run(self, route: Route, params: list[str], raw: bytes) -> Answer:
+    def _run(self, route: Route, params: list[str], raw: bytes, caller: str) -> Answer:
         try:
             body = json.loads(raw) if raw else {}
         except (ValueError, UnicodeDecodeError) as error:
             return _answer(400, {"error": f"the body is not JSON: {error}"})
         if not isinstance(body, dict):
             return _answer(400, {"error": "the body must be a JSON object"})
-        if route.is_queued and not self.admit():
+        num_items, limit = _num_items(body.get(route.items)) if route.items else 0, self.config.max_items_per_request
+        if num_items > limit:
+            return _answer(413, {"error": f"{num_items} {route.items} are over the limit of {limit} per request"})
+        if route.is_queued and not self.admission.admit(caller):
+            self.counts["rejected"] += 1
             retry = self.config.retry_after_s
             return _answer(503, {"error": "the queue is full; retry on another replica"}, retry_after=retry)
         try:
@@ -206,9 +210,10 @@ class ServiceShell:
             return _answer(500, {"error": f"{type(error).__name__}: {error}"})
         finally:
             if route.is_queued:
-                self.release()
+                self.admission.release()
 
     def start(self) -> ServiceShell:
+        self.guard.start()
         # A short poll interval makes close() quick (shutdown waits for the serving loop's next poll).
         self._thread = threading.Thread(target=self._http.serve_forever, args=(0.05,), daemon=True, name="service")
         self._thread.start()
@@ -224,6 +229,7 @@ class ServiceShell:
 
     def close(self) -> None:
         self._stopping.set()
+        self.guard.stop()
         if self._thread is not None:
             self._http.shutdown()
             self._thread.join(timeout=5)
@@ -235,21 +241,54 @@ def _answer(status: int, payload: Mapping[str, Any], *, retry_after: int | None 
     return Answer(status=status, body=json.dumps(payload).encode(), retry_after=retry_after)
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    # The default listen backlog of 5 drops connections under a burst of clients; they then wait out a 1 s SYN
-    # retransmit (a 1.3 s p99 in benchmarks/rm_server.py).
-    request_queue_size = 1024
+def _num_items(batch: object) -> int:
+    return len(batch) if isinstance(batch, list | dict) else 0
 
 
 def _make_handler(shell: ServiceShell) -> type[BaseHTTPRequestHandler]:
+    guard = shell.guard
+
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive: a client reuses its connection for the next call
         # Headers and body go out in two writes: with Nagle's algorithm the body waits for the client's delayed ACK
         # of the headers (~40 ms per call on a kept-alive connection; a relayed session makes dozens of calls).
         disable_nagle_algorithm = True
+        timeout = guard.socket_timeout_s  # each read and write; the guard's deadlines bound the phases in all
+
+        def setup(self) -> None:
+            super().setup()
+            self.conn = guard.connection(self.request)
+
+        def handle_one_request(self) -> None:
+            if self.conn.num_requests and not self._next_request_begins():
+                self.close_connection = True
+                return
+            guard.enter(self.conn, "head")
+            try:
+                super().handle_one_request()
+            except OSError:  # a peer that vanished, or cut by the guard: nothing to answer
+                self.close_connection = True
+            self.conn.num_requests += 1
+            if self.conn.is_cut:
+                self.close_connection = True
+
+        def _next_request_begins(self) -> bool:
+            """Wait (``idle``) for the first byte of a kept-alive connection's next request; False at its end."""
+            guard.enter(self.conn, "idle")
+            try:
+                return bool(cast(io.BufferedReader, self.rfile).peek(1))
+            except OSError:  # timed out or reset
+                return False
+
+        def handle_expect_100(self) -> bool:
+            if shell.is_authorized(self.headers.get("Authorization")):
+                return super().handle_expect_100()
+            return True  # no "100 Continue" to a caller without the token: it is refused before its body
 
         def do_GET(self) -> None:
+            if self._head(is_probe=self.path in PROBES) is None:
+                return
+            guard.enter(self.conn, "busy")
             if self.path == "/healthz":
                 return self._send(_answer(200, {"status": "alive"}))
             if self.path == "/readyz":
@@ -257,53 +296,86 @@ def _make_handler(shell: ServiceShell) -> type[BaseHTTPRequestHandler]:
                 return self._send(_answer(200 if is_ready else 503, {"ready": is_ready}))
             if self.path == "/metrics":
                 return self._send(Answer(status=200, body=shell.metrics_text().encode()), content_type="text/plain")
-            refusal = self._refusal()
-            self._send(refusal or shell.dispatch("GET", self.path, b"", self.headers.get("Idempotency-Key")))
+            key = self.headers.get("Idempotency-Key")
+            self._send(shell.dispatch("GET", self.path, b"", key, caller=self._caller()))
 
         def do_POST(self) -> None:
-            try:
-                length = int(self.headers.get("Content-Length") or 0)
-            except ValueError:
-                length = -1
-            # Refused before the body is read: a caller without the token cannot make the server hold its body.
-            refusal = self._refusal()
-            if refusal is None and (length < 0 or length > shell.max_body_bytes):
-                message = f"a body of {length} bytes is over the limit of {shell.max_body_bytes} (or unreadable)"
-                refusal = _answer(413, {"error": message})
-            if refusal is None:
-                raw = self.rfile.read(length)
-                return self._send(shell.dispatch("POST", self.path, raw, self.headers.get("Idempotency-Key")))
-            self.close_connection = True
-            self._send(refusal)
-            # Then read what was sent (up to a bound) and drop it: closing with unread bytes resets the connection,
-            # and a client still writing its body would see a dropped call, not the answer that tells it why.
-            remaining = min(max(length, 0), 4 * shell.max_body_bytes)
-            with contextlib.suppress(OSError):
-                while remaining > 0 and (chunk := self.rfile.read(min(remaining, 1 << 16))):
-                    remaining -= len(chunk)
-
-        def _refusal(self) -> Answer | None:
-            """The answer to a request the shell refuses before it reads the body: shutting down, or no token."""
-            shell.counts["requests"] += 1
-            if shell.is_stopping:  # a kept-alive connection outlives close(): send its client elsewhere
+            length = self._head(is_probe=False)
+            if length is None:
+                return
+            guard.enter(self.conn, "body")
+            raw = self.rfile.read(length)
+            if len(raw) < length or self.conn.is_cut:  # the client left, or was too slow: the request never runs
                 self.close_connection = True
-                return _answer(503, {"error": "the service is shutting down"}, retry_after=0)
+                return
+            guard.enter(self.conn, "busy")
+            key = self.headers.get("Idempotency-Key")
+            self._send(shell.dispatch("POST", self.path, raw, key, caller=self._caller()))
+
+        def _head(self, *, is_probe: bool) -> int | None:
+            """The body's length when the request goes on; else None, its refusal answered (`_refuse`) before a
+            byte of its body was read."""
+            shell.counts["requests"] += 1
+            if self.conn.is_cut:  # cut by the guard while its head arrived: what was read is not a whole request
+                self.close_connection = True
+                return None
+            length = 0
+            try:
+                length = body_length(self.headers)
+                if self.command == "GET" and length:
+                    raise FramingError(400, "a GET request carries no body")
+            except FramingError as error:
+                shell.counts["misframed"] += 1
+                return self._refuse(_answer(error.status, {"error": str(error)}), length=length)
+            if is_probe:
+                return length
+            if shell.is_stopping:  # a kept-alive connection outlives close(): send its client elsewhere
+                return self._refuse(
+                    _answer(503, {"error": "the service is shutting down"}, retry_after=0), length=length
+                )
             if not shell.is_authorized(self.headers.get("Authorization")):
                 shell.counts["unauthorized"] += 1
-                return _answer(401, {"error": "missing or wrong bearer token"})
-            return None
+                return self._refuse(_answer(401, {"error": "missing or wrong bearer token"}), length=length)
+            if length > shell.max_body_bytes:
+                message = f"a body of {length} bytes is over the limit of {shell.max_body_bytes}"
+                return self._refuse(_answer(413, {"error": message}), length=length, drain=4 * shell.max_body_bytes)
+            return length
+
+        def _refuse(self, answer: Answer, *, length: int, drain: int = DRAIN_BYTES) -> None:
+            """Answer, close our side, read and drop at most ``drain`` bytes of the body, then close the connection:
+            closing with unread bytes resets it, and a client still writing its body would see a dropped call, not
+            the answer that tells it why."""
+            self.close_connection = True
+            guard.enter(self.conn, "drain")
+            self._send(answer)
+            with contextlib.suppress(OSError):  # the client reads the answer's end now, while the body drains
+                self.connection.shutdown(socket.SHUT_WR)
+            self._drain(min(length, drain) if length else drain)
+
+        def _drain(self, limit: int) -> None:
+            """Read and drop up to ``limit`` bytes into one small buffer, until the client stops sending or the
+            guard's drain deadline."""
+            buffer = bytearray(4096)
+            with contextlib.suppress(OSError):
+                while limit > 0 and not self.conn.is_cut and (n := self.rfile.readinto1(buffer)):
+                    limit -= n
+
+        def _caller(self) -> str:
+            return self.headers.get(CALLER_HEADER, "")[:128] or str(self.client_address[0])
 
         def _send(self, answer: Answer, *, content_type: str = "application/json") -> None:
-            self.send_response(answer.status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(answer.body)))
-            if answer.retry_after is not None:
-                self.send_header("Retry-After", str(answer.retry_after))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
+            try:
+                self.send_response(answer.status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(answer.body)))
+                if answer.retry_after is not None:
+                    self.send_header("Retry-After", str(answer.retry_after))
+                if self.close_connection:
+                    self.send_header("Connection", "close")
+                self.end_headers()
                 self.wfile.write(answer.body)
+            except OSError:  # the client gave up (its timeout) or does not read: drop the connection
+                self.close_connection = True
 
         def log_message(self, format: str, *args: Any) -> None:
             logger.debug("%s " + format, self.address_string(), *args)

@@ -177,6 +177,16 @@ def test_a_request_without_the_token_is_refused_before_its_body_is_read(scorer):
         assert server.shell.counts["unauthorized"] == 2 and server.num_scored == 0
 
 
+def test_the_service_requires_a_token_and_caps_the_inputs_of_a_request(scorer):
+    with pytest.raises(ValueError, match="non-empty shared-secret token"):
+        RewardModelService(scorer, service=ServiceConfig(), token="")
+    with _service(scorer, max_items_per_request=2) as server:
+        status, payload, _ = _post(server.url, _score_body("a", "b", "c"))
+        fits = _post(server.url, _score_body("a", "b"))
+    assert (status, payload) == (413, {"error": "3 inputs are over the limit of 2 per request"})
+    assert fits[0] == 200 and server.num_scored == 2, "the refused batch never reached the model"
+
+
 def test_concurrent_requests_share_forwards(scorer):
     gated = GatedScorer(scorer)
     num_clients = 8

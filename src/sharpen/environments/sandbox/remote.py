@@ -7,9 +7,11 @@ callers already handle. An execution is spread over the replicas and retried els
 Idempotency-Key when a replica is full or dies (its program dies with it, and sandboxed code has no effect outside
 its sandbox, so running it again there is safe; a live replica never runs one key twice). When no replica can run
 it, the result is ``sandbox_error`` with ``is_program_started`` False: the program's fault it is not, so the
-episode or the grading abstains. A session lives on one replica; when that replica is lost mid-session, ``send``
-fails, ``receive`` ends and ``close`` returns such a ``sandbox_error`` (the program may have run, but its end was
-the infrastructure's, so the policy is not judged by it). Does not start replicas or pick the isolation.
+episode or the grading abstains. A session lives on one replica, and its calls go there by the address the
+replica advertised when it opened the session (so a Kubernetes Service in front of several replicas opens sessions
+but never moves one); when that replica is lost mid-session, ``send`` fails, ``receive`` ends and ``close`` returns
+such a ``sandbox_error`` (the program may have run, but its end was the infrastructure's, so the policy is not
+judged by it). Does not start replicas or pick the isolation.
 """
 
 from __future__ import annotations
@@ -115,7 +117,11 @@ class RemoteSandbox:
             return RemoteSandboxSession(self, url="", session_id="", lost=f"no sandbox replica opened it: {error}")
         except ServiceRequestError as error:
             raise ValueError(str(error)) from None
-        return RemoteSandboxSession(self, url=url, session_id=str(answer["session_id"]))
+        try:
+            pinned = self.client.pin(url, answer)  # the replica itself, when it was reached through a Service
+        except ServiceRequestError as error:
+            return RemoteSandboxSession(self, url="", session_id="", lost=str(error))
+        return RemoteSandboxSession(self, url=pinned, session_id=str(answer["session_id"]))
 
     def close(self) -> None:
         self.client.close()

@@ -7,7 +7,9 @@ Owns the routes (JSON, see wire.py for the encodings) and the table of open sess
   idempotent: a repeated Idempotency-Key gets the first execution's result. A program the sandbox did not start
   (``sandbox_error``, never the program's doing) is answered 503 too, so that the client runs it on another
   replica; after a few in a row /readyz says not ready until a trivial program starts again.
-- ``POST /v1/sessions`` (same body, no stdin) -> ``{"session_id"}``: `Sandbox.open_session` on this replica;
+- ``POST /v1/sessions`` (same body, no stdin) -> ``{"session_id", "replica_url"?}``: `Sandbox.open_session` on this
+  replica; ``replica_url`` (when the server was given its own address, ``advertise_url``) is where the session's
+  calls must go, so that a client that reached it through a Kubernetes Service keeps talking to this pod;
   ``POST /v1/sessions/{id}/send`` ``{"line", "timeout"}`` -> ``{"ok"}``; ``POST /v1/sessions/{id}/receive``
   ``{"timeout"}`` -> ``{"line"}`` (a long poll of at most 20 s; null: ended or nothing yet); ``POST
   /v1/sessions/{id}/close`` ``{"grace_seconds"}`` -> the `ExecutionResult`. A session no request touched for
@@ -57,9 +59,19 @@ class _OpenSession:
 
 
 class SandboxService(ServedComponent):
-    """Serves ``pool`` (built from ``config`` by the caller, which closes it) behind a `ServiceShell`."""
+    """Serves ``pool`` (built from ``config`` by the caller, which closes it) behind a `ServiceShell`.
+    ``advertise_url``: this replica's own address, given with every session it opens (None: none)."""
 
-    def __init__(self, config: SandboxConfig, *, pool: SandboxPool, token: str, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        config: SandboxConfig,
+        *,
+        pool: SandboxPool,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_url: str | None = None,
+    ):
         if config.backend == "remote":
             raise ValueError(
                 "serve-sandbox runs a local sandbox: set sandbox.backend to auto, bwrap, unshare or process"
@@ -95,6 +107,7 @@ class SandboxService(ServedComponent):
             gauges=lambda: {"sharpen_open_sessions": len(self._sessions), "sharpen_executions": self.num_executions},
         )
         self.url = self.shell.url
+        self.advertise_url = advertise_url
 
     def close(self) -> None:
         """Stop serving and kill the open sessions; the pool is the caller's to close."""
@@ -170,6 +183,8 @@ class SandboxService(ServedComponent):
         session_id = uuid.uuid4().hex
         with self._lock:
             self._sessions[session_id] = _OpenSession(session=session)
+        if self.advertise_url:
+            return {"session_id": session_id, "replica_url": self.advertise_url}
         return {"session_id": session_id}
 
     def _use(self, session_id: str, *, is_closing: bool = False) -> _OpenSession:
