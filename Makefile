@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.sharpen-installed
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: install system-deps demo test lint clean-venv bench-deps
+.PHONY: install system-deps demo test lint clean-venv bench-deps images
 
 install: $(STAMP)
 
@@ -66,6 +66,20 @@ test: install system-deps
 # else needs it: `make test` never installs it.
 bench-deps: install
 	$(PIP) install -c constraints.txt -e '.[bench]'
+
+# The images of deploy/docker/ (one per `<key>.Dockerfile`, named as the chart's values name them), built from the
+# repository root. Needs a Docker engine; without one (as on sharpen's CI machines) it says so and fails. Push them
+# yourself: `make images IMAGE_REGISTRY=my.registry/sharpen && docker push ...`.
+IMAGE_REGISTRY ?= registry.example.com/sharpen
+IMAGE_TAG ?= 0.1.0
+IMAGES := $(patsubst deploy/docker/%.Dockerfile,%,$(wildcard deploy/docker/*.Dockerfile))
+images:
+	@docker info >/dev/null 2>&1 || { echo "sharpen: no Docker engine here (docker info failed): the images \
+	($(IMAGES)) are not built; run make images where one is" >&2; exit 1; }
+	@for key in $(IMAGES); do \
+		echo "sharpen: building $(IMAGE_REGISTRY)/sharpen-$$key:$(IMAGE_TAG)"; \
+		docker build -f deploy/docker/$$key.Dockerfile -t $(IMAGE_REGISTRY)/sharpen-$$key:$(IMAGE_TAG) . || exit 1; \
+	done
 
 clean-venv:
 	rm -rf $(VENV)

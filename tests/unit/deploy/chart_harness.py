@@ -4,7 +4,8 @@ Rendering and linting use Helm's own Go code through `helm_python` (the helm-pyt
 shared library: no helm binary, no download), in a child process: loading the Go runtime starts its threads and
 signal handlers, which the rest of the suite (forking sandboxes, SIGALRM timeouts) should not share. Validation uses
 `kubernetes_validate` in this process; its wheel ships the JSON schemas of every Kubernetes minor version it
-supports, and the strict variant refuses unknown fields.
+supports, and the strict variant refuses unknown fields. KubeRay's custom resources (apiVersion ray.io/...) are
+validated against KubeRay's CRD schemas, vendored under schemas/kuberay/ (kuberay_schemas.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import kubernetes_validate
 import yaml
+from kuberay_schemas import KubeRayInvalid, validate_kuberay
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 CHART = REPO_ROOT / "deploy" / "helm" / "sharpen"
@@ -69,9 +71,16 @@ def render_chart(values: dict[str, Any] | None = None, chart: Path = CHART) -> l
 
 
 def validate_manifest(manifest: dict[str, Any]) -> None:
-    """Strict schema validation against KUBERNETES_VERSION. A kind without a schema is an error here (the
-    kubernetes-validate command line only warns), so a misspelt kind or apiVersion cannot slip through."""
+    """Strict schema validation against KUBERNETES_VERSION, or KubeRay's CRD schema for a ray.io object. A kind
+    without a schema is an error here (the kubernetes-validate command line only warns), so a misspelt kind or
+    apiVersion cannot slip through."""
     name = f"{manifest.get('kind')}/{manifest.get('metadata', {}).get('name')}"
+    if str(manifest.get("apiVersion", "")).startswith("ray.io/"):
+        try:
+            validate_kuberay(manifest)
+        except KubeRayInvalid as error:
+            raise ManifestInvalid(str(error)) from error
+        return
     try:
         kubernetes_validate.validate(manifest, KUBERNETES_VERSION, strict=True)
     except kubernetes_validate.ValidationError as error:

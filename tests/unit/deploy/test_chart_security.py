@@ -1,6 +1,6 @@
 """Security and operability properties of every rendered workload: non-root, read-only root filesystem, seccomp,
 no capabilities, resources, probes, disruption budgets, autoscaling on queue depth, and network isolation (the
-sandbox has no egress at all)."""
+sandbox has no egress at all). Pod templates inside KubeRay's RayCluster and RayJob are checked like any other."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from chart_harness import RELEASE, VALUES_FILES, render_chart
+from chart_harness import RELEASE, VALUES_FILES, load_values, render_chart
 
 Finder = Callable[[list[dict[str, Any]], str, str], dict[str, Any]]
 WORKLOAD_KINDS = {"Deployment": ("spec", "template"), "Job": ("spec", "template")}
@@ -17,9 +17,20 @@ SANDBOX = f"{RELEASE}-sandbox"
 
 
 def _pod_templates(manifests: list[dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every pod template: a workload's (named as the workload), and a KubeRay object's head, worker groups and job
+    submitter (named "<object>:head", "<object>:worker-<group>", "<object>:submitter")."""
     for manifest in manifests:
+        name = manifest["metadata"]["name"]
         if manifest["kind"] in WORKLOAD_KINDS:
-            yield manifest["metadata"]["name"], manifest["spec"]["template"]
+            yield name, manifest["spec"]["template"]
+        spec = manifest.get("spec", {})
+        cluster = {"RayCluster": spec, "RayJob": spec.get("rayClusterSpec")}.get(manifest["kind"])
+        if cluster:
+            yield f"{name}:head", cluster["headGroupSpec"]["template"]
+            for group in cluster.get("workerGroupSpecs", []):
+                yield f"{name}:worker-{group['groupName']}", group["template"]
+        if manifest["kind"] == "RayJob":
+            yield f"{name}:submitter", manifest["spec"]["submitterPodTemplate"]
 
 
 @pytest.fixture(params=sorted(VALUES_FILES))
@@ -73,14 +84,15 @@ def test_every_container_has_requests_and_limits(manifests: list[dict[str, Any]]
                 assert {"cpu", "memory"} <= set(resources[kind]), f"{name}: {kind}"
 
 
-def test_gpus_are_requested_where_configured(all_components: list[dict[str, Any]], find: Finder) -> None:
-    expected = {"judge": 2, "reward-model": 1, "ray-worker": 8}
+def test_gpus_are_requested_where_configured(all_components: list[dict[str, Any]]) -> None:
+    expected = {"judge": 2, "reward-model": 1, "train:worker-gpu": 8, "train:head": 0, "train:worker-cpu": 0}
+    templates = dict(_pod_templates(all_components))
     for component, gpus in expected.items():
-        container = find(all_components, "Deployment", f"{RELEASE}-{component}")["spec"]["template"]["spec"]
-        resources = container["containers"][0]["resources"]
-        assert resources["limits"]["nvidia.com/gpu"] == gpus == resources["requests"]["nvidia.com/gpu"]
-    head = find(all_components, "Deployment", f"{RELEASE}-ray-head")["spec"]["template"]["spec"]["containers"][0]
-    assert "nvidia.com/gpu" not in head["resources"]["limits"]
+        resources = templates[f"{RELEASE}-{component}"]["spec"]["containers"][0]["resources"]
+        if gpus:
+            assert resources["limits"]["nvidia.com/gpu"] == gpus == resources["requests"]["nvidia.com/gpu"]
+        else:
+            assert "nvidia.com/gpu" not in resources["limits"]
 
 
 def test_every_deployment_has_probes_and_a_disruption_budget(manifests: list[dict[str, Any]]) -> None:
@@ -151,7 +163,8 @@ def test_every_pod_is_under_a_network_policy(manifests: list[dict[str, Any]]) ->
 
 def test_callers_of_the_sandbox_carry_the_client_label(all_components: list[dict[str, Any]]) -> None:
     clients = {name for name, t in _pod_templates(all_components) if t["metadata"]["labels"].get("sharpen-client")}
-    assert clients == {f"{RELEASE}-{c}" for c in ("environment", "ray-head", "ray-worker", "train")}
+    ray = ("train:head", "train:worker-gpu", "train:worker-cpu", "train:submitter")
+    assert clients == {f"{RELEASE}-{c}" for c in ("environment", *ray)}
 
 
 def test_tokens_come_from_the_secret(all_components: list[dict[str, Any]], find: Finder) -> None:
@@ -164,16 +177,18 @@ def test_tokens_come_from_the_secret(all_components: list[dict[str, Any]], find:
                     assert variable["valueFrom"]["secretKeyRef"]["name"] == f"{RELEASE}-auth", name
 
 
-def test_the_training_job_runs_sharpen_on_the_ray_cluster(all_components: list[dict[str, Any]], find: Finder) -> None:
-    job = find(all_components, "Job", f"{RELEASE}-train")["spec"]
+def test_the_training_job_runs_sharpen_on_the_ray_cluster(find: Finder) -> None:
+    # the static mode's driver; the RayJob's is in test_kuberay.py
+    manifests = render_chart(load_values(VALUES_FILES["ray-static-values"]))
+    job = find(manifests, "Job", f"{RELEASE}-train")["spec"]
     container = job["template"]["spec"]["containers"][0]
     script, *positional = container["args"]
     assert 'sharpen train /etc/sharpen/train.toml \'runtime.type="ray"\' \'runtime.address="auto"\' "$@"' in script
-    assert positional == ["train", 'run.name="k8s-smoke"']
+    assert positional == ["train", 'run.name="k8s-static"']
     assert job["template"]["spec"]["restartPolicy"] == "Never"
     address = next(v["value"] for v in container["env"] if v["name"] == "RAY_ADDRESS")
     assert address == f"{RELEASE}-ray-head:6379"
-    find(all_components, "Service", f"{RELEASE}-ray-head")
+    find(manifests, "Service", f"{RELEASE}-ray-head")
 
 
 def _bytes(quantity: str) -> int:

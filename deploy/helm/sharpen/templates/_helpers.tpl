@@ -135,8 +135,11 @@ resources:
 
 {{/*
 A queue-fronted HTTP server (sandbox, environment): Deployment with /healthz and /readyz probes, Service, HPA on
-the `sharpen_queue_depth` Pods metric, PodDisruptionBudget. Args: root, component, values (its section),
-args (the command line), and optionally isClient (the pods call other services), checksum, seccompProfile, securityExtra (further container securityContext
+the `sharpen_queue_depth` Pods metric, PodDisruptionBudget. Its replicas hold state (relay sessions, episodes) that
+the Service, which spreads every connection over the pods, must not move: each pod advertises its own address
+(SHARPEN_ADVERTISE_URL, from its IP) in the answer that opens a session or an episode, and the client sends that
+session's or episode's later calls to the pod directly (docs/scaling.md, "Stateful fleets behind Kubernetes").
+Args: root, component, values (its section), args (the command line), and optionally isClient (the pods call other services), checksum, seccompProfile, securityExtra (further container securityContext
 fields), podExtra (YAML added to the pod spec), volumes / mounts (extra YAML lists).
 */}}
 {{- define "sharpen.queueServer" -}}
@@ -171,6 +174,7 @@ spec:
         prometheus.io/path: /metrics
     spec:
       {{- include "sharpen.podSecurity" (dict "root" $root "seccompProfile" .seccompProfile) | nindent 6 }}
+      {{- include "sharpen.scheduling" (dict "root" $root "overrides" (list $values.scheduling)) | nindent 6 }}
       {{- with .podExtra }}
       {{- . | nindent 6 }}
       {{- end }}
@@ -193,6 +197,14 @@ spec:
                 secretKeyRef:
                   name: {{ include "sharpen.authSecret" $root }}
                   key: service-token
+            # This pod's own address, given to clients with every session or episode it opens. POD_IP must come
+            # first: Kubernetes expands $(POD_IP) only from variables defined above it.
+            - name: POD_IP
+              valueFrom:
+                fieldRef:
+                  fieldPath: status.podIP
+            - name: SHARPEN_ADVERTISE_URL
+              value: {{ printf "http://$(POD_IP):%v" $values.port | quote }}
           livenessProbe:
             httpGet: {path: /healthz, port: http}
             periodSeconds: 10
@@ -271,51 +283,4 @@ spec:
 {{- end }}
 {{- end -}}
 
-{{/* What every Ray pod (head, workers, the training Job) shares: labels, environment and volumes. */}}
-{{- define "sharpen.rayLabels" -}}
-sharpen-ray-cluster: {{ .Release.Name }}
-{{ include "sharpen.clientLabel" . }}
-{{- end -}}
-
-{{- define "sharpen.rayHeadAddress" -}}
-{{ include "sharpen.fullname" (dict "root" . "component" "ray-head") }}:6379
-{{- end -}}
-
-{{- define "sharpen.rayEnv" -}}
-- name: HOME
-  value: /tmp
-- name: HF_HUB_OFFLINE
-  value: "1"
-- name: RAY_USAGE_STATS_ENABLED
-  value: "0"
-# Ray's token authentication: every node and driver of the cluster presents the same token.
-- name: RAY_AUTH_MODE
-  value: token
-- name: RAY_AUTH_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "sharpen.authSecret" . }}
-      key: ray-token
-# The bearer token the run's clients present to the sandbox, environment and reward-model servers.
-- name: SHARPEN_SERVICE_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "sharpen.authSecret" . }}
-      key: service-token
-{{- with .Values.ray.env }}
-{{ toYaml . }}
-{{- end }}
-{{- end -}}
-
-{{/* Args: root, shmSize (the node's /dev/shm, where Ray keeps its object store). */}}
-{{- define "sharpen.rayMounts" -}}
-{{ include "sharpen.scratchMounts" (dict "shmSize" .shmSize) }}
-- {name: models, mountPath: /models, readOnly: true}
-- {name: runs, mountPath: /runs}
-{{- end -}}
-
-{{- define "sharpen.rayVolumes" -}}
-{{ include "sharpen.scratchVolumes" (dict "shmSize" .shmSize) }}
-{{ include "sharpen.storageVolume" (dict "name" "models" "claim" .root.Values.storage.modelsClaim) }}
-{{ include "sharpen.storageVolume" (dict "name" "runs" "claim" .root.Values.storage.runsClaim) }}
-{{- end -}}
+{{/* The Ray pods' helpers (both modes) are in _ray.tpl; the scheduling fields of every pod in _scheduling.tpl. */}}
