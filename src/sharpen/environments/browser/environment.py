@@ -6,8 +6,9 @@ screenshot of the task area, or both), reading each turn's tool calls with the f
 1 solved, 0 failed; MiniWoB's -1 for a wrong answer becomes 0 and its time discount is not applied). A turn without a
 valid action gets an error message back, not an end. The task instance is drawn from the example's seed, so every
 sample of a group sees the same page and `sharpen replay` sees it again (its screenshots too: the page is kept still,
-see `page.start_task`). It does not start or kill browsers (the pool does) and does not touch pages directly
-(`sharpen.environments.browser.page`).
+see `page.start_task`). It does not start, wipe or kill browsers (the pool does: a browser that another episode
+used is wiped before this one's call runs on it, `sharpen.environments.browser.isolation`) and does not touch pages
+directly (`sharpen.environments.browser.page`).
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class BrowserEnvironment:
         self._turns = []
         self._is_done_called = False
         self._num_restores = 0
-        async with self.pool.lease(self) as lease:
+        # a new episode starts on a wiped browser, even one that served this environment's last episode
+        async with self.pool.lease(self, is_new_episode=True) as lease:
             seen = await self._restore(lease)
             shown, _ = await self._show(lease, seen)
         instructions = {"text": INSTRUCTIONS, "screenshot": SCREENSHOT_INSTRUCTIONS, "both": BOTH_INSTRUCTIONS}

@@ -1,12 +1,13 @@
 """`BrowserPool`: headless Chromium processes (driven by selenium through chromedriver) reused across episodes.
 
-Owns the browsers' lives: starting one isolated (its own temporary user-data dir, no network: every host name
-resolves to nothing and every proxied request goes to a closed port, so only ``file://`` pages load; and, where this
+Owns the browsers' lives: starting one isolated (its own temporary user-data dir, which is also its home; no
+network and no downloads, `sharpen.environments.browser.isolation`, so only ``file://`` pages load; and, where this
 process may make cgroups, chromedriver and Chromium in a cgroup of their own with a memory and a process-count limit,
-the sandbox's `JobCgroup`), lending it for
-one environment call at a time, bounding each call by a wall clock, and killing and replacing a browser that
-crashed or hung (a crash is reported as `EnvironmentInfraError`: the episode abstains). It knows nothing of tasks,
-pages or actions (`sharpen.environments.browser.page`), nor of episodes (`BrowserEnvironment`).
+the sandbox's `JobCgroup`), lending it for one environment call at a time (wiping what an episode left in it before
+another episode's call, or a new episode's reset, runs on it: `isolation.wipe_browser`), bounding each call by a wall
+clock, and killing and replacing a browser that crashed or hung (a crash is reported as `EnvironmentInfraError`:
+the episode abstains). It knows nothing of tasks, pages or actions (`sharpen.environments.browser.page`), nor of
+episodes (`BrowserEnvironment`).
 
 A browser is lent per call, not per episode: the episode loop never tells an environment that its episode ended
 (it may stop one at max_turns), so an episode-long lease would hold a browser forever. Each browser remembers the
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from sharpen.environments.base import EnvironmentInfraError
+from sharpen.environments.browser import isolation
 from sharpen.environments.sandbox.cgroups import (
     ControllerDir,
     JobCgroup,
@@ -50,16 +52,16 @@ starts a new loop per step, and a browser freed by one loop's episode may be tak
 _SELENIUM_OFFLINE = {"SE_OFFLINE": "true", "SE_AVOID_STATS": "true"}
 
 
-def chromium_arguments(user_data_dir: str, *, js_heap_mb: int) -> list[str]:
-    """Chromium's flags: headless, isolated, offline, small."""
+def chromium_arguments(user_data_dir: str, *, js_heap_mb: int, is_isolated: bool = True) -> list[str]:
+    """Chromium's flags: headless, isolated, offline, small (``is_isolated=False``: with the network open, the
+    tests' control that shows an attack works on a browser without sharpen's isolation)."""
     return [
         "--headless=new",
         # Chromium refuses to start as root with its sandbox on (the test machines run as root); the isolation that
         # matters here is the network's and the profile's, below, and the pages are MiniWoB's own local files.
         *(["--no-sandbox"] if os.geteuid() == 0 else []),
         f"--user-data-dir={user_data_dir}",
-        "--proxy-server=http://127.0.0.1:9",  # the discard port: nothing listens, every proxied request fails
-        "--host-resolver-rules=MAP * ~NOTFOUND",  # and no host name resolves
+        *(isolation.isolation_arguments() if is_isolated else []),
         "--disable-background-networking",
         "--disable-component-update",
         "--disable-default-apps",
@@ -89,8 +91,12 @@ class Browser:
     cgroup: JobCgroup | None = None
     """The cgroup chromedriver and Chromium run in (memory and process-count limits); None where none could be
     made."""
+    blank_url: str = "about:blank"
+    """The page a wipe leaves the browser on (`isolation.BLANK_PAGE` in its profile)."""
     owner: Any = None
     """The episode (an environment object) whose page this browser shows now; None: nobody's."""
+    is_clean: bool = True
+    """Nothing has run on it since it started or was wiped."""
     is_dead: bool = False
 
     def kill(self) -> None:
@@ -106,10 +112,13 @@ class Browser:
         shutil.rmtree(self.user_data_dir, ignore_errors=True)
 
 
-def start_browser(*, chromium: str, chromedriver: str, js_heap_mb: int, cgroup: JobCgroup | None = None) -> Browser:
+def start_browser(
+    *, chromium: str, chromedriver: str, js_heap_mb: int, cgroup: JobCgroup | None = None, is_isolated: bool = True
+) -> Browser:
     """A fresh, isolated headless Chromium (about a second on an idle core); in ``cgroup`` when given: a launcher
     script writes its pid into the group's ``cgroup.procs`` files, then becomes chromedriver, so chromedriver and
-    every Chromium process are born inside it."""
+    every Chromium process are born inside it. ``is_isolated=False`` starts it with the network open, downloads
+    allowed and the caller's home: only the tests' naive-path controls do."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -123,15 +132,25 @@ def start_browser(*, chromium: str, chromedriver: str, js_heap_mb: int, cgroup: 
     user_data_dir = tempfile.mkdtemp(prefix="sharpen-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which(chromium) or chromium
-    for argument in chromium_arguments(user_data_dir, js_heap_mb=js_heap_mb):
+    for argument in chromium_arguments(user_data_dir, js_heap_mb=js_heap_mb, is_isolated=is_isolated):
         options.add_argument(argument)
+    environment = None
+    if is_isolated:
+        options.add_experimental_option("prefs", isolation.download_preferences(user_data_dir))
+        environment = isolation.confined_environment(user_data_dir)
     executable = shutil.which(chromedriver) or chromedriver
     if cgroup is not None:
         executable = _cgroup_launcher(user_data_dir, executable, cgroup.procs_files)
-    service = Service(executable_path=executable, popen_kw={"start_new_session": True})
+    service = Service(executable_path=executable, env=environment, popen_kw={"start_new_session": True})
+    driver = None
     try:
         driver = webdriver.Chrome(service=service, options=options)
+        if is_isolated:
+            isolation.guard_browser(driver)
     except Exception as error:  # any start-up failure is the host's, not the policy's
+        if driver is not None and service.process is not None:  # started, then failed to be guarded
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(service.process.pid, signal.SIGKILL)
         shutil.rmtree(user_data_dir, ignore_errors=True)
         if cgroup is not None:
             cgroup.kill_all()
@@ -139,7 +158,8 @@ def start_browser(*, chromium: str, chromedriver: str, js_heap_mb: int, cgroup: 
         raise EnvironmentInfraError(f"browser environment: Chromium did not start: {error}") from error
     process = service.process
     assert process is not None, "a started service has its process"
-    return Browser(driver=driver, process=process, user_data_dir=user_data_dir, cgroup=cgroup)
+    blank_url = isolation.write_blank_page(user_data_dir)
+    return Browser(driver=driver, process=process, user_data_dir=user_data_dir, cgroup=cgroup, blank_url=blank_url)
 
 
 def _cgroup_launcher(folder: str, chromedriver: str, procs_files: list[str]) -> str:
@@ -163,6 +183,8 @@ class PoolStats:
     num_crashed: int = 0
     """Browsers killed because a call failed or ran past its wall clock (each is replaced on demand)."""
     num_calls: int = 0
+    num_wipes: int = 0
+    """Browsers wiped as they passed to another episode or to a new episode's reset (`isolation.wipe_browser`)."""
 
 
 class BrowserPool:
@@ -181,14 +203,18 @@ class BrowserPool:
         js_heap_mb: int = 256,
         memory_mb: int = 1024,
         max_pids: int = 256,
+        isolate_episodes: bool = True,
     ) -> None:
         """``memory_mb`` and ``max_pids``: each browser's cgroup limits (chromedriver and every Chromium process
         together), where this process may make cgroups (`has_cgroup_limits`); a browser that runs out is killed by
-        the kernel, and its call fails like any crash."""
+        the kernel, and its call fails like any crash. ``isolate_episodes=False`` lends a browser to the next
+        episode as the last one left it (no wipe): only the benchmark's baseline and the tests' naive-path control
+        do, since then one episode's page may read what another's stored."""
         if size < 1:
             raise ValueError(f"browser pool size must be >= 1, got {size}")
         self.size, self.call_timeout_s = size, call_timeout_s
         self.memory_mb, self.max_pids = memory_mb, max_pids
+        self.isolate_episodes = isolate_episodes
         self._cgroup_dirs: list[ControllerDir] = open_controller_dirs(owned_name(f"browsers-{id(self)}"))
         self._num_cgroups = 0
         self._start = lambda: start_browser(
@@ -219,11 +245,18 @@ class BrowserPool:
         return JobCgroup(self._cgroup_dirs, name, max_pids=self.max_pids, memory_bytes=memory_bytes, cpu_fraction=1.0)
 
     @contextlib.asynccontextmanager
-    async def lease(self, owner: Any) -> AsyncIterator[Lease]:
+    async def lease(self, owner: Any, *, is_new_episode: bool = False) -> AsyncIterator[Lease]:
         """A browser for ``owner`` until the block ends: the one that last served it if that one is free, else a
-        free one, else a new one while the pool has room, else the first to come free."""
+        free one, else a new one while the pool has room, else the first to come free. A browser that served
+        another owner since it was wiped, or any used browser when ``is_new_episode``, is wiped first (its
+        ``owner`` is then None: it shows nobody's page)."""
         browser = await self._acquire(owner)
         try:
+            if self.isolate_episodes and not browser.is_clean and (is_new_episode or browser.owner is not owner):
+                await self.run(browser, lambda driver: isolation.wipe_browser(driver, browser.blank_url))
+                browser.owner, browser.is_clean = None, True
+                self.stats.num_wipes += 1
+            browser.is_clean = False
             yield Lease(self, browser)
         finally:
             self._release(browser)
