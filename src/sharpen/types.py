@@ -350,6 +350,10 @@ class TrainBatch:
     rollouts: list[Rollout]
     step: int
     """The trainer step this batch is for (the policy version it will produce is ``step + 1``)."""
+    skip_grad_norm_above: float | None = None
+    """Skip every optimizer step of this batch whose gradient norm is above this (a spike; the stability guards'
+    ``on_bad_step = "skip"``); None: apply every finite one. The same number on every rank, and the norm is the
+    global one, so the ranks skip together."""
 
     @property
     def num_loss_tokens(self) -> int:

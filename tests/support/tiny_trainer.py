@@ -99,7 +99,7 @@ def captured_step(
     backend = trainer.backend
     assert isinstance(backend, SingleDeviceBackend)
 
-    def capture() -> float:
+    def capture(**_: float) -> float:
         for name, param in backend.model.named_parameters():
             if param.requires_grad:
                 assert param.grad is not None, name

@@ -13,7 +13,7 @@ def user_error_message(error: BaseException) -> str | None:
     from sharpen.data.chat import ImageInputError
     from sharpen.environments.base import EnvironmentCodeError
     from sharpen.environments.sandbox import SandboxUnavailable
-    from sharpen.monitoring import TrackingSetupError
+    from sharpen.monitoring import RunStopped, TrackingSetupError
     from sharpen.plugins import PluginLoadError
     from sharpen.serving import ServiceRequestError, ServiceUnavailable
 
@@ -25,6 +25,7 @@ def user_error_message(error: BaseException) -> str | None:
         TrackingSetupError,
         SandboxUnavailable,
         EnvironmentCodeError,
+        RunStopped,
     )
     if isinstance(error, one_line):
         return str(error)

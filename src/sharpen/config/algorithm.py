@@ -19,7 +19,7 @@ from sharpen.config.legacy_keys import TypedSection, migrate_algorithm_keys
 from sharpen.config.policy_losses import AggregationMode, PolicyLossConfig, PPOClipLoss
 from sharpen.config.section import DeprecatedKeyWarning, Section
 
-__all__ = ["AlgorithmConfig", "CriticConfig", "DistillationConfig", "OffPolicyRejectConfig"]
+__all__ = ["AlgorithmConfig", "CriticConfig", "DistillationConfig", "EntropyConfig", "OffPolicyRejectConfig"]
 
 
 @cache
@@ -33,6 +33,21 @@ def _typed_sections() -> dict[str, TypedSection]:
         classes = {get_args(c.model_fields["type"].annotation)[0]: c for c in members}
         sections[name] = TypedSection(classes=classes, default=field.get_default(call_default_factory=True).type)
     return sections
+
+
+class EntropyConfig(Section):
+    """The adaptive entropy coefficient: after each step, c <- clamp(c + adapt_rate * (target - H), 0, coef_max),
+    where H is the step's mean token entropy (``train/entropy``, over every rank's tokens, so every rank computes
+    the same c) and c starts at ``entropy_coef``. Below the target the bonus grows, above it it shrinks. Logged as
+    ``entropy/coef`` (the coefficient the step trained with) and kept in checkpoints, so a resumed run continues
+    with the same c. docs/algorithms.md, Adaptive entropy."""
+
+    target: float | None = Field(default=None, gt=0.0)
+    """Target mean token entropy (nats); None: the coefficient stays at entropy_coef."""
+    adapt_rate: float = Field(default=0.01, gt=0.0)
+    """Change of the coefficient per nat of entropy below (or above) the target, per step."""
+    coef_max: float = Field(default=0.01, gt=0.0)
+    """Largest coefficient: a bonus that could grow without bound would trade the reward for noise."""
 
 
 class AlgorithmConfig(Section):
@@ -69,7 +84,10 @@ class AlgorithmConfig(Section):
     num_mini_batches: int = Field(default=1, ge=1)
     """Optimizer steps per epoch: the batch is split into this many mini-batches."""
     entropy_coef: float = Field(default=0.0, ge=0.0)
-    """Weight of the entropy bonus (0: entropy is still logged, no extra cost beyond the logits already computed)."""
+    """Weight of the entropy bonus (0: entropy is still logged, no extra cost beyond the logits already computed);
+    with ``entropy.target`` set, its starting value."""
+    entropy: EntropyConfig = Field(default_factory=EntropyConfig)
+    """An adaptive entropy coefficient toward a target entropy (off unless ``target`` is set)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -80,6 +98,15 @@ class AlgorithmConfig(Section):
         if line is not None:
             warnings.warn(line, DeprecatedKeyWarning, stacklevel=2)
         return migrated
+
+    @model_validator(mode="after")
+    def _check_entropy(self) -> AlgorithmConfig:
+        if self.entropy.target is not None and self.entropy_coef > self.entropy.coef_max:
+            raise ValueError(
+                f"entropy_coef = {self.entropy_coef} (the adaptive coefficient's start) is above entropy.coef_max = "
+                f"{self.entropy.coef_max}; raise coef_max or lower entropy_coef"
+            )
+        return self
 
     @model_validator(mode="after")
     def _resolve_aggregation(self) -> AlgorithmConfig:

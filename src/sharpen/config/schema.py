@@ -19,6 +19,7 @@ from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfi
 from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
 from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.evaluation import EvalConfig
+from sharpen.config.guards import GuardsConfig
 from sharpen.config.lora import LoraConfig
 from sharpen.config.moe import MoeConfig
 from sharpen.config.object_store import ObjectStoreConfig
@@ -390,6 +391,9 @@ class MonitoringConfig(Section):
     flagged (``health/grad_norm_spike``, and a warning)."""
     grad_norm_spike_window: int = Field(default=20, ge=1)
     """Steps in the running median of the gradient-norm spike check."""
+    guards: GuardsConfig = Field(default_factory=GuardsConfig)
+    """Stability guards: entropy-collapse and mismatch alarms, and what an alarm or a bad step does (warn, skip,
+    stop); all alarms off by default (config/guards.py, docs/algorithms.md)."""
     timeline: bool = True
     """Write a Chrome-trace timeline of the run's phases to ``run_dir/timeline.json`` (open it in Perfetto)."""
     parity_probe_every: int = Field(default=10, ge=0)

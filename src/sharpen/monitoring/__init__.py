@@ -6,7 +6,8 @@ Owns how a run reports itself. Imports only `sharpen.types` and `sharpen.config`
 """
 
 from sharpen.monitoring.digest import DIGEST_FILE_NAME, EpisodeDigest
-from sharpen.monitoring.health import NONFINITE_DIR_NAME, RunHealth
+from sharpen.monitoring.guards import Alarm, RunStopped, StabilityAlarms
+from sharpen.monitoring.health import ALARMS_FILE_NAME, NONFINITE_DIR_NAME, RunHealth, read_alarms
 from sharpen.monitoring.parity import (
     ParityProbe,
     ParityReference,
@@ -49,6 +50,7 @@ from sharpen.monitoring.tracking import (
 )
 
 __all__ = [
+    "ALARMS_FILE_NAME",
     "DEFAULT_PROGRESS_KEYS",
     "DIGEST_FILE_NAME",
     "LOG_FILE_NAME",
@@ -59,6 +61,7 @@ __all__ = [
     "TENSORBOARD_DIR_NAME",
     "TIMELINE_FILE_NAME",
     "WANDB_DIR_NAME",
+    "Alarm",
     "EpisodeDigest",
     "JsonlSink",
     "MetricSink",
@@ -72,8 +75,10 @@ __all__ = [
     "ProgressDisplay",
     "RolloutRecorder",
     "RunHealth",
+    "RunStopped",
     "Span",
     "SpanBuffer",
+    "StabilityAlarms",
     "TensorBoardSink",
     "Terminal",
     "Timeline",
@@ -87,6 +92,7 @@ __all__ = [
     "mlflow_metric_name",
     "parity_metrics",
     "peak_memory_metrics",
+    "read_alarms",
     "read_jsonl",
     "read_timeline",
     "rollout_record",

@@ -1,4 +1,5 @@
-"""`sharpen inspect`: a run's health from what it wrote (metrics.jsonl, nonfinite/), as a summary and warnings.
+"""`sharpen inspect`: a run's health from what it wrote (metrics.jsonl, alarms.jsonl, nonfinite/), as a summary,
+the stability alarms that fired and warnings.
 
 Owns reading a run directory after the fact and judging it: progress, reward trend, throughput and time per
 phase, memory, and warnings, the run doctor's (non-finite steps, gradient-norm spikes, engine replicas lost or
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sharpen.monitoring.health import read_alarms
 from sharpen.monitoring.sinks import METRICS_FILE_NAME, read_jsonl
 
 PHASES = ("generate", "score", "train", "sync", "evaluate")
@@ -33,6 +35,8 @@ class RunSummary:
     phase_seconds: dict[str, float]
     tokens_per_second: float
     peak_rss_gib: float
+    alarms: list[str] = field(default_factory=list[str])
+    """The stability guards' alarms that fired (monitoring.guards), each a line naming its step and signal."""
     warnings: list[str] = field(default_factory=list[str])
 
     def to_text(self) -> str:
@@ -43,6 +47,7 @@ class RunSummary:
             + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in self.phase_seconds.items()),
             f"throughput: median {self.tokens_per_second:.0f} tokens/s; peak RSS {self.peak_rss_gib:.2f} GiB",
         ]
+        lines += [f"alarm: {alarm}" for alarm in self.alarms]
         lines += [f"warning: {warning}" for warning in self.warnings] or ["no warnings"]
         return "\n".join(lines)
 
@@ -76,8 +81,23 @@ def inspect_run(run_dir: Path, *, probe_tolerance: float = 1e-3) -> RunSummary:
         tokens_per_second=_median(rows, "throughput/tokens_per_second"),
         peak_rss_gib=max((row.get("memory/peak_rss_gib", 0.0) for row in rows), default=0.0),
     )
+    summary.alarms = run_alarms(Path(run_dir), rows)
     summary.warnings = run_warnings(rows, probe_tolerance=probe_tolerance)
     return summary
+
+
+def run_alarms(run_dir: Path, rows: list[dict[str, Any]]) -> list[str]:
+    """The alarms that fired, from ``alarms.jsonl`` (their console lines); a run directory without it (copied
+    without it, say) still names them from its metrics (``health/alarm_<name>`` = 1)."""
+    records = read_alarms(run_dir)
+    if records:
+        return [str(record["message"]) for record in records]
+    return [
+        f"step {row['step']}: {key.removeprefix('health/alarm_')} alarm ({key})"
+        for row in rows
+        for key, value in row.items()
+        if key.startswith("health/alarm_") and value == 1
+    ]
 
 
 def _probe_warning(rows: list[dict[str, Any]], *, probe_tolerance: float) -> str | None:

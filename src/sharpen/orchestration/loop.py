@@ -26,6 +26,7 @@ from sharpen.monitoring import (
     PhaseTimer,
     RolloutRecorder,
     RunHealth,
+    RunStopped,
     Timeline,
     peak_memory_metrics,
 )
@@ -78,7 +79,10 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
         components.run_dir,
         spike_factor=config.monitoring.grad_norm_spike_factor,
         spike_window=config.monitoring.grad_norm_spike_window,
+        guards=config.monitoring.guards,
     )
+    if start_step:
+        health.resume(start_step)  # the spike median and alarm streaks of the steps before
     source = build_batch_source(
         config,
         GroupCollector(config, runner=components.runner, rubric=components.rubric, sampler=components.sampler),
@@ -115,9 +119,11 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
                 advantages = compute_step_advantages(trainer, groups, config)
             train_started = time.perf_counter()
             with timer.phase("train"):
-                train_metrics = trainer.step(TrainBatch(rollouts=with_segments(advantages.trained), step=step))
+                trained = TrainBatch(
+                    rollouts=with_segments(advantages.trained), step=step, skip_grad_norm_above=health.skip_above()
+                )
+                train_metrics = trainer.step(trained)
             train_ended = time.perf_counter()
-            health_metrics = health.check(step, advantages.trained, train_metrics)
             with timer.phase("sync"):
                 sync_metrics = source.publish(trainer, version=step + 1)
 
@@ -128,7 +134,6 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
                 "hack/num_screened": float(advantages.num_screened),
                 **batch.metrics,
                 **train_metrics,
-                **health_metrics,
                 **sync_metrics,
                 "policy/version": float(step + 1),
                 **peak_memory_metrics(),
@@ -145,6 +150,7 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
                 with timer.phase("parity"), source.exclusive(step + 1) as engine:
                     metrics.update(components.parity_probe.run(trainer, engine))
             metrics.update(canary_metrics)
+            metrics.update(health.check(step, advantages.trained, metrics))  # every signal of the step, parity's too
             add_times(metrics, timer.pop_metrics())
             now = time.perf_counter()
             metrics["time/step"] = now - step_started
@@ -153,7 +159,7 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
             metrics["throughput/tokens_per_second"] = num_tokens / metrics["time/step"]
             components.sink.log(metrics, step=step)
             components.recorder.record(step, rollouts)
-            is_last = step + 1 == config.run.num_steps
+            is_last = step + 1 == config.run.num_steps or health.stop_reason is not None
             if (config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0) or is_last:
                 kept = source.pending(step + 1)
                 save_checkpoint(
@@ -163,6 +169,8 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
                     sampler_state=kept[-1].sampler_state if kept else batch.sampler_state,
                     pending=kept,
                 )
+            if health.stop_reason is not None:
+                raise RunStopped(f"{health.stop_reason}: run stopped after a checkpoint of step {step + 1} (--resume)")
     finally:
         source.close()
 

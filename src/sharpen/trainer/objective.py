@@ -10,6 +10,7 @@ in which order is the trainer's (`trainer.py`, `lockstep.py`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -50,6 +51,8 @@ class Objective:
         self.temperature = temperature
         self.constant_length = constant_length
         self.kl_controller = build_kl_controller(config.kl)
+        self.entropy_coef = config.entropy_coef
+        """The entropy bonus's weight this step: entropy_coef, or the adaptive coefficient (`update_entropy`)."""
         self.cov_generator = torch.Generator().manual_seed(0)  # Clip-Cov's draws (not checkpointed)
 
     @property
@@ -137,8 +140,8 @@ class Objective:
         num_tokens = float(mask.sum())
         if entropy is not None:
             sums["entropy"] += float(entropy.detach()[mask].sum())
-            if config.entropy_coef > 0:
-                loss = loss - config.entropy_coef * aggregate(entropy)
+            if self.entropy_coef > 0:
+                loss = loss - self.entropy_coef * aggregate(entropy)
         if self.reference is not None and not config.kl.in_reward:
             ref = reference_logprobs
             if ref is None:
@@ -177,12 +180,25 @@ class Objective:
         """Let an adaptive KL coefficient react to the step's measured KL."""
         self.kl_controller.update(measured_kl, num_samples)
 
+    def update_entropy(self, measured_entropy: float) -> None:
+        """Move an adaptive entropy coefficient toward ``trainer.algorithm.entropy.target`` after a step whose mean
+        token entropy (over every rank's tokens) was ``measured_entropy``: c + adapt_rate * (target - H), clamped to
+        [0, coef_max]. No target, or a step without a finite entropy: unchanged."""
+        entropy = self.config.entropy
+        if entropy.target is None or not math.isfinite(measured_entropy):
+            return
+        moved = self.entropy_coef + entropy.adapt_rate * (entropy.target - measured_entropy)
+        self.entropy_coef = min(max(moved, 0.0), entropy.coef_max)
+
     def state(self) -> dict[str, float]:
-        """What a checkpoint keeps: the KL coefficient (an adaptive controller's only state)."""
-        return {"kl_coef": self.kl_controller.coef}
+        """What a checkpoint keeps: the KL coefficient and the entropy coefficient (the adaptive controllers'
+        only state)."""
+        return {"kl_coef": self.kl_controller.coef, "entropy_coef": self.entropy_coef}
 
     def load_state(self, state: dict[str, float]) -> None:
         self.kl_controller = build_kl_controller(self.config.kl, coef=state["kl_coef"])
+        # checkpoints written before the adaptive entropy coefficient hold only the KL's
+        self.entropy_coef = state.get("entropy_coef", self.config.entropy_coef)
 
     def _kl_estimator(self) -> KLEstimator:
         match self.config.kl:

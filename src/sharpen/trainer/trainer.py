@@ -143,12 +143,16 @@ class Trainer:
         mini_batches = [rollouts[i : i + size] for i in range(0, len(rollouts), size)]
         route_metrics_now = self._start_routes(rollouts)
         try:
-            return self._step(rollouts, mini_batches) | route_metrics_now | self._finish_routes()
+            metrics = self._step(rollouts, mini_batches, skip_above=batch.skip_grad_norm_above)
+            return metrics | route_metrics_now | self._finish_routes()
         finally:
             self._routes = None
 
-    def _step(self, rollouts: list[Rollout], mini_batches: list[list[Rollout]]) -> dict[str, float]:
-        """`step`'s optimizer steps over ``mini_batches`` and their metrics (the routes' are `RouteStep`'s)."""
+    def _step(
+        self, rollouts: list[Rollout], mini_batches: list[list[Rollout]], *, skip_above: float | None
+    ) -> dict[str, float]:
+        """`step`'s optimizer steps over ``mini_batches`` and their metrics (the routes' are `RouteStep`'s);
+        ``skip_above``: `TrainBatch.skip_grad_norm_above`."""
         algorithm = self.config.algorithm
         old_logprobs = None
         if self.objective.needs_old_logprobs:
@@ -170,10 +174,10 @@ class Trainer:
         for _ in range(algorithm.num_epochs):
             for mini_batch in mini_batches:
                 self._accumulate(mini_batch, old_logprobs, critic_step, sums, distill_step=distill_step)
-                grad_norms.append(self.backend.clip_and_step())
+                grad_norms.append(self.backend.clip_and_step(skip_above=math.inf if skip_above is None else skip_above))
                 if critic_step is not None:
                     critic_step.clip_and_step(self.config.max_grad_norm)
-        kl_coef = self.objective.kl_controller.coef
+        kl_coef, entropy_coef = self.objective.kl_controller.coef, self.objective.entropy_coef
         sums = self.backend.share_loss_sums(dict(sums))  # a pipeline's losses ran on its last stage
         maxima = _pop_prefixed(sums, CORRECTION_MAX)
         if self.objective.collects_correction_sums:
@@ -203,6 +207,12 @@ class Trainer:
                 "train/kl_coef": kl_coef,
             }
         )
+        if skip_above is not None:
+            metrics["train/num_skipped_updates"] = float(sum(norm > skip_above for norm in finite))
+            metrics["train/num_optimizer_steps"] -= metrics["train/num_skipped_updates"]
+        if algorithm.entropy.target is not None:
+            metrics["entropy/coef"] = entropy_coef
+            self.objective.update_entropy(metrics.get("train/entropy", math.nan))
         if critic_step is not None:
             metrics.update(critic_step.metrics())
         if distill_step is not None:
@@ -358,7 +368,7 @@ class Trainer:
             micro_batch_loss,
             temperature=self.temperature,
             with_entropy=True,
-            entropy_requires_grad=algorithm.entropy_coef > 0,
+            entropy_requires_grad=self.objective.entropy_coef > 0,
         )
         if trained_routes is not None and self._routes is not None:  # a pipeline's, known after its run
             for (_, is_filler, micro), routes in zip(passes, trained_routes, strict=True):

@@ -98,11 +98,11 @@ def _step_gradients(trainer: Trainer) -> tuple[dict[str, float], dict[str, torch
     step = backend.clip_and_step
     grads: dict[str, torch.Tensor] = {}
 
-    def recording() -> float:
+    def recording(**options: float) -> float:
         for name, param in backend.model.named_parameters():  # pyright: ignore[reportAttributeAccessIssue]
             if param.grad is not None:
                 grads[name] = param.grad.detach().clone()
-        return step()
+        return step(**options)
 
     backend.clip_and_step = recording  # pyright: ignore[reportAttributeAccessIssue]
     metrics = trainer.step(TrainBatch(rollouts=_rollouts(), step=0))

@@ -108,7 +108,7 @@ def _record_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
     step = backend.clip_and_step
     recorded: list[dict[str, torch.Tensor]] = []
 
-    def recording() -> float:
+    def recording(**options: float) -> float:
         model = backend.model  # pyright: ignore[reportAttributeAccessIssue]
         grads = {}
         for name, param in model.named_parameters():
@@ -116,7 +116,7 @@ def _record_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
             if grad is not None:
                 grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
         recorded.append(grads)
-        return step()
+        return step(**options)
 
     backend.clip_and_step = recording  # pyright: ignore[reportAttributeAccessIssue]
     return recorded

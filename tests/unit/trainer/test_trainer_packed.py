@@ -240,7 +240,7 @@ def _step(
     gradients: dict[str, torch.Tensor] = {}
     passes = []
 
-    def capture() -> float:
+    def capture(**_: float) -> float:
         for name, param in backend.model.named_parameters():
             assert param.grad is not None, name
             gradients[name] = gradients.get(name, 0) + param.grad.detach().clone()

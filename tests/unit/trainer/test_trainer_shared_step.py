@@ -68,7 +68,7 @@ def _step(backend: SingleDeviceBackend, monkeypatch, *, share_prompt: bool, algo
     gradients: dict[str, torch.Tensor] = {}
     calls = []
 
-    def capture() -> float:
+    def capture(**_: float) -> float:
         for name, param in backend.model.named_parameters():
             assert param.grad is not None, name
             gradients[name] = gradients.get(name, 0) + param.grad.detach().clone()

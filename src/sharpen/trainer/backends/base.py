@@ -9,6 +9,7 @@ identities.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,10 @@ class TrainerBackend(Protocol):
         last pipeline stage's (the identity without a pipeline); collective."""
         ...
 
-    def clip_and_step(self) -> float: ...
+    def clip_and_step(self, *, skip_above: float = math.inf) -> float:
+        """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip global norm. A
+        norm that is not finite, or is above ``skip_above``, skips the optimizer step (on every rank together)."""
+        ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 

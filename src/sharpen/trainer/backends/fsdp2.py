@@ -22,6 +22,7 @@ root's group.
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -365,9 +366,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
         dist.broadcast_object_list(shared, src=self.pipeline.last_rank, group=self.pipeline.group)
         return dict(shared[0] or {})
 
-    def clip_and_step(self) -> float:
+    def clip_and_step(self, *, skip_above: float = math.inf) -> float:
         """Clip to the global gradient norm (over all shards, and all pipeline stages), step, clear gradients;
-        returns the pre-clip norm."""
+        returns the pre-clip norm. A norm that is not finite or is above ``skip_above`` skips the step."""
         pipeline = self.pipeline
         if pipeline is not None:
             pipeline.sync_tied_gradients(self.model)
@@ -376,7 +377,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         total_norm = _global_grad_norm([p.grad for p in counted if p.grad is not None])
         if pipeline is not None:
             total_norm = pipeline.norm_over_stages(total_norm)
-        if torch.isfinite(total_norm):  # the global norm: every rank skips a non-finite step together
+        if torch.isfinite(total_norm) and float(total_norm) <= skip_above:  # the global norm: ranks skip together
             # one call cannot take DTensors of two meshes (expert parallelism's experts beside the rest)
             for group in mesh_groups(list[torch.Tensor](parameters)):
                 torch.nn.utils.clip_grads_with_norm_(group, self.config.max_grad_norm, total_norm)

@@ -10,6 +10,7 @@ The forward pass itself is `scoring` (shared with `fsdp2`, the critic and the fr
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -166,12 +167,13 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
     def all_reduce_max(self, value: int) -> int:
         return value
 
-    def clip_and_step(self) -> float:
+    def clip_and_step(self, *, skip_above: float = math.inf) -> float:
         """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm.
         A non-finite norm (a NaN or Inf anywhere in the gradient) skips the optimizer step: one NaN would poison
-        AdamW's moments for good. The caller sees the norm and counts the skip."""
+        AdamW's moments for good; so does a norm above ``skip_above`` (a spike the stability guards leave out).
+        The caller sees the norm and counts the skip."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        if torch.isfinite(grad_norm):
+        if torch.isfinite(grad_norm) and float(grad_norm) <= skip_above:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.freed_memory is not None:
