@@ -54,6 +54,12 @@ class RuntimeConfig(Section):
     with an error naming the actor and the call."""
     start_timeout_s: float = Field(default=1800.0, gt=0.0)
     """Longest wait for an actor to start and build its component (loading a model, starting vLLM)."""
+    max_restarts: int = Field(default=0, ge=0)
+    """Ray runtime: how many times a run whose trainer rank or engine actor died (its process ended: a crash, an OOM
+    kill, a lost node) restarts itself: the actors are stopped, started again and the run continues from its newest
+    complete checkpoint (as ``--resume auto`` would), with one line in the log; past this many the run stops with the
+    actor's error. 0: a dead actor ends the run. A hung actor (call_timeout_s) or an error raised by a component is
+    never restarted. The embedded runtime restarts nothing: rerun its command with ``--resume auto``."""
 
     @model_validator(mode="before")
     @classmethod

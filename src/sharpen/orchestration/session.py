@@ -3,7 +3,9 @@
 Owns what every runtime does the same way: user errors first (model, environment, data) before anything slow,
 the run directory and its resolved config, where the run starts (`choose_start`: from step 0 or the newest complete
 checkpoint, as ``--resume`` asks), the first weight sync, the parity probe set, the loop, the exported model, and
-closing what the run opened. Where the trainer and the engine live is
+closing what the run opened; and the restart of a run that lost a component (`run_restarting`: the runtime's attempt
+again, resumed the ``--resume auto`` way, at most ``runtime.max_restarts`` times). Where the trainer and the engine
+live is
 the runtime's choice, handed in as ``place``; the session never knows whether they are objects in this process or
 proxies of Ray actors.
 """
@@ -90,6 +92,50 @@ def choose_start(
     if resume is True:
         raise ConfigError(f"--resume: {home or run_dir} has no complete checkpoint to resume from{skipped}")
     return RunStart(set_aside=holds_steps)
+
+
+def run_restarting(
+    config: SharpenConfig,
+    attempt: Callable[[Resume], Path],
+    *,
+    resume: Resume,
+    lost: Callable[[BaseException], str | None],
+) -> Path:
+    """``attempt(resume)`` (one run of a runtime: its components placed, `run_session`, torn down); after an attempt
+    that failed because the runtime lost a component (``lost(error)`` says which and how, e.g. "ray actor 'trainer
+    rank 1' died during step()"; None for any other error, which ends the run), ``attempt("auto")`` again: the run
+    continues from its newest complete checkpoint (`choose_start`), at most ``runtime.max_restarts`` times, each
+    restart announced in one line of the log. Past that the last attempt's error ends the run."""
+    max_restarts = config.runtime.max_restarts
+    restart = 0
+    while True:
+        try:
+            return attempt(resume)
+        except Exception as error:
+            what = lost(error)
+            if what is None or max_restarts == 0:
+                raise
+            done, start = _progress(config)
+            if restart == max_restarts:
+                logger.error(
+                    "%s with %d step(s) done; no restart left (runtime.max_restarts = %d)", what, done, restart
+                )
+                raise
+            restart += 1
+            logger.warning(
+                "%s with %d step(s) done; restart %d of %d from %s", what, done, restart, max_restarts, start
+            )
+            resume = "auto"
+
+
+def _progress(config: SharpenConfig) -> tuple[int, str]:
+    """How far an interrupted attempt got: the steps its metrics record, and where a resume starts (the newest
+    complete checkpoint, or step 0)."""
+    run_dir = run_directory(config)
+    metrics = run_dir / "metrics.jsonl"
+    done = metrics.read_text(encoding="utf-8").count("\n") if metrics.exists() else 0
+    latest = scan_checkpoints(checkpoint_home(config.run, run_dir)).latest
+    return done, "step 0 (no complete checkpoint)" if latest is None else f"the checkpoint {latest.name}"
 
 
 def run_directory(config: SharpenConfig) -> Path:

@@ -46,6 +46,21 @@ class ActorCallError(RuntimeError):
     """A call to a Ray actor timed out or the actor died; the message names the actor and the call."""
 
 
+class ActorDeathError(ActorCallError):
+    """The actor's process ended during a call (a crash, a kill, a lost node): what ``runtime.max_restarts``
+    restarts. ``actor`` names it, ``call`` the method it was running."""
+
+    def __init__(self, message: str, *, actor: str, call: str) -> None:
+        super().__init__(message)
+        self.actor = actor
+        self.call = call
+
+
+DEATH_GRACE_S = 10.0
+"""After one trainer rank's call failed, how long the others may take to show whether one of them died (a rank whose
+collective lost its peer fails too, often first; the death is the cause)."""
+
+
 def wait_for(ref: Any, *, actor: str, call: str, timeout_s: float) -> Any:
     """The result of one actor call, or one clear error: the run cannot go on without its trainer or engine."""
     try:
@@ -53,7 +68,16 @@ def wait_for(ref: Any, *, actor: str, call: str, timeout_s: float) -> Any:
     except GetTimeoutError as error:
         raise ActorCallError(f"ray actor {actor!r} did not answer {call}() within {timeout_s:g} s") from error
     except RayActorError as error:
-        raise ActorCallError(f"ray actor {actor!r} died during {call}(): {error}") from error
+        raise ActorDeathError(f"ray actor {actor!r} died during {call}(): {error}", actor=actor, call=call) from error
+
+
+def _failed(ref: Any) -> BaseException | None:
+    """The error of a call that has answered, or None when it succeeded."""
+    try:
+        ray.get(ref, timeout=0)
+    except Exception as error:
+        return error
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +251,7 @@ class TrainerGroupProxy(TrainerProxy):
             kwargs = {key: ray.put(value) for key, value in kwargs.items()}
         refs = [rank.actor.invoke.remote(method, *args, **kwargs) for rank in self.ranks]
         deadline = time.monotonic() + self.timeout_s
+        self._raise_a_death(refs, method, deadline)
         results = []
         for rank, ref in zip(self.ranks, refs, strict=True):
             remaining = max(deadline - time.monotonic(), 0.0)
@@ -234,6 +259,30 @@ class TrainerGroupProxy(TrainerProxy):
             rank.record_spans(spans)
             results.append(result)
         return results
+
+    def _raise_a_death(self, refs: list[Any], method: str, deadline: float) -> None:
+        """Wait for the ranks' answers in the order they come; once one failed, raise `ActorDeathError` for the
+        first rank that died, giving the others up to `DEATH_GRACE_S` to show it. Returns when all answered, the
+        deadline passed, or no rank died: the caller then reports in rank order."""
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                return
+            if _failed(ready[0]) is not None:
+                break
+        else:
+            return
+        grace_end = min(time.monotonic() + DEATH_GRACE_S, deadline)
+        while True:
+            for rank, ref in zip(self.ranks, refs, strict=True):
+                if ref not in pending and isinstance(error := _failed(ref), RayActorError):
+                    raise ActorDeathError(
+                        f"ray actor {rank.name!r} died during {method}(): {error}", actor=rank.name, call=method
+                    ) from error
+            if not pending or time.monotonic() >= grace_end:
+                return
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(grace_end - time.monotonic(), 0.0))
 
     def attach_timeline(self, timeline: Timeline | None) -> None:
         for rank in self.ranks:

@@ -5,6 +5,8 @@ checkpoints have one place for the driver and every trainer actor (`storage.chec
 or the object store), and stopping
 them. Everything else (run directory, resume, export, sinks, sandboxes, the loop itself) is
 `sharpen.orchestration.session.run_session`'s, which receives the actors' proxies as the run's trainer and engine.
+A dead actor ends the attempt; the run then starts again with new actors from its newest checkpoint, up to
+``runtime.max_restarts`` times (`session.run_restarting`, with `lost_actor` saying which deaths count).
 The trainer is one actor, or several FSDP2 rank actors behind one `TrainerGroupProxy` (``runtime.trainer_ranks``);
 the engine is one actor, or ``rollout.num_engines`` replica actors behind an `EngineRouter`; all actors share one
 placement group.
@@ -33,6 +35,7 @@ from sharpen.orchestration.ray.cluster import start_ray
 from sharpen.orchestration.ray.fleets import start_fleets
 from sharpen.orchestration.ray.proxies import (
     ActorCallError,
+    ActorDeathError,
     BroadcastEngines,
     EngineProxy,
     TrainerGroupProxy,
@@ -40,7 +43,7 @@ from sharpen.orchestration.ray.proxies import (
     join_weight_group,
 )
 from sharpen.orchestration.ray.reward_actors import start_reward_model_pools
-from sharpen.orchestration.session import Resume, run_directory, run_session
+from sharpen.orchestration.session import Resume, run_directory, run_restarting, run_session
 from sharpen.orchestration.storage import check_storage
 from sharpen.orchestration.trainer_layout import check_trainer_layout
 from sharpen.rewards import RewardFn
@@ -106,7 +109,8 @@ def place(runtime: RuntimeConfig, plan: Placement) -> PlacementGroup:
 
 
 def _actor_options(*, num_cpus: float, num_gpus: float, group: PlacementGroup, bundle: int) -> dict[str, Any]:
-    """Ray options of an actor in ``bundle`` of ``group``; actors are never restarted (a dead one ends the run)."""
+    """Ray options of an actor in ``bundle`` of ``group``; Ray never restarts an actor alone (its state would be
+    lost): a dead one ends the attempt, and the run restarts as a whole (``runtime.max_restarts``)."""
     strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=bundle)
     return {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0, "scheduling_strategy": strategy}
 
@@ -156,13 +160,43 @@ def run_ray(config: SharpenConfig, *, resume: Resume = False, reward_fn: RewardF
     """Run (or resume) a recipe with the trainer and the engine as Ray actors, placed as ``config.runtime`` says;
     returns the run directory.
 
-    The actors are stopped at the end (after a graceful close when the run succeeded, at once when it failed, so
-    a hung actor cannot hold the error back); Ray is shut down only if this call started it."""
+    A trainer rank or engine actor that dies mid-run restarts the run (new actors, from the newest complete
+    checkpoint) up to ``runtime.max_restarts`` times (`session.run_restarting`). The actors are stopped at the end
+    of each attempt (after a graceful close when the run succeeded, at once when it failed, so a hung actor cannot
+    hold the error back); Ray is shut down only if this call started it."""
     resolve_model_path(config.model.path)  # user errors, before any actor exists
     if config.runtime.trainer_ranks > 1:  # one trainer rank runs the single-device backend: no layout
         check_trainer_layout(config)
+    started = start_ray(config.runtime)
+    fleets = contextlib.ExitStack()
+    try:
+        config = start_fleets(config, stack=fleets)  # the run's clients then call the fleets' URLs
+        return run_restarting(
+            config,
+            lambda resume_as: _run_attempt(config, resume=resume_as, reward_fn=reward_fn),
+            resume=resume,
+            lost=lost_actor,
+        )
+    finally:
+        fleets.close()
+        if started:
+            ray.shutdown()
+
+
+def lost_actor(error: BaseException) -> str | None:
+    """What died, when ``error`` (or an error it was raised from) is an actor's death (`ActorDeathError`)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ActorDeathError):
+            return f"ray actor {seen.actor!r} died during {seen.call}()"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _run_attempt(config: SharpenConfig, *, resume: Resume, reward_fn: RewardFn | None) -> Path:
+    """One attempt of the run: the placement group and the actors, `run_session` with their proxies, and stopping
+    them."""
     runtime = config.runtime
-    started = start_ray(runtime)
     proxies: list[TrainerProxy | EngineProxy] = []
 
     def attach_timeline(timeline: Timeline | None) -> None:  # the actors' spans go on the driver's timeline
@@ -170,9 +204,7 @@ def run_ray(config: SharpenConfig, *, resume: Resume = False, reward_fn: RewardF
             proxy.attach_timeline(timeline)
 
     group = None
-    fleets = contextlib.ExitStack()
     try:
-        config = start_fleets(config, stack=fleets)  # the run's clients then call the fleets' URLs
         plan = plan_placement(runtime, num_engines=config.rollout.num_engines, node_group=config.trainer.parallel.tp)
         group = place(runtime, plan)
         trainer = start_trainer(config, group, plan)
@@ -205,8 +237,5 @@ def run_ray(config: SharpenConfig, *, resume: Resume = False, reward_fn: RewardF
     finally:
         for proxy in proxies:
             proxy.kill()
-        fleets.close()
         if group is not None:
             remove_placement_group(group)
-        if started:
-            ray.shutdown()
