@@ -81,5 +81,14 @@ images:
 		docker build -f deploy/docker/$$key.Dockerfile -t $(IMAGE_REGISTRY)/sharpen-$$key:$(IMAGE_TAG) . || exit 1; \
 	done
 
+# sharpen's small dependencies that a lent GPU machine lacks (CUDA PyTorch, transformers and peft are there; pip
+# cannot reach an index), as wheels for its Python 3.12 in .whl/, at the versions of this venv: carry .whl along and
+# run `bash benchmarks/gpu_check.sh OUT` there.
+GPU_WHEELS := pydantic pydantic-core annotated-types typing-inspection
+gpu-wheels: install
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+		$$($(BIN)/python -c "import importlib.metadata as m; print(*(f'{n}=={m.version(n)}' for n in '$(GPU_WHEELS)'.split()))")
+
 clean-venv:
 	rm -rf $(VENV)
