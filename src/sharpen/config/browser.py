@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from sharpen.config.episodes import EpisodeLimitsSection
+from sharpen.config.episodes import EpisodeLimitsSection, ToolParserName
 
 _TASK_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
 
@@ -34,9 +34,11 @@ class BrowserEnvironmentConfig(EpisodeLimitsSection):
     and a PNG of MiniWoB's 160x210-pixel task area, acted on by pixel coordinates (``click_at``, ``type_at``);
     ``both``, the text and the screenshot, acted on by element ids. Screenshots need a vision-language model
     (model.path, e.g. a Qwen2-VL folder on the ``hf`` engine or an Idefics3 folder on ``hf`` or ``vllm``)."""
-    tool_parser: Literal["hermes", "json"] = "hermes"
-    """How actions are read from a turn: ``<tool_call>{json}</tool_call>`` blocks (Hermes, Qwen) or a turn that is
-    one JSON object with ``name`` and ``parameters`` (Llama 3)."""
+    tool_parser: ToolParserName = "hermes"
+    """How actions are read from a turn: ``hermes``, ``<tool_call>{json}</tool_call>`` blocks (Hermes, Qwen 2.5/3);
+    ``json``, a turn that is one JSON object with ``name`` and ``parameters``; ``llama3_json``, ``qwen3_coder``,
+    ``mistral``, ``harmony``: those families' formats; ``auto``, the format the model's chat template renders
+    (hermes for a template without tool calls)."""
     pool_size: int = Field(default=2, ge=1)
     """Browsers kept running and shared by the episodes (each about 150 MB and one busy core while it works);
     episodes beyond this many wait for one to come free."""

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from sharpen.config.browser import BrowserEnvironmentConfig
-from sharpen.config.episodes import EpisodeLimitsSection
+from sharpen.config.episodes import EpisodeLimitsSection, ToolParserName
 from sharpen.config.section import Section
 
 
@@ -22,9 +22,12 @@ class SingleTurnEnvironmentConfig(Section):
 class ToolSection(EpisodeLimitsSection):
     max_turns: int = Field(default=4, ge=1)
     """Policy turns per episode (each turn's token limit is rollout.max_new_tokens)."""
-    tool_parser: Literal["hermes", "json"] = "hermes"
-    """How tool calls are read from a turn: ``<tool_call>{json}</tool_call>`` blocks (Hermes, Qwen) or a turn that
-    is one JSON object with ``name`` and ``parameters`` (Llama 3)."""
+    tool_parser: ToolParserName = "hermes"
+    """How tool calls are read from a turn: ``hermes``, ``<tool_call>{json}</tool_call>`` blocks (Hermes, Qwen 2.5/3);
+    ``json``, a turn that is one JSON object with ``name`` and ``parameters``; ``llama3_json`` (Llama 3.1-3.3),
+    ``qwen3_coder``, ``mistral``, ``harmony`` (gpt-oss): those families' formats; ``auto``, the format the model's
+    chat template renders (hermes for a template without tool calls, such as SmolLM2's). The tool instructions in
+    the system prompt show the chosen format."""
     max_tool_calls: int = Field(default=4, ge=1)
     """Tool calls per episode; one more ends the episode (truncated)."""
     max_output_chars: int = Field(default=2000, ge=1)
@@ -39,6 +42,29 @@ class PythonEnvironmentConfig(ToolSection):
     """The policy's programs run in the run's sandbox (the top-level ``[sandbox]`` section)."""
 
     type: Literal["python"] = "python"
+
+
+class TerminalEnvironmentConfig(ToolSection):
+    """A persistent bash shell in the run's sandbox per episode (``run_command`` tool calls), on the in-house chores
+    of `sharpen.environments.terminal_tasks`, each graded by its checker (1 solved, 0 not). The shell's sandbox
+    session lives at most ``sandbox.wall_seconds``: keep that at least this section's ``wall_seconds``."""
+
+    type: Literal["terminal"] = "terminal"
+    max_turns: int = Field(default=8, ge=1)
+    """Policy turns per episode (each turn's token limit is rollout.max_new_tokens)."""
+    max_tool_calls: int = Field(default=16, ge=1)
+    """Commands per episode; one more ends the episode (truncated)."""
+    command_timeout_seconds: float = Field(default=10.0, gt=0.0)
+    """Wall-clock limit of one command; at the limit its process group is killed and the shell is kept."""
+    tasks: list[str] = Field(default_factory=list[str])
+    """Task names for ``data.type = "environment"`` (`TERMINAL_TASKS`); tasks cycle through them, each with its own
+    seed. Empty: every task of the set."""
+    instructions: str = (
+        "You work in a Linux bash shell, in a directory that holds the task's files. Run one command per tool call "
+        "with run_command; the working directory and the files persist between commands, and commands cannot read "
+        "from stdin. When the task is done, reply with a short summary and no tool call."
+    )
+    """The start of every episode's system prompt (the tool's description follows)."""
 
 
 class GuessNumberEnvironmentConfig(EpisodeLimitsSection):
@@ -150,6 +176,7 @@ EnvironmentConfig = Annotated[
     SingleTurnEnvironmentConfig
     | CalculatorEnvironmentConfig
     | PythonEnvironmentConfig
+    | TerminalEnvironmentConfig
     | GuessNumberEnvironmentConfig
     | GymnasiumEnvironmentConfig
     | TextArenaEnvironmentConfig

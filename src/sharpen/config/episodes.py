@@ -7,10 +7,16 @@ browser's) can derive from it while that module imports them for its union.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from sharpen.config.section import Section
 from sharpen.config.service import RemoteConfig, ServiceConfig, ServiceFleetConfig
+
+ToolParserName = Literal["hermes", "json", "llama3_json", "qwen3_coder", "mistral", "harmony", "auto"]
+"""How tool calls are read from a policy's turn: a parser of `sharpen.environments.tool_formats.TOOL_CALL_PARSERS`
+(kept equal to it by a test), or ``auto``: the format the model's chat template renders."""
 
 
 class EpisodeLimitsSection(Section):

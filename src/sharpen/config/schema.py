@@ -16,7 +16,12 @@ from pydantic import Field, field_validator, model_validator
 from sharpen.config.advantages import PassKAdvantage
 from sharpen.config.algorithm import AlgorithmConfig, CriticConfig, DistillationConfig
 from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfig
-from sharpen.config.environments import CustomEnvironmentConfig, EnvironmentConfig, SingleTurnEnvironmentConfig
+from sharpen.config.environments import (
+    CustomEnvironmentConfig,
+    EnvironmentConfig,
+    SingleTurnEnvironmentConfig,
+    TerminalEnvironmentConfig,
+)
 from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.guards import GuardsConfig
@@ -407,7 +412,7 @@ class MonitoringConfig(Section):
     """Token limit of the parity probes' greedy completions."""
 
 
-ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers", "browser")
+ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers", "browser", "terminal")
 
 
 class SharpenConfig(Section):
@@ -454,6 +459,16 @@ class SharpenConfig(Section):
                 f'data.type = "environment" needs an environment that makes its own tasks '
                 f"({', '.join(ENVIRONMENTS_WITH_TASKS)}, or custom with environment.tasks), "
                 f"not {environment.type!r}"
+            )
+        if (
+            isinstance(environment, TerminalEnvironmentConfig)
+            and environment.remote is None
+            and (environment.wall_seconds is None or environment.wall_seconds > self.sandbox.wall_seconds)
+        ):
+            raise ValueError(
+                f"environment.wall_seconds = {environment.wall_seconds} is longer than sandbox.wall_seconds = "
+                f"{self.sandbox.wall_seconds}: the terminal's shell (one sandbox session per episode) would be "
+                "killed mid-episode; raise sandbox.wall_seconds"
             )
         check_scale_out(self)
         self._check_advantage()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from sharpen.config import ConfigError
@@ -20,7 +21,9 @@ from sharpen.config.environments import (
     GymnasiumEnvironmentConfig,
     PythonEnvironmentConfig,
     SingleTurnEnvironmentConfig,
+    TerminalEnvironmentConfig,
     TextArenaEnvironmentConfig,
+    ToolSection,
     VerifiersEnvironmentConfig,
 )
 from sharpen.config.episodes import EpisodeLimitsSection
@@ -39,17 +42,22 @@ from sharpen.environments.python_tool import PythonEnvironment
 from sharpen.environments.remote import RemoteEnvironmentFactory
 from sharpen.environments.sandbox import Sandbox, SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandbox, RemoteSandboxPool
+from sharpen.environments.terminal import TerminalEnvironment
 from sharpen.environments.textarena_adapter import TextArenaEnvironment, import_textarena
+from sharpen.environments.tool_formats import UnknownToolCallFormatError, parser_for_template, read_chat_template
 from sharpen.environments.verifiers_adapter import VerifiersEnvironment, import_verifiers
 from sharpen.plugins import PluginLoadError, check_call, load_object
 from sharpen.types import Example
 
 
-def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
+def build_environment_factory(config: EnvironmentConfig, *, model_path: Path | None = None) -> EnvironmentFactory:
     """A callable that builds a fresh environment for each episode (on `sharpen serve-env` replicas when the
-    section has ``remote``)."""
+    section has ``remote``). ``model_path`` (the policy's folder) gives the chat template that ``tool_parser =
+    "auto"`` reads."""
     if isinstance(config, EpisodeLimitsSection) and config.remote is not None:
         return RemoteEnvironmentFactory(config.remote)
+    if isinstance(config, ToolSection | BrowserEnvironmentConfig) and config.tool_parser == "auto":
+        config = config.model_copy(update={"tool_parser": resolve_tool_parser(model_path)})
     match config:
         case SingleTurnEnvironmentConfig():
             return SingleTurnEnvironment
@@ -66,6 +74,16 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
                 parser=config.tool_parser,
                 max_tool_calls=config.max_tool_calls,
                 max_output_chars=config.max_output_chars,
+            )
+        case TerminalEnvironmentConfig():
+            TerminalEnvironment.make_tasks(0, seed=0, tasks=config.tasks)  # an unknown task name: one error now
+            return partial(
+                TerminalEnvironment,
+                parser=config.tool_parser,
+                max_tool_calls=config.max_tool_calls,
+                max_output_chars=config.max_output_chars,
+                command_timeout_seconds=config.command_timeout_seconds,
+                instructions=config.instructions,
             )
         case GuessNumberEnvironmentConfig():
             return partial(GuessNumberEnvironment, low=config.low, high=config.high)
@@ -103,6 +121,16 @@ def build_environment_factory(config: EnvironmentConfig) -> EnvironmentFactory:
             return build_browser_factory(config)
 
 
+def resolve_tool_parser(model_path: Path | None) -> str:
+    """The tool-call parser for ``tool_parser = "auto"``: the format the model's chat template renders."""
+    if model_path is None:
+        raise ConfigError('environment.tool_parser = "auto" needs the model\'s chat template; name the parser here')
+    try:
+        return parser_for_template(read_chat_template(model_path))
+    except UnknownToolCallFormatError as error:
+        raise ConfigError(f'environment.tool_parser = "auto" for {model_path}: {error}') from None
+
+
 def close_environment_factory(factory: EnvironmentFactory) -> None:
     """Release what a factory of `build_environment_factory` holds: a browser pool, a replica client. The others
     (an environment class, a partial of one) hold nothing."""
@@ -124,7 +152,8 @@ def build_sandbox(config: EnvironmentConfig, sandbox: SandboxConfig) -> SandboxP
     """The pool of ``sandbox`` (the run's [sandbox] section) for environments that run code (probed now: a host
     without the isolation the config asks for fails here, before anything slow starts; with ``backend = "remote"``
     a replica is asked), else None. The caller closes it."""
-    if isinstance(config, PythonEnvironmentConfig) and config.remote is None:  # remote: the replicas run the code
+    # remote: the replicas run the code
+    if isinstance(config, PythonEnvironmentConfig | TerminalEnvironmentConfig) and config.remote is None:
         return RemoteSandboxPool(sandbox) if sandbox.backend == "remote" else SandboxPool(sandbox)
     return None
 
@@ -160,6 +189,8 @@ def environment_tasks(config: EnvironmentConfig, *, size: int, seed: int) -> lis
             return VerifiersEnvironment(**_verifiers_arguments(config)).make_tasks(size)
         case BrowserEnvironmentConfig():
             return make_browser_tasks(config, size=size, seed=seed)
+        case TerminalEnvironmentConfig():
+            return TerminalEnvironment.make_tasks(size, seed=seed, tasks=config.tasks)
         case CustomEnvironmentConfig(tasks=str(tasks)):
             return custom_tasks(tasks, size=size, seed=seed)
         case _:

@@ -18,7 +18,7 @@ from sharpen.environments.tools import TOOL_CALL_PARSERS, ToolCall, ToolCallErro
 from sharpen.types import Example, Message
 
 TOOL_INSTRUCTIONS = """You may call tools. To call one, write a block
-<tool_call>{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}</tool_call>
+{call_format}
 and stop; the result comes back in the next message. When you know the answer, reply without a tool call.
 Tools:
 {specs}"""
@@ -40,7 +40,7 @@ class ToolEnvironment:
             raise ValueError(f"unknown tool-call parser {parser!r} (known: {', '.join(TOOL_CALL_PARSERS)})")
         self.tools = {tool.__name__: tool for tool in tools}
         self.specs = [tool_spec(tool) for tool in tools]  # copies of cached specs: ~5 us per tool and episode
-        self.parser = TOOL_CALL_PARSERS[parser]()
+        self.parser = TOOL_CALL_PARSERS[parser](tools=self.specs)  # formats with untyped arguments read the specs
         self.max_tool_calls = max_tool_calls
         self.max_output_chars = max_output_chars
         self.num_tool_calls = 0
@@ -56,7 +56,7 @@ class ToolEnvironment:
         """The example's own system prompt (if any), then the tool instructions and specs."""
         specs = "\n".join(json.dumps(spec["function"]) for spec in self.specs)
         own = [m.text for m in example.prompt if m.role == "system"]
-        return "\n\n".join([*own, TOOL_INSTRUCTIONS.format(specs=specs)])
+        return "\n\n".join([*own, TOOL_INSTRUCTIONS.format(specs=specs, call_format=self.parser.call_format)])
 
     async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:
         self._context = ctx

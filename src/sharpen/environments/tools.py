@@ -1,9 +1,8 @@
-"""Tools: Python functions as JSON-schema tool specs, tool-call parsing, and calling a tool safely.
+"""Tools: Python functions as JSON-schema tool specs, and calling a tool safely.
 
-Owns the one place where a policy's text becomes tool calls, so environments never write their own regex. Parsers
-are selected by name (`TOOL_CALL_PARSERS`): Hermes/Qwen ``<tool_call>{json}</tool_call>`` blocks, or a whole turn
-that is one JSON object (Llama 3 style). A malformed call is reported back as a `ToolCallError` (the policy sees it
-as a message), never raised. It does not decide when an episode ends; `ToolEnvironment` does.
+Tool-call parsing (`TOOL_CALL_PARSERS`, `ToolCall`, `ToolCallError`) lives in `sharpen.environments.tool_formats`,
+one parser per model family's format, and is re-exported here, so environments never write their own regex. It
+does not decide when an episode ends; `ToolEnvironment` does.
 """
 
 from __future__ import annotations
@@ -16,87 +15,33 @@ import json
 import re
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol, Union, get_args, get_origin, get_type_hints
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from sharpen.environments.base import EnvironmentInfraError
+from sharpen.environments.tool_formats import (
+    TOOL_CALL_PARSERS,
+    HermesToolCallParser,
+    JsonToolCallParser,
+    ToolCall,
+    ToolCallError,
+    ToolCallParser,
+    parser_for_template,
+)
+
+__all__ = [
+    "TOOL_CALL_PARSERS",
+    "HermesToolCallParser",
+    "JsonToolCallParser",
+    "ToolCall",
+    "ToolCallError",
+    "ToolCallParser",
+    "call_tool",
+    "parser_for_template",
+    "tool_spec",
+]
 
 _JSON_TYPES: dict[Any, str] = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array"}
 _JSON_TYPES[dict] = "object"
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ToolCallError:
-    """A tool call the parser could not read; ``message`` is what the policy is told."""
-
-    message: str
-
-
-class ToolCallParser(Protocol):
-    def parse(self, text: str) -> list[ToolCall | ToolCallError]:
-        """The tool calls in one policy turn, in order (empty: the turn calls no tool)."""
-        ...
-
-
-def _call_from_json(payload: str, *, arguments_key: str = "arguments") -> ToolCall | ToolCallError:
-    try:
-        data = json.loads(payload)
-    except json.JSONDecodeError as error:
-        return ToolCallError(message=f"tool call is not valid JSON ({error.msg} at column {error.colno})")
-    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-        return ToolCallError(message='a tool call must be a JSON object with a string "name"')
-    arguments = data.get(arguments_key, {})
-    if isinstance(arguments, str):  # some models double-encode the arguments
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return ToolCallError(message=f'"{arguments_key}" of tool call {data["name"]!r} is not valid JSON')
-    if not isinstance(arguments, dict):
-        return ToolCallError(message=f'"{arguments_key}" of tool call {data["name"]!r} must be a JSON object')
-    return ToolCall(name=data["name"], arguments=arguments)
-
-
-class HermesToolCallParser:
-    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (Hermes, Qwen 2.5/3). An opened block
-    that is never closed is an error, so a truncated call is not silently dropped."""
-
-    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-    def parse(self, text: str) -> list[ToolCall | ToolCallError]:
-        calls: list[ToolCall | ToolCallError] = [
-            _call_from_json(m.group(1).strip()) for m in self._BLOCK.finditer(text)
-        ]
-        if text.count("<tool_call>") > len(calls):
-            calls.append(ToolCallError(message="a <tool_call> block is not closed with </tool_call>"))
-        return calls
-
-    @classmethod
-    def strip(cls, text: str) -> str:
-        """The text outside the closed ``<tool_call>`` blocks (a message's content beside its tool calls)."""
-        return cls._BLOCK.sub("", text).strip()
-
-
-class JsonToolCallParser:
-    """A turn that is exactly one JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.x); any other turn
-    calls no tool."""
-
-    def parse(self, text: str) -> list[ToolCall | ToolCallError]:
-        stripped = text.strip()
-        if not (stripped.startswith("{") and stripped.endswith("}")):
-            return []
-        return [_call_from_json(stripped, arguments_key="parameters")]
-
-
-TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
-    "hermes": HermesToolCallParser,
-    "json": JsonToolCallParser,
-}
 
 
 def tool_spec(function: Callable[..., Any]) -> dict[str, Any]:

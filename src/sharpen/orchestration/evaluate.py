@@ -42,7 +42,7 @@ def run_eval(
     """
     _check_model_path(config.model.path)
     model_path = resolve_model_path(config.model.path)  # user errors first: before anything slow is loaded
-    make_environment = build_environment_factory(config.environment)  # user errors first
+    make_environment = build_environment_factory(config.environment, model_path=model_path)  # user errors first
     with contextlib.ExitStack() as stack:
         stack.callback(close_environment_factory, make_environment)  # its browsers, its replica client
         examples = load_run_examples(config)

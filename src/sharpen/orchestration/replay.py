@@ -50,7 +50,7 @@ def replay_recorded(run_dir: Path, *, step: int | None = None, index: int = 0) -
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(config.model.path))
-    make_environment = build_environment_factory(config.environment)
+    make_environment = build_environment_factory(config.environment, model_path=resolve_model_path(config.model.path))
     sandbox = None
     try:
         environment = make_environment()

@@ -196,7 +196,7 @@ def run_session(
     attach = attach_timeline or (lambda timeline: None)
     # user errors first: before any folder or slow component exists
     model_path = resolve_model_path(config.model.path)
-    make_environment = build_environment_factory(config.environment)
+    make_environment = build_environment_factory(config.environment, model_path=model_path)
     with contextlib.ExitStack() as stack:
         stack.callback(close_environment_factory, make_environment)  # its browsers, its replica client
         examples = load_run_examples(config)

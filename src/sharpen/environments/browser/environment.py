@@ -78,7 +78,6 @@ class BrowserEnvironment:
         if demonstration and observation == "screenshot":
             raise ValueError("the browser's demonstration shows a page as text; it needs observation text or both")
         self.pool = pool
-        self.parser = TOOL_CALL_PARSERS[parser]()
         self.max_page_chars = max_page_chars
         self.instructions = instructions
         self.demonstration = demonstration
@@ -86,6 +85,7 @@ class BrowserEnvironment:
         # without element ids (a screenshot alone) the policy points at pixels
         pointing = (self.click_at, self.type_at) if observation == "screenshot" else (self.click, self.type)
         self.tools = {t.__name__: t for t in (*pointing, self.press, self.scroll, self.done)}
+        self.parser = TOOL_CALL_PARSERS[parser](tools=[tool_spec(t) for t in self.tools.values()])
         self._url = ""
         self._seed = 0
         self._turns: list[list[ToolCall]] = []
