@@ -1,16 +1,18 @@
-"""The agent endpoint: an OpenAI-compatible HTTP server on loopback, in front of the run's engine, for agents that
-call the model themselves (`AgentEnvironment`).
+"""The agent endpoint: an HTTP server on loopback, in front of the run's engine, for agents that call the model
+themselves (`AgentEnvironment`), speaking the APIs agents are written against.
 
-Owns HTTP: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``GET /v1/models``, routed by the API key
-(``Authorization: Bearer <key>``) to the episode that owns it (`AgentSession`, which does the tokens). It runs in the
-episode loop's event loop (asyncio streams and h11, no web framework), so an agent's call costs a loopback round trip
-and JSON, and its request joins the other episodes' requests to the engine. Errors are OpenAI-shaped JSON
-(``{"error": {"message", "type", "code"}}``) naming the cause: no or an unknown key (401), an episode that has ended
-(410), a malformed request (400), the episode's limits (400, code ``episode_limit``), the engine failing (503). Each
-carries ``x-should-retry: false``, so the ``openai`` client does not resend a call the endpoint has refused. A
-``stream = true`` request gets its whole answer as server-sent events once it is generated (the chunks an OpenAI
-stream has: the content, the tool calls, the finish reason, usage if asked, ``[DONE]``): agent frameworks that
-always stream (verifiers) work, though nothing arrives token by token.
+Owns HTTP: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/messages`` (Anthropic's Messages API,
+`sharpen.rollout.agent_messages`), ``POST /v1/responses`` (OpenAI's Responses API, `sharpen.rollout.agent_responses`)
+and ``GET /v1/models``, routed by the API key (``Authorization: Bearer <key>``, or ``x-api-key`` as Anthropic's
+clients send it) to the episode that owns it (`AgentSession`, which does the tokens: every chat-shaped API is served
+by its one chat path). It runs in the episode loop's event loop (asyncio streams and h11, no web framework), so an
+agent's call costs a loopback round trip and JSON, and its request joins the other episodes' requests to the engine.
+Errors are in the route's API's own shape (OpenAI's ``{"error": {"message", "type", "code"}}``, Anthropic's
+``{"type": "error", "error": {"type", "message"}}``) naming the cause: no or an unknown key (401), an episode that
+has ended (410), a malformed request (400), the episode's limits (400, code ``episode_limit``), the engine failing
+(503). Each carries ``x-should-retry: false``, which both the ``openai`` and the ``anthropic`` client obey, so neither
+resends a call the endpoint has refused. A ``stream = true`` request gets its whole answer as the API's server-sent
+events once it is generated: agent frameworks that always stream work, though nothing arrives token by token.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ import json
 import logging
 import secrets
 import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import h11
 import httpx
 
+from sharpen.rollout.agent_messages import answer_message, message_error, message_events
+from sharpen.rollout.agent_responses import answer_response, response_events
 from sharpen.rollout.agent_session import AgentSession, RequestError
 
 logger = logging.getLogger(__name__)
@@ -36,8 +42,8 @@ MAX_BODY_BYTES = 32 << 20
 
 
 class AgentEndpoint:
-    """The OpenAI-compatible server of one episode-loop run. Start it with ``async with``; `open` registers an
-    episode's session under a fresh key, `close` ends it (later calls with its key get 410)."""
+    """The agent server of one episode-loop run. Start it with ``async with``; `open` registers an episode's session
+    under a fresh key, `close` ends it (later calls with its key get 410)."""
 
     def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "sharpen-policy") -> None:
         self.host = host
@@ -108,7 +114,8 @@ class AgentEndpoint:
         except (h11.RemoteProtocolError, _BodyTooLarge) as error:
             status = 413 if isinstance(error, _BodyTooLarge) else 400
             with contextlib.suppress(Exception):
-                await _send(connection, writer, status, _error(f"bad HTTP request: {error}", "invalid_request"))
+                bad = RequestError(f"bad HTTP request: {error}", status=status)
+                await _send(connection, writer, status, _error(bad))
         except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError):
             pass
         finally:
@@ -119,18 +126,17 @@ class AgentEndpoint:
 
     async def _dispatch(self, request: h11.Request, body: bytes) -> tuple[int, dict[str, Any] | bytes]:
         method, path = request.method.decode(), request.target.decode().split("?", 1)[0].rstrip("/")
+        route = _ROUTES.get(path)
+        refuse = route.refuse if route is not None else _error
         try:
             if path == "/v1/models" and method == "GET":
                 return 200, {
                     "object": "list",
                     "data": [{"id": self.model_name, "object": "model", "owned_by": "sharpen"}],
                 }
-            routes = {"/v1/chat/completions": AgentSession.chat, "/v1/completions": AgentSession.complete}
-            handler = routes.get(path)
-            if handler is None:
+            if route is None:
                 raise RequestError(
-                    f"no route {method} {path} (served: POST /v1/chat/completions, POST "
-                    "/v1/completions, GET /v1/models)",
+                    f"no route {method} {path} (served: POST {', POST '.join(_ROUTES)}, GET /v1/models)",
                     status=404,
                     code="not_found",
                 )
@@ -143,31 +149,46 @@ class AgentEndpoint:
                 raise RequestError(f"the request body is not JSON ({error})") from None
             if not isinstance(payload, dict):
                 raise RequestError("the request body must be a JSON object")
-            response = await handler(session, payload)
+            response = await route.answer(session, payload)
             if payload.get("stream"):
-                return 200, _stream_events(response, include_usage=_include_usage(payload))
+                return 200, route.stream(response, payload)
             return 200, response
         except RequestError as error:
-            return error.status, _error(str(error), error.code)
+            return error.status, refuse(error)
         except Exception as error:  # a bug must not hang the agent: it gets a 500 naming it, the log the traceback
             logger.exception("agent endpoint: %s %s failed", method, path)
-            return 500, _error(f"internal error of the agent endpoint: {error!r}", "internal_error")
+            return 500, refuse(
+                RequestError(f"internal error of the agent endpoint: {error!r}", status=500, code="internal_error")
+            )
 
     def _session(self, request: h11.Request) -> AgentSession:
-        header = dict(request.headers).get(b"authorization", b"").decode(errors="replace")
-        if not header.lower().startswith("bearer ") or not header[7:].strip():
+        headers = dict(request.headers)
+        header = headers.get(b"authorization", b"").decode(errors="replace")
+        if header.lower().startswith("bearer ") and header[7:].strip():
+            key = header[7:].strip()
+        else:  # Anthropic's clients send the key as x-api-key
+            key = headers.get(b"x-api-key", b"").decode(errors="replace").strip()
+        if not key:
             raise RequestError(
-                "no API key: send the episode's key (AgentClient.api_key) as a Bearer token",
+                "no API key: send the episode's key (AgentClient.api_key) as a Bearer token or x-api-key",
                 status=401,
                 code="missing_api_key",
             )
-        key = header[7:].strip()
         session = self._sessions.get(key)
         if session is not None:
             return session
         if key in self._ended:
             raise RequestError("this episode has ended: its key takes no more calls", status=410, code="episode_ended")
         raise RequestError("unknown API key: not an episode of this run", status=401, code="invalid_api_key")
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """One API: its answer, that answer as server-sent events, and a refusal in the API's own error shape."""
+
+    answer: Callable[[AgentSession, dict[str, Any]], Awaitable[dict[str, Any]]]
+    stream: Callable[[dict[str, Any], dict[str, Any]], bytes]
+    refuse: Callable[[RequestError], dict[str, Any]]
 
 
 @functools.cache
@@ -253,5 +274,18 @@ def _stream_events(response: dict[str, Any], *, include_usage: bool) -> bytes:
     return ("".join(lines) + "data: [DONE]\n\n").encode()
 
 
-def _error(message: str, code: str) -> dict[str, Any]:
-    return {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+def _openai_events(response: dict[str, Any], payload: dict[str, Any]) -> bytes:
+    return _stream_events(response, include_usage=_include_usage(payload))
+
+
+def _error(error: RequestError) -> dict[str, Any]:
+    return {"error": {"message": str(error), "type": "invalid_request_error", "param": None, "code": error.code}}
+
+
+_ROUTES: dict[str, _Route] = {
+    "/v1/chat/completions": _Route(answer=AgentSession.chat, stream=_openai_events, refuse=_error),
+    "/v1/completions": _Route(answer=AgentSession.complete, stream=_openai_events, refuse=_error),
+    "/v1/messages": _Route(answer=answer_message, stream=message_events, refuse=message_error),
+    "/v1/responses": _Route(answer=answer_response, stream=response_events, refuse=_error),
+}
+"""The POST routes, by path."""

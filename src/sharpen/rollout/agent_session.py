@@ -1,5 +1,7 @@
-"""One agent episode's side of the agent endpoint: OpenAI requests -> exact prompt tokens -> engine -> OpenAI
-responses, every call recorded, and the calls joined into training segments.
+"""One agent episode's side of the agent endpoint: requests -> exact prompt tokens -> engine -> responses, every call
+recorded, and the calls joined into training segments. Every chat-shaped API (OpenAI chat completions here;
+Anthropic's messages and OpenAI's responses translate theirs into a `ChatRequest`) is served by `chat_turn`, so
+continuity, rendering, limits and the recorded tokens are one path.
 
 Owns token continuity for agents. A chat request whose messages extend the previous call's conversation (the same
 messages, then the assistant message this session returned, then new tool or user messages) is rendered as a
@@ -53,6 +55,19 @@ class RequestError(ValueError):
 
 
 @dataclass(kw_only=True, slots=True)
+class ChatRequest:
+    """A chat call as every chat-shaped API is served: OpenAI chat messages (``role``; ``content`` a string or text
+    parts; an assistant's ``tool_calls``; ``tool`` results), tool definitions in OpenAI's function shape, the
+    caller's cap on completion tokens (None: the run's), and whether tool calls in the answer are parsed (a tool
+    choice of "none" keeps them as text)."""
+
+    messages: list[Any]
+    tools: list[Any] | None = None
+    max_tokens: int | None = None
+    parse_tool_calls: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
 class AgentCall:
     """One model call of an agent episode, as the engine saw it."""
 
@@ -60,6 +75,20 @@ class AgentCall:
     completion: Completion
     versions: list[PolicyVersion]
     text: str
+
+
+@dataclass(kw_only=True, slots=True)
+class ChatTurn:
+    """A served chat call: the call, its number in the episode, the answer's text outside tool calls, its tool
+    calls, the finish reason (``tool_calls``, ``stop``, ``length``) and the conversation with the answer appended
+    (OpenAI chat messages, as a later request that continues it sends them)."""
+
+    call: AgentCall
+    index: int
+    content: str
+    tool_calls: list[ToolCall]
+    finish_reason: str
+    messages: list[dict[str, Any]]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -132,42 +161,65 @@ class AgentSession:
     """(messages including the reply, tools, their tokens) of the latest chat call, for continuity."""
     _last_text: tuple[str, list[int]] | None = None
     """(prompt text + completion text, their tokens) of the latest completions call."""
+    responses: dict[str, list[dict[str, Any]]] = field(default_factory=dict[str, list[dict[str, Any]]])
+    """The Responses API's responses of this episode: id -> its conversation (input and output as chat messages,
+    instructions aside), which a request naming it as ``previous_response_id`` continues."""
     _segments: list[Segment] = field(default_factory=list[Segment])
     """`segments`, extended as each call returns (one prefix match per call, not a rebuild of them all)."""
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A ``/v1/chat/completions`` request -> its response."""
         _check_single_choice(body)
-        messages = [_normalised(m, index=i) for i, m in enumerate(_required_list(body, "messages"))]
-        if not messages:
-            raise RequestError("'messages' is empty")
         tools = body.get("tools") or None
         if tools is not None and not isinstance(tools, list):
             raise RequestError("'tools' must be a list of tool definitions")
-        prompt_ids = self._chat_prompt(messages, tools)
-        call = await self._call(prompt_ids, body)
-        content, tool_calls = _split_tool_calls(call.text) if tools else (call.text, [])
-        reply: dict[str, Any] = {"role": "assistant", "content": content if content or not tool_calls else None}
-        if tool_calls:
+        request = ChatRequest(messages=required_list(body, "messages"), tools=tools, max_tokens=_max_tokens(body))
+        turn = await self.chat_turn(request)
+        reply: dict[str, Any] = {
+            "role": "assistant",
+            "content": turn.content if turn.content or not turn.tool_calls else None,
+        }
+        if turn.tool_calls:
             reply["tool_calls"] = [
-                _tool_call_json(c, f"call_{self.episode_id}_{len(self.calls) - 1}_{i}")
-                for i, c in enumerate(tool_calls)
+                _tool_call_json(c, f"call_{self.episode_id}_{turn.index}_{i}") for i, c in enumerate(turn.tool_calls)
             ]
-        self._last_chat = (
-            [*messages, _normalised(reply, index=len(messages))],
-            tools,
-            call.prompt_ids + call.completion.token_ids,
-        )
-        finish = "tool_calls" if tool_calls else call.completion.finish_reason
         choice: dict[str, Any] = {
             "index": 0,
             "message": reply,
-            "finish_reason": finish,
-            "token_ids": call.completion.token_ids,
+            "finish_reason": turn.finish_reason,
+            "token_ids": turn.call.completion.token_ids,
         }
         if body.get("logprobs"):
-            choice["logprobs"] = {"content": self._token_logprobs(call)}
-        return self._response("chat.completion", body, call, choice)
+            choice["logprobs"] = {"content": self._token_logprobs(turn.call)}
+        return self._response("chat.completion", body, turn.call, choice)
+
+    async def chat_turn(self, request: ChatRequest) -> ChatTurn:
+        """One chat call, whichever API it came through (chat completions, Anthropic's messages, OpenAI's
+        responses translate theirs into a `ChatRequest`): continuity, control-token-safe rendering, limits, the
+        engine, the tool calls in the answer."""
+        messages = [_normalised(m, index=i) for i, m in enumerate(request.messages)]
+        if not messages:
+            raise RequestError("'messages' is empty")
+        tools = request.tools or None
+        prompt_ids = self._chat_prompt(messages, tools)
+        call = await self._call(prompt_ids, request.max_tokens)
+        index = len(self.calls) - 1
+        is_parsed = tools is not None and request.parse_tool_calls
+        content, tool_calls = _split_tool_calls(call.text) if is_parsed else (call.text, [])
+        reply: dict[str, Any] = {"role": "assistant", "content": content.strip()}
+        if tool_calls:
+            reply["tool_calls"] = [(c.name, c.arguments) for c in tool_calls]
+        conversation = [*messages, reply]
+        self._last_chat = (conversation, tools, call.prompt_ids + call.completion.token_ids)
+        finish = "tool_calls" if tool_calls else call.completion.finish_reason
+        return ChatTurn(
+            call=call,
+            index=index,
+            content=content,
+            tool_calls=tool_calls,
+            finish_reason=finish,
+            messages=[_template_message(m) for m in conversation],
+        )
 
     async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
         """A ``/v1/completions`` request (a text prompt or one list of token ids) -> its response."""
@@ -192,7 +244,7 @@ class AgentSession:
                 prompt_ids = self.tokenizer.encode(prompt)
         else:
             raise RequestError("'prompt' must be a non-empty string or one non-empty list of token ids")
-        call = await self._call(prompt_ids, body)
+        call = await self._call(prompt_ids, _max_tokens(body))
         if text is not None:
             self._last_text = (text + call.text, call.prompt_ids + call.completion.token_ids)
         choice: dict[str, Any] = {
@@ -247,7 +299,7 @@ class AgentSession:
             raise RequestError("the last message is the assistant's: nothing to answer (prefilling is not supported)")
         return render_messages(self.tokenizer, [_template_message(m) for m in messages], tools=tools)
 
-    async def _call(self, prompt_ids: list[int], body: dict[str, Any]) -> AgentCall:
+    async def _call(self, prompt_ids: list[int], max_tokens: int | None) -> AgentCall:
         if self.is_closed:
             raise RequestError(f"episode {self.episode_id} has ended", status=410, code="episode_ended")
         if self.engine_error is not None:
@@ -257,7 +309,8 @@ class AgentSession:
             raise RequestError(f"the episode's limit of {self.max_calls} model calls is reached", code="episode_limit")
         segment = self._segment_of(prompt_ids)
         used = 0 if segment is None else len(prompt_ids) - len(segment.prompt_ids)  # what counts against max_tokens
-        budget = min(self.sampling.max_new_tokens, self.max_tokens - used, _max_tokens(body, self.sampling))
+        requested = self.sampling.max_new_tokens if max_tokens is None else max_tokens
+        budget = min(self.sampling.max_new_tokens, self.max_tokens - used, requested)
         if budget <= 0:
             self.limit_reached = "max_tokens"
             raise RequestError(
@@ -317,12 +370,16 @@ class AgentSession:
         }
 
 
-def _max_tokens(body: dict[str, Any], sampling: SamplingParams) -> int:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+def _max_tokens(body: dict[str, Any]) -> int | None:
+    return requested_max_tokens(body.get("max_completion_tokens", body.get("max_tokens")), "max_tokens")
+
+
+def requested_max_tokens(value: Any, name: str) -> int | None:
+    """A request's cap on completion tokens (``name`` is its field, for the error); None: the run's."""
     if value is None:
-        return sampling.max_new_tokens
+        return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise RequestError(f"'max_tokens' must be a positive integer, got {value!r}")
+        raise RequestError(f"'{name}' must be a positive integer, got {value!r}")
     return value
 
 
@@ -333,7 +390,7 @@ def _check_single_choice(body: dict[str, Any]) -> None:
         raise RequestError("'stop' strings are not supported: the run's stop tokens end a turn")
 
 
-def _required_list(body: dict[str, Any], key: str) -> list[Any]:
+def required_list(body: dict[str, Any], key: str) -> list[Any]:
     value = body.get(key)
     if not isinstance(value, list):
         raise RequestError(f"'{key}' must be a list")
