@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.sharpen-installed
 export VLLM_TARGET_DEVICE ?= cpu
 
-.PHONY: install system-deps demo test lint clean-venv bench-deps images
+.PHONY: install system-deps demo test lint clean-venv bench-deps images gpu-wheels tasks
 
 install: $(STAMP)
 
@@ -48,13 +48,26 @@ demo: install system-deps
 # a fresh run directory each time, so a second `make demo` trains again instead of refusing an existing run
 	$(BIN)/sharpen train recipes/demo.toml run.name=demo-$$(date +%Y%m%d-%H%M%S)
 
+# The default repository task set (docs/repo_tasks.md): bugs planted in h11 (already a dependency; its sdist, tests
+# included, comes from PyPI once into $SHARPEN_CACHE/sdists), kept where its own tests catch them, in the bwrap
+# sandbox. Rebuilt only when the builder or this Makefile changes (the options are here). h11's tests
+# against the standard library's HTTP server run over real sockets and threads: their failure lines depend on timing,
+# so they are left out (a task's statement, and so its hash, must not change from one build to the next).
+TASKS_PACKAGE := h11==0.16.0
+TASKS_SEED := 0
+DEFAULT_TASKS := .sharpen-tasks/$(subst ==,-,$(TASKS_PACKAGE))-seed$(TASKS_SEED)
+tasks: $(DEFAULT_TASKS)/tasks.jsonl
+$(DEFAULT_TASKS)/tasks.jsonl: $(wildcard src/sharpen/tasks/*.py) src/sharpen/data/repo_tasks.py Makefile | $(STAMP) system-deps
+	$(BIN)/sharpen tasks build --package $(TASKS_PACKAGE) --seed $(TASKS_SEED) --max-tasks 6 \
+		--ignore h11/tests/test_against_stdlib_http.py --out $(DEFAULT_TASKS)
+
 lint: install
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/pyright
 
-test: install system-deps
+test: install system-deps tasks
 	$(BIN)/sharpen models pull smollm2-135m-instruct
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/ruff format --check src tests benchmarks

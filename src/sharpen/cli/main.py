@@ -1,5 +1,5 @@
 """`sharpen train | eval | config | inspect | dashboard | replay | serve-rm | serve-sandbox | serve-env | simulate |
-models`: the entry point.
+models | tasks`: the entry point.
 
 Start-up imports only argparse, pydantic and the config schemas, so `sharpen --help` and config errors answer
 in well under a second. User errors (bad recipe, missing model, bad data) print one line and exit 2.
@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from sharpen.cli.tasks import add_tasks_parser, run_tasks_command
 from sharpen.config import ConfigError, SharpenConfig, dump_config, load_config
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.loader import format_validation_error
@@ -149,6 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     pull.add_argument("name", choices=sorted(KNOWN_MODELS))
     pull.add_argument("--force", action="store_true", help="convert again even if cached")
     model_commands.add_parser("list", help="known models and where they are cached")
+    add_tasks_parser(commands)
     return parser
 
 
@@ -187,6 +189,8 @@ def _run(args: argparse.Namespace) -> int:
         print(models.pull_model(args.name, force=args.force))
         return 0
 
+    if args.command == "tasks":
+        return run_tasks_command(args)
     if args.command == "replay":
         return _replay(args)
     if args.command == "inspect":

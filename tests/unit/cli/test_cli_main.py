@@ -264,6 +264,16 @@ def test_cli_surface_is_frozen():
         "models pull",
         "models pull name",
         "models pull --force",
+        "tasks",
+        "tasks build",
+        "tasks build --package",
+        "tasks build --out",
+        "tasks build --seed",
+        "tasks build --max-tasks",
+        "tasks build --max-tries",
+        "tasks build --ignore",
+        "tasks check",
+        "tasks check task_set",
     }
 
 
