@@ -13,6 +13,12 @@ has ended (410), a malformed request (400), the episode's limits (400, code ``ep
 (503). Each carries ``x-should-retry: false``, which both the ``openai`` and the ``anthropic`` client obey, so neither
 resends a call the endpoint has refused. A ``stream = true`` request gets its whole answer as the API's server-sent
 events once it is generated: agent frameworks that always stream work, though nothing arrives token by token.
+
+A request's head is checked before its body is used (`AgentEndpoint._admit`): one body framing (Transfer-Encoding
+beside Content-Length is refused and the connection closed), and the episode's key, so the body of a call without a
+valid key is read and dropped, never kept. A connection that starts no request for ``idle_timeout_s``, or whose
+request has not all arrived ``read_timeout_s`` after its first bytes, is closed; past ``max_connections`` a new one
+gets 503 (tests/unit/rollout/test_agent_endpoint_redteam.py attacks each from raw sockets).
 """
 
 from __future__ import annotations
@@ -39,16 +45,36 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 32 << 20
 """Largest request body served (a long conversation is a few MB)."""
+IDLE_TIMEOUT_S = 300.0
+"""A connection that starts no request for this long is closed (an agent's client opens a new one when it needs
+it); long enough for a slow tool call between two model calls."""
+READ_TIMEOUT_S = 60.0
+"""A request whose head and body have not all arrived this long after its first bytes is dropped with its connection:
+a half-sent request does not hold a connection forever."""
+MAX_CONNECTIONS = 4096
+"""Connections open at once; one more is answered 503 and closed (each episode's agent holds one or two)."""
 
 
 class AgentEndpoint:
     """The agent server of one episode-loop run. Start it with ``async with``; `open` registers an episode's session
     under a fresh key, `close` ends it (later calls with its key get 410)."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, model_name: str = "sharpen-policy") -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        model_name: str = "sharpen-policy",
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        read_timeout_s: float = READ_TIMEOUT_S,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
         self.host = host
         self.port = port
         self.model_name = model_name
+        self.idle_timeout_s = idle_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_connections = max_connections
         self._sessions: dict[str, AgentSession] = {}
         self._ended: set[str] = set()
         self._server: asyncio.Server | None = None
@@ -99,11 +125,22 @@ class AgentEndpoint:
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if len(self._connections) >= self.max_connections:
+            with contextlib.suppress(Exception):
+                writer.write(_FULL)
+                writer.close()
+            return
         self._connections[task] = writer
         connection = h11.Connection(h11.SERVER)
         try:
             while True:
-                request, body = await _read_request(connection, reader)
+                try:
+                    request, body = await _read_request(
+                        connection, reader, self._admit, idle_s=self.idle_timeout_s, read_s=self.read_timeout_s
+                    )
+                except _Refused as refused:  # its body was dropped unread: answered, and the connection closed
+                    await _send(connection, writer, refused.error.status, refused.refuse(refused.error))
+                    break
                 if request is None:
                     break
                 status, payload = await self._dispatch(request, body)
@@ -116,8 +153,8 @@ class AgentEndpoint:
             with contextlib.suppress(Exception):
                 bad = RequestError(f"bad HTTP request: {error}", status=status)
                 await _send(connection, writer, status, _error(bad))
-        except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError):
-            pass
+        except (ConnectionError, asyncio.IncompleteReadError, h11.LocalProtocolError, TimeoutError):
+            pass  # the client left, or took longer than the timeouts allow: its connection is closed
         finally:
             self._connections.pop(task, None)
             writer.close()
@@ -161,6 +198,23 @@ class AgentEndpoint:
                 RequestError(f"internal error of the agent endpoint: {error!r}", status=500, code="internal_error")
             )
 
+    def _admit(self, request: h11.Request) -> None:
+        """Checks a request's head before its body is read: one body framing (not Transfer-Encoding beside
+        Content-Length, which h11 would take, and a proxy in front might read the other way), and, on the routes that
+        need one, an episode's key; else `_Refused` in the route's own error shape."""
+        path = request.target.decode(errors="replace").split("?", 1)[0].rstrip("/")
+        route = _ROUTES.get(path)
+        refuse = route.refuse if route is not None else _error
+        names = {name.lower() for name, _ in request.headers}
+        if b"transfer-encoding" in names and b"content-length" in names:
+            error = RequestError("both Transfer-Encoding and Content-Length: the body's framing is ambiguous")
+            raise _Refused(error, refuse)
+        if route is not None and request.method == b"POST":
+            try:
+                self._session(request)
+            except RequestError as error:
+                raise _Refused(error, refuse) from None
+
     def _session(self, request: h11.Request) -> AgentSession:
         headers = dict(request.headers)
         header = headers.get(b"authorization", b"").decode(errors="replace")
@@ -201,24 +255,64 @@ class _BodyTooLarge(Exception):
     pass
 
 
-async def _read_request(connection: h11.Connection, reader: asyncio.StreamReader) -> tuple[h11.Request | None, bytes]:
+class _Refused(Exception):
+    """A request refused on its head alone (`AgentEndpoint._admit`): its body is never read."""
+
+    def __init__(self, error: RequestError, refuse: Callable[[RequestError], dict[str, Any]]) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.refuse = refuse
+
+
+_FULL = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nx-should-retry: false\r\n"
+    b"Connection: close\r\nContent-Length: 62\r\n\r\n"
+    b'{"error": {"message": "too many connections", "code": "busy"}}'
+)
+
+
+async def _read_request(
+    connection: h11.Connection,
+    reader: asyncio.StreamReader,
+    admit: Callable[[h11.Request], None],
+    *,
+    idle_s: float,
+    read_s: float,
+) -> tuple[h11.Request | None, bytes]:
+    """The next request and its body (None at the end of the stream). Waits ``idle_s`` for its first bytes, then
+    ``read_s`` in all for the rest; ``admit`` sees the head before any byte of the body is read. A request it
+    refuses has its body read and dropped, never kept (so the client reads the answer, not a reset), then raises
+    its `_Refused`."""
     request: h11.Request | None = None
+    refused: _Refused | None = None
     chunks: list[bytes] = []
     size = 0
+    deadline: float | None = None
+    loop = asyncio.get_running_loop()
     while True:
         event = connection.next_event()
         if event is h11.NEED_DATA:
-            data = await reader.read(1 << 16)
+            timeout = idle_s if deadline is None else max(deadline - loop.time(), 0.0)
+            data = await asyncio.wait_for(reader.read(1 << 16), timeout=timeout)
+            if deadline is None:
+                deadline = loop.time() + read_s
             connection.receive_data(data)  # b"" marks the end of the stream
             continue
         if isinstance(event, h11.Request):
+            try:
+                admit(event)
+            except _Refused as error:
+                refused = error
             request = event
         elif isinstance(event, h11.Data):
             size += len(event.data)
             if size > MAX_BODY_BYTES:
                 raise _BodyTooLarge(f"the body is over {MAX_BODY_BYTES >> 20} MiB")
-            chunks.append(bytes(event.data))
+            if refused is None:
+                chunks.append(bytes(event.data))
         elif isinstance(event, h11.EndOfMessage):
+            if refused is not None:
+                raise refused
             return request, b"".join(chunks)
         elif isinstance(event, h11.ConnectionClosed) or event is h11.PAUSED:
             return None, b""

@@ -282,9 +282,9 @@ class CountingEndpoint(AgentEndpoint):
 
     num_requests = 0
 
-    async def _dispatch(self, request: Any, body: bytes) -> Any:
+    def _admit(self, request: Any) -> None:  # every request's head passes here, refused or not
         self.num_requests += 1
-        return await super()._dispatch(request, body)
+        super()._admit(request)
 
 
 def _session(tokenizer: Any, engine: Any, *, max_calls: int = 2) -> AgentSession:
