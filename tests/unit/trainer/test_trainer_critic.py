@@ -218,7 +218,7 @@ def _captured_critic_gradient(trainer: Trainer, batch: TrainBatch, monkeypatch) 
         critic.optimizer.zero_grad(set_to_none=True)
         return 0.0
 
-    def skip() -> float:
+    def skip(**_: object) -> float:
         trainer.backend.optimizer.zero_grad(set_to_none=True)
         return 0.0
 
