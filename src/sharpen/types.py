@@ -394,5 +394,8 @@ class SamplingParams:
     temperature: float = 1.0
     """0 means greedy decoding."""
     top_p: float = 1.0
+    """Nucleus cut (1: off), after top_k; the engines' logprobs are those of the truncated distribution."""
+    top_k: int = 0
+    """Top-k cut (0: off), applied after the temperature and before top_p."""
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()

@@ -3,7 +3,9 @@ and a sync that does nothing or arrives corrupted fails loudly. One engine for t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,33 @@ def engine(smollm2_path: Path) -> Iterator:
 
 def _mean_abs(a: list[float], b: list[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def test_truncated_sampling_logprobs_match_the_trainers_truncated_scores(engine, trainer, tokenizer) -> None:
+    """vLLM's processed logprobs at temperature 0.7, top_k 20, top_p 0.7 are the trainer's under the same cut (its
+    `truncate_logits`), and clearly not the full distribution's. Runs first: the weights are still the model's."""
+    import torch
+
+    from sharpen.trainer.algorithms.sampling_mask import SamplingMask
+
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "Once upon a time, a small")]
+    params = SamplingParams(max_new_tokens=12, temperature=0.7, top_k=20, top_p=0.7)
+    completions = engine.generate([*prompts, *prompts], [replace(params, seed=s) for s in range(4)])
+    gaps, full_gaps = [], []
+    for prompt, completion in zip([*prompts, *prompts], completions, strict=True):
+        ids = torch.tensor([prompt + completion.token_ids])
+        targets = torch.zeros(1, ids.shape[1] - 1, dtype=torch.bool)
+        targets[0, len(prompt) - 1 :] = True
+        for mask, into in ((SamplingMask(top_k=20, top_p=0.7), gaps), (None, full_gaps)):
+            with torch.no_grad():
+                scores = trainer.backend.score_tokens(
+                    ids, torch.ones_like(ids), targets, temperature=0.7, use_autocast=False, sampling_mask=mask
+                )
+            scored = scores.logprobs[0][targets[0]].tolist()
+            assert all(math.isfinite(value) for value in scored)
+            into.extend(e - t for e, t in zip(completion.logprobs, scored, strict=True))
+    assert sum(abs(gap) for gap in gaps) / len(gaps) < TOLERANCE
+    assert sum(full_gaps) / len(full_gaps) > 10 * TOLERANCE  # the engine's are higher by -log(kept mass)
 
 
 def test_generation_logprobs_match_the_trainer_and_sync_takes_effect(engine, trainer, tokenizer) -> None:

@@ -195,7 +195,12 @@ class RolloutConfig(Section):
     max_sampling_batches: int = Field(default=3, ge=1)
     """Cap on generation batches per step under dynamic sampling; at the cap the step trains on what it has."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus sampling threshold (1: off). Below 1 the behaviour policy is truncated; the mismatch shows in metrics."""
+    """Nucleus sampling threshold (1: off): the engine samples from the smallest set of most likely tokens whose
+    probability reaches top_p (vLLM's rule), and the trainer scores its logprobs and entropy under the same cut
+    (docs/algorithms.md, "Top-k and top-p"). Not with trainer.parallel.tp > 1."""
+    top_k: int = Field(default=0, ge=0)
+    """Top-k sampling (0: off): the engine samples from the k most likely tokens (ties at the k-th all kept), before
+    top_p; the trainer scores under the same cut, as for top_p. Not with trainer.parallel.tp > 1."""
     mode: Literal["sync", "async"] = "sync"
     """``sync``: generate, then train, then sync weights, one after the other. ``async``: a producer generates the
     next batches while the trainer trains, within ``max_staleness`` (docs/async.md)."""
@@ -479,6 +484,12 @@ class SharpenConfig(Section):
                 "the merged target modules, and an engine woken from sleep needs every weight"
             )
         self._check_adapter_sync()
+        if self.trainer.parallel.tp > 1 and (self.rollout.top_k > 0 or self.rollout.top_p < 1.0):
+            raise ValueError(
+                f"rollout.top_k = {self.rollout.top_k} / top_p = {self.rollout.top_p} cannot be used with "
+                f"trainer.parallel.tp = {self.trainer.parallel.tp}: the trainer scores the truncated distribution, "
+                "which needs the whole vocabulary on each rank (set tp = 1, or top_k = 0 and top_p = 1)"
+            )
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
             raise ValueError(

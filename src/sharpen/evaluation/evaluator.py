@@ -37,12 +37,13 @@ from sharpen.types import Example, RewardStatus, RolloutGroup, SamplingParams
 
 def eval_sampling(config: SharpenConfig, evaluation: EvalConfig | None = None) -> SamplingParams:
     """The evaluation's sampling: its own temperature and token limit (``evaluation``, default the recipe's
-    evaluation section), the rollout's top_p."""
+    evaluation section), the rollout's top_p and top_k."""
     evaluation = evaluation or config.evaluation
     return SamplingParams(
         max_new_tokens=evaluation.max_new_tokens or config.rollout.max_new_tokens,
         temperature=evaluation.temperature,
         top_p=config.rollout.top_p,
+        top_k=config.rollout.top_k,
     )
 
 

@@ -44,6 +44,7 @@ from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.rollout.weight_sync.verify import FLOAT32_TOLERANCE, ProbeTolerance
 from sharpen.trainer import ReferencePolicy, SingleDeviceBackend, Trainer, ValueModel
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.trainer.backends.base import ReferenceScorer, TrainerBackend
 from sharpen.trainer.backends.frozen import LoraReferencePolicy
 from sharpen.trainer.backends.single_device import resolve_device
@@ -343,6 +344,7 @@ def build_trainer(
         backend=backend,
         pad_token_id=pad_token_id,
         temperature=config.rollout.temperature,
+        sampling_mask=SamplingMask(top_k=config.rollout.top_k, top_p=config.rollout.top_p),
         max_new_tokens=config.rollout.max_new_tokens,
         reference=reference,
         critic=critic,

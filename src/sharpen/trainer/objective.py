@@ -21,6 +21,7 @@ from sharpen.trainer.algorithms.aggregation import aggregate_loss, aggregation_n
 from sharpen.trainer.algorithms.kl import build_kl_controller, kl_per_token
 from sharpen.trainer.algorithms.offpolicy import OffPolicyCorrection, compute_correction, normalizer_terms
 from sharpen.trainer.algorithms.policy_losses import compute_policy_loss, select_tokens
+from sharpen.trainer.algorithms.sampling_mask import drop_outside
 from sharpen.trainer.backends.base import ReferenceScorer
 from sharpen.trainer.packing import MicroBatch
 
@@ -34,6 +35,8 @@ Aggregate = Callable[[torch.Tensor], torch.Tensor]
 class Objective:
     """The RL objective of ``config`` (``trainer.algorithm``). ``reference``: the frozen reference policy, needed
     when the KL is a loss term; ``temperature``: the sampling temperature the logprobs are taken at;
+    ``truncates``: whether they are the engine's top-k / top-p truncated distribution's (a sampled token outside the
+    trainer's kept set, logprob -inf, leaves the loss and counts in ``offpolicy/outside_truncation``);
     ``constant_length``: the constant of ``seq_mean_token_sum_norm``."""
 
     def __init__(
@@ -43,12 +46,14 @@ class Objective:
         reference: ReferenceScorer | None,
         temperature: float,
         constant_length: float,
+        truncates: bool = False,
     ) -> None:
         if config.kl.needs_reference and reference is None:
             raise ValueError(f'trainer.algorithm.kl.type = "{config.kl.type}" needs a reference policy')
         self.config = config
         self.reference = reference
         self.temperature = temperature
+        self.truncates = truncates
         self.constant_length = constant_length
         self.kl_controller = build_kl_controller(config.kl)
         self.entropy_coef = config.entropy_coef
@@ -89,7 +94,8 @@ class Objective:
         """``weight_sum`` and ``count`` of the kept importance weights of ``whole`` (a rank's share of a mini-batch
         with its old logprobs): summed over ranks, their quotient is the mini-batch's weight normaliser."""
         assert whole.old_logprobs is not None, "the normaliser needs the old logprobs"
-        correction = self.correction(whole.old_logprobs, whole.engine_logprobs, whole.loss_mask, normalizer=None)
+        _, old, mask, _ = drop_outside(whole.old_logprobs, whole.old_logprobs, whole.loss_mask)
+        correction = self.correction(old, whole.engine_logprobs, mask, normalizer=None)
         return normalizer_terms(correction, per_sequence=self.config.off_policy_correction.weights_per_sequence)
 
     def select_tokens(self, whole: MicroBatch) -> torch.Tensor | None:
@@ -121,7 +127,10 @@ class Objective:
         ``weight_normalizer``: the mini-batch's importance-weight normaliser; ``reference_logprobs``: the reference
         policy's, scored before the step (a sharded reference); None: the reference scores ``micro`` here."""
         config = self.config
-        mask = micro.loss_mask
+        num_tokens = float(micro.loss_mask.sum())
+        logprobs, old, mask, num_outside = drop_outside(logprobs, old, micro.loss_mask)
+        if self.truncates:
+            sums["offpolicy/outside_truncation"] += num_outside  # a fraction of the loss tokens in the metrics
         correction = self.correction(old, micro.engine_logprobs, mask, normalizer=weight_normalizer)
         per_token, loss_metrics = compute_policy_loss(
             config.policy_loss, logprobs, old, micro.advantages, correction.mask, selected=selected
@@ -137,9 +146,8 @@ class Objective:
             )
 
         loss = aggregate(per_token * correction.weights)
-        num_tokens = float(mask.sum())
         if entropy is not None:
-            sums["entropy"] += float(entropy.detach()[mask].sum())
+            sums["entropy"] += float(entropy.detach()[micro.loss_mask].sum())
             if self.entropy_coef > 0:
                 loss = loss - self.entropy_coef * aggregate(entropy)
         if self.reference is not None and not config.kl.in_reward:
@@ -148,8 +156,8 @@ class Objective:
                 ref = self.reference.token_logprobs(
                     micro.input_ids,
                     micro.attention_mask,
-                    mask,
-                    temperature=self.temperature,
+                    micro.loss_mask,
+                    temperature=self.temperature,  # the full distribution: finite for any sampled token
                     images=micro.images,
                     routes=micro.row_routes,
                 )

@@ -24,6 +24,7 @@ from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.trainer.backends.base import TokenScores
 from sharpen.trainer.backends.chunked_logits import score_on_grid
 
@@ -136,6 +137,7 @@ def score_shared_prompts(
     with_entropy: bool = False,
     entropy_requires_grad: bool = False,
     logits_chunk_tokens: int = 0,
+    sampling_mask: SamplingMask | None = None,
 ) -> TokenScores:
     """`score_tokens` of a right-padded micro-batch, each distinct prompt computed once (see the module docstring).
 
@@ -154,6 +156,7 @@ def score_shared_prompts(
         with_entropy=with_entropy,
         entropy_requires_grad=entropy_requires_grad,
         chunk_tokens=logits_chunk_tokens,
+        sampling_mask=sampling_mask,
     )
 
 

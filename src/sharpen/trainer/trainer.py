@@ -28,6 +28,7 @@ from sharpen.config.advantages import GAEAdvantage
 from sharpen.config.schema import TrainerConfig
 from sharpen.expert_routes import Routers, Routes, routes_tensor
 from sharpen.trainer.algorithms.offpolicy import correction_metrics
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.trainer.backends import SingleDeviceBackend, ValueModel
 from sharpen.trainer.backends.base import (
     ReferenceScorer,
@@ -89,6 +90,7 @@ class Trainer:
         backend: TrainerBackend,
         pad_token_id: int,
         temperature: float = 1.0,
+        sampling_mask: SamplingMask | None = None,
         max_new_tokens: int | None = None,
         reference: ReferenceScorer | None = None,
         critic: ValueModel | None = None,
@@ -117,10 +119,14 @@ class Trainer:
         self.teacher = teacher
         self.pad_token_id = pad_token_id
         self.temperature = temperature
+        self.sampling_mask = None if sampling_mask is None or sampling_mask.is_off else sampling_mask
+        """The engine's top-k / top-p: the policy's logprobs and entropy are the truncated distribution's (the
+        reference and the probe score the full one; docs/algorithms.md, "Top-k and top-p")."""
         self.objective = Objective(
             algorithm,
             reference=reference,
             temperature=temperature,
+            truncates=self.sampling_mask is not None,
             constant_length=float(algorithm.aggregation_constant or max_new_tokens or 1),
         )
         self.lockstep = RankLockstep(backend)
@@ -228,7 +234,9 @@ class Trainer:
 
         def score(micro: MicroBatch, routes: Routes | None) -> TokenScores:
             inputs = replace(self._policy_inputs(micro), routes=routes)
-            return self.backend.score_micro_batches([inputs], temperature=self.temperature)[0]
+            return self.backend.score_micro_batches(
+                [inputs], temperature=self.temperature, sampling_mask=self.sampling_mask
+            )[0]
 
         return self._routes.measure_engine(
             rollouts,
@@ -367,6 +375,7 @@ class Trainer:
             ],
             micro_batch_loss,
             temperature=self.temperature,
+            sampling_mask=self.sampling_mask,
             with_entropy=True,
             entropy_requires_grad=self.objective.entropy_coef > 0,
         )
@@ -527,7 +536,9 @@ class Trainer:
 
         def score(micros: list[MicroBatch]) -> list[TokenScores]:
             inputs = [self._policy_inputs(micro) for micro in micros]
-            scores = self.backend.score_micro_batches(inputs, temperature=self.temperature)
+            scores = self.backend.score_micro_batches(
+                inputs, temperature=self.temperature, sampling_mask=self.sampling_mask
+            )
             return [replace(self._unpacked(micro, s), routes=s.routes) for micro, s in zip(micros, scores, strict=True)]
 
         route_step = self._routes

@@ -31,7 +31,12 @@ if TYPE_CHECKING:
 def rollout_sampling(config: SharpenConfig) -> SamplingParams:
     """The sampling of training rollouts (``rollout.*``)."""
     rollout = config.rollout
-    return SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature, top_p=rollout.top_p)
+    return SamplingParams(
+        max_new_tokens=rollout.max_new_tokens,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+    )
 
 
 class GroupCollector:

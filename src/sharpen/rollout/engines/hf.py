@@ -4,9 +4,13 @@ prompts (`HfEngine.generate_with_images`), its pixel inputs computed by `data.vi
 
 It holds its own copy of the model, so weight sync into it is a real copy, checked like any other engine's.
 Every request is sampled with its own seed, as vLLM does: the last logits processor (`_PerRequestSampler`) draws
-each row's token from the temperature/top-p distribution with that row's own `torch.Generator` and hands
+each row's token from the temperature/top-k/top-p distribution with that row's own `torch.Generator` and hands
 transformers a one-hot choice, so what a request samples does not depend on which batch it shares (the episode
-runner's batches depend on timing) and the behaviour logprobs are kept from that distribution. Requests without a
+runner's batches depend on timing) and the behaviour logprobs are kept from that distribution: the truncated,
+renormalised one, as vLLM's ``processed_logprobs``. transformers puts a caller's logits processors before its own
+temperature/top-k/top-p warpers, so `generate` gets none of those settings and the sampler applies the same warpers
+itself, in vLLM's order (temperature, top-k, top-p; transformers' `TopKLogitsWarper` and `TopPLogitsWarper` cut by
+vLLM's rule). Requests without a
 seed draw from torch's global generator, under a process-wide lock.
 
 A Mixture-of-Experts model of a family `sharpen.expert_routes` knows returns its routes with each completion
@@ -26,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class, text_only_error
 from sharpen.expert_routes import (
@@ -151,13 +161,14 @@ class HfEngine:
         param = params[0]  # the settings are the same for the whole batch; the seeds are each request's
         eos = [self.tokenizer.eos_token_id, *param.stop_token_ids]
         sampler = None
-        # temperature 0 means greedy (ReMax's baseline); otherwise sample with exactly the given settings
+        # temperature 0 means greedy (ReMax's baseline); otherwise sample with exactly the given settings, all applied
+        # by the sampler (transformers would apply its warpers after it: no temperature, top-k or top-p of its own)
         if param.temperature > 0:
-            sampler = _PerRequestSampler([p.seed for p in params])
+            sampler = _PerRequestSampler([p.seed for p in params], warpers=_warpers(param))
             sampling_kwargs: dict[str, Any] = {
                 "do_sample": True,
-                "temperature": param.temperature,
-                "top_p": param.top_p,
+                "temperature": 1.0,
+                "top_p": 1.0,
                 "top_k": 0,
                 "logits_processor": LogitsProcessorList([sampler]),
             }
@@ -180,7 +191,7 @@ class HfEngine:
         new_tokens = result.sequences[:, width:]  # [batch, steps]
         # [batch, width + steps - 1, layers, top_k]: the prefill's positions, then one per decoding step
         routes = None if captured is None else stack_layers(captured)
-        if sampler is not None:  # the sampler kept the logprobs of its draws under temperature / top-p
+        if sampler is not None:  # the sampler kept the logprobs of its draws under temperature / top-k / top-p
             logprobs = torch.stack(sampler.logprobs, dim=1)  # [batch, steps]
         else:  # greedy: scores are the processed logits, their log-softmax the behaviour policy
             scores = torch.stack(result.scores, dim=1).float()  # [batch, steps, vocab]
@@ -269,13 +280,27 @@ class HfEngine:
         pass
 
 
-class _PerRequestSampler(LogitsProcessor):
-    """The last logits processor: draws each row's next token from the processed (temperature, top-p) scores with
-    that row's own generator, records its logprob, and leaves only that token possible, so transformers' own draw
-    (from torch's global generator) can pick nothing else. Rows without a seed draw from the global generator."""
+def _warpers(params: SamplingParams) -> list[LogitsProcessor]:
+    """The temperature, top-k and top-p warpers of ``params``, in vLLM's order (those that change anything)."""
+    warpers: list[LogitsProcessor] = []
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    return warpers
 
-    def __init__(self, seeds: list[int | None]) -> None:
+
+class _PerRequestSampler(LogitsProcessor):
+    """The last logits processor: applies ``warpers`` (temperature, top-k, top-p) to the scores, draws each row's
+    next token from that distribution with the row's own generator, records its logprob, and leaves only that token
+    possible, so transformers' own draw (from torch's global generator) can pick nothing else. Rows without a seed
+    draw from the global generator."""
+
+    def __init__(self, seeds: list[int | None], *, warpers: list[LogitsProcessor]) -> None:
         super().__init__()
+        self.warpers = warpers
         self.generators: list[torch.Generator | None] = []
         for seed in seeds:
             generator = None
@@ -286,7 +311,10 @@ class _PerRequestSampler(LogitsProcessor):
         self.logprobs: list[torch.Tensor] = []  # one [batch] tensor per step
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        logprobs = torch.log_softmax(scores.float(), dim=-1).cpu()  # [batch, vocab]
+        warped = scores.float()
+        for warper in self.warpers:
+            warped = warper(input_ids, warped)  # pyright: ignore[reportArgumentType]
+        logprobs = torch.log_softmax(warped, dim=-1).cpu()  # [batch, vocab], -inf outside a top-k / top-p cut
         probs = logprobs.exp()
         chosen = torch.stack(
             [torch.multinomial(probs[row], 1, generator=generator)[0] for row, generator in enumerate(self.generators)]
@@ -297,5 +325,5 @@ class _PerRequestSampler(LogitsProcessor):
         return only  # pyright: ignore[reportReturnType]
 
 
-def _key(params: SamplingParams) -> tuple[int, float, float, tuple[int, ...]]:
-    return (params.max_new_tokens, params.temperature, params.top_p, params.stop_token_ids)
+def _key(params: SamplingParams) -> tuple[int, float, float, int, tuple[int, ...]]:
+    return (params.max_new_tokens, params.temperature, params.top_p, params.top_k, params.stop_token_ids)

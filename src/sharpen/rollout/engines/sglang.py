@@ -17,15 +17,16 @@ sharpen. Transport, timeouts and the server's life (starting, restarting, closin
   ``POST /update_weight_version`` (with ``abort_all_requests`` false, which is not SGLang's default).
   ``GET /get_server_info`` gives the version and whether the memory saver and deterministic inference are on.
 - Generating: ``POST /generate`` with ``input_ids``, ``sampling_params`` (``max_new_tokens``, ``temperature``
-  (0: SGLang samples greedily with top_k 1), ``top_p``, ``stop_token_ids``, ``sampling_seed``) and
+  (0: SGLang samples greedily with top_k 1), ``top_p``, ``top_k`` (sent only when set; SGLang's -1 is off),
+  ``stop_token_ids``, ``sampling_seed``) and
   ``return_logprob``. The answer's ``output_ids`` are the tokens (a stop token included) and
   ``meta_info.output_token_logprobs`` their ``[logprob, token_id, text]`` triples. Unknown keys in
   ``sampling_params`` are refused (HTTP 400), unknown top-level keys ignored.
-- Logprobs: SGLang returns ``log softmax(logits / temperature)`` of the sampled token (its sampler's
-  ``log(probs)`` before the top-p/top-k cut; greedy: the raw logits' log softmax). That is sharpen's behaviour
-  logprob exactly when ``top_p`` is 1 (the default); with ``top_p`` < 1 it lacks the nucleus renormalisation
-  (it is lower by the log of the nucleus's probability mass), so the trainer's importance ratio is off by that
-  term. The engine warns once. (SGLang's ``return_sampling_mask`` reports the truncated policy's logprobs, but only
+- Logprobs: SGLang returns ``log softmax(logits / temperature)`` of the sampled token (its sampler's ``log(probs)``
+  before the top-p/top-k cut; greedy: the raw logits' log softmax). That is sharpen's behaviour logprob exactly when
+  ``top_p`` is 1 and ``top_k`` 0 (the defaults); with a cut it lacks the renormalisation (it is lower by the log of the
+  kept probability mass, which the trainer's truncated logprobs include), so the off-policy correction's ratio is off by
+  that term. The engine warns once. (SGLang's ``return_sampling_mask`` reports the truncated policy's logprobs, but only
   with a finite top-k, which would change what is sampled.)
 - Seeds: ``sampling_seed`` decides a request's sample only on a server started with
   --enable-deterministic-inference (``config.deterministic_inference``); otherwise SGLang ignores it. The engine
@@ -246,6 +247,8 @@ class SglangEngine(ServerEngine[SglangEngineConfig]):
             "temperature": params.temperature,
             "top_p": params.top_p,
         }
+        if params.top_k > 0:
+            sampling["top_k"] = params.top_k
         if params.stop_token_ids:
             sampling["stop_token_ids"] = list(params.stop_token_ids)
         if params.seed is not None:
@@ -258,13 +261,15 @@ class SglangEngine(ServerEngine[SglangEngineConfig]):
                     self.name,
                     self.url,
                 )
-        if params.top_p < 1.0 and params.temperature > 0 and not self._warned_top_p:
+        if (params.top_p < 1.0 or params.top_k > 0) and params.temperature > 0 and not self._warned_top_p:
             self._warned_top_p = True
             logger.warning(
-                "%s: with top_p = %g SGLang's logprobs are the temperature-scaled distribution's before the nucleus "
-                "cut, not the behaviour policy's (the importance ratio is off by the nucleus mass)",
+                "%s: with top_p = %g / top_k = %d SGLang's logprobs are the temperature-scaled distribution's before "
+                "the cut, not the truncated behaviour policy's the trainer scores (the importance ratio is off by the "
+                "kept mass)",
                 self.name,
                 params.top_p,
+                params.top_k,
             )
         return sampling
 

@@ -1,9 +1,10 @@
 """The vLLM engine: an in-process `vllm.LLM` (its engine core runs in a child process), on the CPU build here and
 the same code on a GPU.
 
-Prompts go in as token ids and the sampled tokens' logprobs come back in vLLM's ``processed_logprobs`` mode
-(after temperature and top-p), which is the behaviour policy the trainer's ratio needs. Weights arrive in
-shared-memory buckets (`rollout/weight_sync/streaming.py`), loaded by the worker extension in
+Prompts go in as token ids and the sampled tokens' logprobs come back in vLLM's ``processed_logprobs`` mode (after
+temperature, top-k and top-p: the truncated, renormalised distribution the token was drawn from), which is the behaviour
+policy the trainer's ratio needs (the trainer applies the same cut, `trainer/algorithms/sampling_mask`). Weights arrive
+in shared-memory buckets (`rollout/weight_sync/streaming.py`), loaded by the worker extension in
 `rollout/weight_sync/vllm_receiver.py`.
 
 With ``sleep_mode`` (``runtime.colocate``) the engine uses vLLM's sleep mode: `sleep` discards the weights and
@@ -161,7 +162,7 @@ def vllm_sampling_params(params: SamplingParams, **options: Any) -> VllmSampling
         max_tokens=params.max_new_tokens,
         temperature=params.temperature,
         top_p=params.top_p,
-        top_k=-1,
+        top_k=params.top_k or -1,  # vLLM's "off" is -1 (0 is accepted too)
         seed=params.seed,
         logprobs=0,
         stop_token_ids=list(params.stop_token_ids),

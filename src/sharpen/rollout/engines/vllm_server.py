@@ -5,9 +5,10 @@ Speaks vLLM 0.32's routes (read from the installed package, `vllm/entrypoints`):
 - generation: ``POST /inference/v1/generate`` (token ids in, token ids out; ``output_mode = "text"`` also returns
   the detokenised text and each sampled token's logprob), which exists when the server runs with
   ``--enable-scale-out``. Each episode's request is its own HTTP request, and the server batches all of them
-  continuously. The server runs with ``--logprobs-mode processed_logprobs``, so logprobs are those after temperature
-  and top-p, as the in-process engine's. Every choice carries ``weight_versions``: spans of output tokens and the
-  weight version label the server held while sampling them, which become the completion's per-token versions.
+  continuously. The server runs with ``--logprobs-mode processed_logprobs``, so logprobs are those after temperature,
+  top-k and top-p (the truncated distribution's), as the in-process engine's. Every choice carries ``weight_versions``:
+  spans of output tokens and the weight version label the server held while sampling them, which become the completion's
+  per-token versions.
 - the weight-sync probe: the same route with ``prompt_logprobs = 0``.
 - weight syncs: the development routes (``VLLM_SERVER_DEV_MODE=1``). ``POST /pause?mode=keep`` freezes requests in
   flight, the verified buckets of `weight_sync/streaming.py` go to sharpen's worker extension
@@ -187,6 +188,7 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
             "max_tokens": params.max_new_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
+            "top_k": params.top_k or -1,
             "logprobs": 0,
             "stop_token_ids": list(params.stop_token_ids),
         }

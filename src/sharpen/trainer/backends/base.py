@@ -19,6 +19,7 @@ import torch
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.expert_routes import RouterReplay, Routers, Routes, checkpoint_contexts, is_moe_model
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.types import ImagePart
 from sharpen.weight_shards import WeightShard
 
@@ -90,13 +91,16 @@ class TrainerBackend(Protocol):
         position_ids: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
         images: Sequence[tuple[ImagePart, ...]] = (),
+        sampling_mask: SamplingMask | None = None,
     ) -> TokenScores:
         """Per-token logprobs (and entropy) where ``target_mask`` is set: right-padded rows with their
         ``attention_mask``, or packed rows (`packing.PackedRow`) with ``position_ids`` and no attention mask.
         ``prompt_lengths`` (right-padded rows only): each row's prompt tokens, which lets a backend compute a prompt
         that several rows share once (`prefix.score_shared_prompts`); a backend may ignore it, the scores are the
         same either way. ``images`` (right-padded rows only): each row's images, in the order of its image
-        placeholders (`Rollout.images`); empty for text rows. A backend that takes no images raises on any."""
+        placeholders (`Rollout.images`); empty for text rows. A backend that takes no images raises on any.
+        ``sampling_mask``: the engine's top-k / top-p, applied after the temperature (`chunked_logits`); None: the
+        full distribution (the probe, the reference)."""
         ...
 
     def token_logprobs(
@@ -117,6 +121,7 @@ class TrainerBackend(Protocol):
         temperature: float,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
+        sampling_mask: SamplingMask | None = None,
     ) -> list[Routes] | None:
         """Accumulate the gradients of ``loss(index, scores)`` summed over one optimizer step's micro-batches
         ``inputs``. One process runs them in turn (forward, loss, backward); a pipeline runs them through its
@@ -126,7 +131,12 @@ class TrainerBackend(Protocol):
         ...
 
     def score_micro_batches(
-        self, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True
+        self,
+        inputs: Sequence[ScoreInputs],
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+        sampling_mask: SamplingMask | None = None,
     ) -> list[TokenScores]:
         """The logprobs of each micro-batch of ``inputs`` (forward only, no entropy), on every rank."""
         ...
@@ -286,6 +296,7 @@ class ScoresTokenLogprobs:
         temperature: float,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
+        sampling_mask: SamplingMask | None = None,
     ) -> list[Routes] | None:
         """Forward, loss and backward of each micro-batch in turn (its graph freed before the next); replayed routes
         stay in force through the backward, where activation checkpointing recomputes the forward. The loss gets
@@ -299,14 +310,23 @@ class ScoresTokenLogprobs:
                     temperature=temperature,
                     with_entropy=with_entropy,
                     entropy_requires_grad=entropy_requires_grad,
+                    sampling_mask=sampling_mask,
                 )
                 loss(index, scores).backward()
         return None
 
     def score_micro_batches(
-        self: TrainerBackend, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True
+        self: TrainerBackend,
+        inputs: Sequence[ScoreInputs],
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+        sampling_mask: SamplingMask | None = None,
     ) -> list[TokenScores]:
-        return [scored_routes(self, item, temperature=temperature, use_autocast=use_autocast) for item in inputs]
+        return [
+            scored_routes(self, item, temperature=temperature, use_autocast=use_autocast, sampling_mask=sampling_mask)
+            for item in inputs
+        ]
 
     def share_loss_sums(self, sums: dict[str, float]) -> dict[str, float]:
         return sums

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
 from sharpen.expert_routes import RouterReplay, Routers, Routes, is_moe_model
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.trainer.backends.base import (
     PROCESSOR_FILES,
     MicroBatchLoss,
@@ -92,6 +93,7 @@ class _ScoringRoot(nn.Module):
         image_inputs: dict[str, torch.Tensor] | None,
         vocab: VocabShard | None,
         context: ContextParallel | None,
+        sampling_mask: SamplingMask | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         scores = score_tokens(
             self.model,
@@ -106,6 +108,7 @@ class _ScoringRoot(nn.Module):
             image_inputs=image_inputs,
             vocab=vocab,
             context=context,
+            sampling_mask=sampling_mask,
         )
         logprobs = scores.logprobs
         if image_inputs is None and self.image_side:
@@ -281,6 +284,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         position_ids: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
         images: Sequence[tuple[ImagePart, ...]] = (),
+        sampling_mask: SamplingMask | None = None,
     ) -> TokenScores:
         """This rank's rows only; collective (every rank must call it, also with a zero-weighted filler batch).
         ``prompt_lengths`` is ignored: shared prompts are computed once on the single-device backend only (the
@@ -296,7 +300,9 @@ class FSDP2Backend(ScoresTokenLogprobs):
             inputs = ScoreInputs(
                 input_ids=input_ids, attention_mask=attention_mask, target_mask=target_mask, position_ids=position_ids
             )
-            return self.score_micro_batches([inputs], temperature=temperature, use_autocast=use_autocast)[0]
+            return self.score_micro_batches(
+                [inputs], temperature=temperature, use_autocast=use_autocast, sampling_mask=sampling_mask
+            )[0]
         image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
         with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
             logprobs, entropy = self._root(
@@ -311,6 +317,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 image_inputs,
                 self.vocab_shard,
                 self.context_parallel,
+                sampling_mask,
             )
         return TokenScores(logprobs=logprobs, entropy=entropy)
 
@@ -330,6 +337,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         temperature: float,
         with_entropy: bool = False,
         entropy_requires_grad: bool = False,
+        sampling_mask: SamplingMask | None = None,
     ) -> list[Routes] | None:
         """Each micro-batch in turn (`ScoresTokenLogprobs`), or all of them through the pipeline's schedule (an
         MoE's routes returned after)."""
@@ -340,6 +348,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 temperature=temperature,
                 with_entropy=with_entropy,
                 entropy_requires_grad=entropy_requires_grad,
+                sampling_mask=sampling_mask,
             )
         with autocast_bf16(self.device, enabled=self.precision.is_bf16):
             return self.pipeline.train(
@@ -348,15 +357,23 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 temperature=temperature,
                 with_entropy=with_entropy,
                 entropy_requires_grad=entropy_requires_grad,
+                sampling_mask=sampling_mask,
             )
 
     def score_micro_batches(
-        self, inputs: Sequence[ScoreInputs], *, temperature: float, use_autocast: bool = True
+        self,
+        inputs: Sequence[ScoreInputs],
+        *,
+        temperature: float,
+        use_autocast: bool = True,
+        sampling_mask: SamplingMask | None = None,
     ) -> list[TokenScores]:
         if self.pipeline is None:
-            return super().score_micro_batches(inputs, temperature=temperature, use_autocast=use_autocast)
+            return super().score_micro_batches(
+                inputs, temperature=temperature, use_autocast=use_autocast, sampling_mask=sampling_mask
+            )
         with torch.no_grad(), autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
-            return self.pipeline.score(inputs, temperature=temperature)
+            return self.pipeline.score(inputs, temperature=temperature, sampling_mask=sampling_mask)
 
     def share_loss_sums(self, sums: dict[str, float]) -> dict[str, float]:
         """The last pipeline stage's metric sums on every stage (collective over the pipeline)."""

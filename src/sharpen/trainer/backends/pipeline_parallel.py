@@ -47,6 +47,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 
 from sharpen.expert_routes import RouterReplay, Routes, RoutingError, is_moe_model
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.trainer.backends.base import MicroBatchLoss, ScoreInputs, TokenScores, replaying
 from sharpen.trainer.backends.context_parallel import ContextParallel
 from sharpen.trainer.backends.mesh import weight_shard
@@ -89,6 +90,7 @@ class _Run:
     """What every stage needs to know about the schedule run in progress (set before each run)."""
 
     temperature: float = 1.0
+    sampling_mask: SamplingMask | None = None
     with_entropy: bool = False
     entropy_requires_grad: bool = False
     packed: bool = False
@@ -166,6 +168,7 @@ class _Stage(nn.Module):
             logits_chunk_tokens=run.logits_chunk_tokens,
             vocab=self._vocab,
             context=self._context,
+            sampling_mask=run.sampling_mask,
         )
         if run.with_entropy:
             assert scores.entropy is not None, "score_hidden returns the entropy it was asked for"
@@ -348,13 +351,18 @@ class PipelineParallel:
         temperature: float,
         with_entropy: bool,
         entropy_requires_grad: bool,
+        sampling_mask: SamplingMask | None = None,
     ) -> list[Routes] | None:
         """Forward and backward of ``inputs`` through the schedule; ``loss(index, scores)`` runs on the last stage,
         in micro-batch order. Gradients accumulate on every stage (collective over the pipeline). Returns an MoE's
         routes of each of ``inputs`` (`routers`; the loss got none), else None."""
         batch = self._stack(inputs)
         self._set_run(
-            inputs, temperature=temperature, with_entropy=with_entropy, entropy_requires_grad=entropy_requires_grad
+            inputs,
+            temperature=temperature,
+            sampling_mask=sampling_mask,
+            with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad,
         )
 
         def schedule_loss(output: torch.Tensor | tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
@@ -374,11 +382,13 @@ class PipelineParallel:
         schedule.step(batch.tensors["input_ids"], target=target, return_outputs=False, **batch.kwargs())
         return self._gathered_routes(inputs, batch)
 
-    def score(self, inputs: Sequence[ScoreInputs], *, temperature: float) -> list[TokenScores]:
+    def score(
+        self, inputs: Sequence[ScoreInputs], *, temperature: float, sampling_mask: SamplingMask | None = None
+    ) -> list[TokenScores]:
         """The logprobs of each of ``inputs`` (forward only), computed on the last stage and broadcast to every
         stage (collective over the pipeline)."""
         batch = self._stack(inputs)
-        self._set_run(inputs, temperature=temperature, with_entropy=False)
+        self._set_run(inputs, temperature=temperature, sampling_mask=sampling_mask, with_entropy=False)
         schedule = self._schedule(batch, loss=None)
         merged = schedule.eval(batch.tensors["input_ids"], **batch.kwargs())
         if merged is None:
@@ -412,12 +422,14 @@ class PipelineParallel:
         temperature: float,
         with_entropy: bool,
         entropy_requires_grad: bool = False,
+        sampling_mask: SamplingMask | None = None,
     ) -> None:
         """What every stage needs to know about the run about to start (`_Run`)."""
         packed = inputs[0].position_ids is not None
         if any((item.position_ids is not None) != packed for item in inputs):
             raise ValueError("a pipeline runs packed or right-padded micro-batches, not both in one step")
         self.run.temperature = temperature
+        self.run.sampling_mask = sampling_mask
         self.run.with_entropy = with_entropy
         self.run.entropy_requires_grad = entropy_requires_grad
         self.run.packed = packed

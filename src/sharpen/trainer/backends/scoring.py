@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from sharpen.data.vision import text_only_error
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.trainer.backends.base import TokenScores
 from sharpen.trainer.backends.chunked_logits import score_on_grid
 from sharpen.trainer.backends.context_parallel import ContextParallel
@@ -45,6 +46,7 @@ def score_tokens(
     image_inputs: dict[str, torch.Tensor] | None = None,
     vocab: VocabShard | None = None,
     context: ContextParallel | None = None,
+    sampling_mask: SamplingMask | None = None,
 ) -> TokenScores:
     """Logprob (and optionally entropy) of each next token, computed only where ``target_mask`` is set.
     The entropy carries a gradient only when asked (an entropy bonus); as a metric it costs no backward memory.
@@ -66,6 +68,8 @@ def score_tokens(
 
     ``context``: context parallelism (`context_parallel`): this rank runs the decoder and the LM head on its slice of
     the sequence, and the scores of every rank's slice are gathered (collective over its group).
+
+    ``sampling_mask``: the engine's top-k / top-p (`chunked_logits`); None: the full distribution at ``temperature``.
     """
     if position_ids is not None and attention_mask is not None:
         raise ValueError("packed rows (position_ids) take no attention_mask: their sequences are found from positions")
@@ -93,6 +97,7 @@ def score_tokens(
         logits_chunk_tokens=logits_chunk_tokens,
         vocab=vocab,
         context=context,
+        sampling_mask=sampling_mask,
     )
 
 
@@ -108,6 +113,7 @@ def score_hidden(
     logits_chunk_tokens: int,
     vocab: VocabShard | None,
     context: ContextParallel | None = None,
+    sampling_mask: SamplingMask | None = None,
 ) -> TokenScores:
     """The LM head's half of `score_tokens`: the scores of ``target_mask``'s tokens from the decoder's output
     ``hidden`` (after its final norm) of the rows ``input_ids``. With ``context``, ``hidden`` is this rank's slice of
@@ -125,6 +131,7 @@ def score_hidden(
             entropy_requires_grad=entropy_requires_grad,
             chunk_tokens=logits_chunk_tokens,
             vocab=vocab,
+            sampling_mask=sampling_mask,
         )
     if isinstance(hidden, DTensor):  # sequence parallelism: the final norm's output is split over the tp ranks
         hidden = hidden.full_tensor()
@@ -144,6 +151,7 @@ def score_hidden(
         entropy_requires_grad=entropy_requires_grad,
         chunk_tokens=logits_chunk_tokens,
         vocab=vocab,
+        sampling_mask=sampling_mask,
     )
     # copies, not views: FSDP2 hooks the backward through its root's outputs, which an in-place op on a view would skip
     logprobs = context.gather(scores.logprobs)[:, : length - 1].clone()

@@ -20,6 +20,7 @@ import torch
 
 from sharpen.config.schema import TrainerConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
+from sharpen.trainer.algorithms.sampling_mask import SamplingMask
 from sharpen.trainer.backends.base import (
     PROCESSOR_FILES,
     ScoresTokenLogprobs,
@@ -101,6 +102,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         position_ids: torch.Tensor | None = None,
         prompt_lengths: Sequence[int] | None = None,
         images: Sequence[tuple[ImagePart, ...]] = (),
+        sampling_mask: SamplingMask | None = None,
     ) -> TokenScores:
         """``use_autocast=False`` computes in the weights' own dtype even when the precision is bf16 (autocast).
         With ``prompt_lengths`` (right-padded rows), each prompt that rows share runs once (prefix.py); rows with
@@ -125,6 +127,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
                     with_entropy=with_entropy,
                     entropy_requires_grad=entropy_requires_grad,
                     logits_chunk_tokens=self.config.logits_chunk_tokens,
+                    sampling_mask=sampling_mask,
                 )
             return score_tokens(
                 self.model,
@@ -137,6 +140,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
                 position_ids=position_ids,
                 logits_chunk_tokens=self.config.logits_chunk_tokens,
                 image_inputs=image_inputs,
+                sampling_mask=sampling_mask,
             )
 
     def _image_inputs(
