@@ -19,9 +19,9 @@ from sharpen.environments import AgentClient, AgentResult, EpisodeContext, Episo
 from sharpen.rollout.agent_endpoint import AgentEndpoint
 from sharpen.rollout.agent_session import AgentSession
 from sharpen.rollout.engines.base import EngineError
-from sharpen.rollout.engines.scripted import ScriptedEngine
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.types import Completion, Example, Message, SamplingParams
+from support.recording_engine import RecordingEngine
 
 SYSTEM = "You add numbers with the add tool."
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
@@ -41,19 +41,6 @@ def tokenizer(smollm2_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path)
-
-
-class RecordingEngine(ScriptedEngine):
-    def __init__(self, tokenizer: Any, texts: list[str]) -> None:
-        super().__init__(
-            texts, encode=lambda t: tokenizer.encode(t, add_special_tokens=False), eos_token_id=tokenizer.eos_token_id
-        )
-        self.served: list[tuple[list[int], Completion]] = []
-
-    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
-        completions = super().generate(prompts, params)
-        self.served.extend(zip(prompts, completions, strict=True))
-        return completions
 
 
 def _run(tokenizer: Any, engine: Any, agent: Any) -> Any:
