@@ -57,7 +57,7 @@ TASKS_PACKAGE := h11==0.16.0
 TASKS_SEED := 0
 DEFAULT_TASKS := .sharpen-tasks/$(subst ==,-,$(TASKS_PACKAGE))-seed$(TASKS_SEED)
 tasks: $(DEFAULT_TASKS)/tasks.jsonl
-$(DEFAULT_TASKS)/tasks.jsonl: $(wildcard src/sharpen/tasks/*.py) src/sharpen/data/repo_tasks.py Makefile | $(STAMP) system-deps
+$(DEFAULT_TASKS)/tasks.jsonl: $(wildcard src/sharpen/tasks/*.py) src/sharpen/environments/pytest_suite.py src/sharpen/data/repo_tasks.py Makefile | $(STAMP) system-deps
 	$(BIN)/sharpen tasks build --package $(TASKS_PACKAGE) --seed $(TASKS_SEED) --max-tasks 6 \
 		--ignore h11/tests/test_against_stdlib_http.py --out $(DEFAULT_TASKS)
 

@@ -112,10 +112,10 @@ def test_recipe_runs_with_the_tiny_model(
         assert math.isfinite(row["train/loss"]) and math.isfinite(row["train/grad_norm"])
         assert row["train/num_optimizer_steps"] == config.trainer.algorithm.num_mini_batches
         assert row["sync/probe_mismatch_mean"] < max_mismatch
-    if 'type = "browser"' in recipe.read_text() or 'type = "terminal"' in recipe.read_text():
+    if any(f'type = "{kind}"' in recipe.read_text() for kind in ("browser", "terminal", "repository")):
         # the browser's task rewards, not vowel_reward: a random tiny model never writes a tool call, every reward is
-        # 0 and nothing moves (tests/integration/test_browser_env.py and tests/unit/environments/test_env_terminal.py
-        # cover the environments with scripted actions)
+        # 0 and nothing moves (tests/integration/test_browser_env.py, tests/unit/environments/test_env_terminal.py and
+        # test_env_repository.py cover the environments with scripted actions)
         assert rows[-1]["reward/mean"] == 0.0
         return
     if config.trainer.algorithm.advantage.needs_turns:

@@ -19,6 +19,7 @@ from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfi
 from sharpen.config.environments import (
     CustomEnvironmentConfig,
     EnvironmentConfig,
+    RepositoryEnvironmentConfig,
     SingleTurnEnvironmentConfig,
     TerminalEnvironmentConfig,
 )
@@ -417,7 +418,7 @@ class MonitoringConfig(Section):
     """Token limit of the parity probes' greedy completions."""
 
 
-ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers", "browser", "terminal")
+ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers", "browser", "terminal", "repository")
 
 
 class SharpenConfig(Section):
@@ -466,7 +467,7 @@ class SharpenConfig(Section):
                 f"not {environment.type!r}"
             )
         if (
-            isinstance(environment, TerminalEnvironmentConfig)
+            isinstance(environment, TerminalEnvironmentConfig | RepositoryEnvironmentConfig)
             and environment.remote is None
             and (environment.wall_seconds is None or environment.wall_seconds > self.sandbox.wall_seconds)
         ):

@@ -20,6 +20,7 @@ from sharpen.config.environments import (
     GuessNumberEnvironmentConfig,
     GymnasiumEnvironmentConfig,
     PythonEnvironmentConfig,
+    RepositoryEnvironmentConfig,
     SingleTurnEnvironmentConfig,
     TerminalEnvironmentConfig,
     TextArenaEnvironmentConfig,
@@ -40,6 +41,7 @@ from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
 from sharpen.environments.python_tool import PythonEnvironment
 from sharpen.environments.remote import RemoteEnvironmentFactory
+from sharpen.environments.repository import RepositoryEnvironment
 from sharpen.environments.sandbox import Sandbox, SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandbox, RemoteSandboxPool
 from sharpen.environments.terminal import TerminalEnvironment
@@ -47,6 +49,7 @@ from sharpen.environments.textarena_adapter import TextArenaEnvironment, import_
 from sharpen.environments.tool_formats import UnknownToolCallFormatError, parser_for_template, read_chat_template
 from sharpen.environments.verifiers_adapter import VerifiersEnvironment, import_verifiers
 from sharpen.plugins import PluginLoadError, check_call, load_object
+from sharpen.rewards.code_tests import pytest_ro_binds
 from sharpen.types import Example
 
 
@@ -79,6 +82,17 @@ def build_environment_factory(config: EnvironmentConfig, *, model_path: Path | N
             TerminalEnvironment.make_tasks(0, seed=0, tasks=config.tasks)  # an unknown task name: one error now
             return partial(
                 TerminalEnvironment,
+                parser=config.tool_parser,
+                max_tool_calls=config.max_tool_calls,
+                max_output_chars=config.max_output_chars,
+                command_timeout_seconds=config.command_timeout_seconds,
+                instructions=config.instructions,
+            )
+        case RepositoryEnvironmentConfig():
+            RepositoryEnvironment.make_tasks(0, seed=0, tasks_dir=config.tasks_dir, task_ids=config.task_ids)
+            return partial(
+                RepositoryEnvironment,
+                tasks_dir=config.tasks_dir,
                 parser=config.tool_parser,
                 max_tool_calls=config.max_tool_calls,
                 max_output_chars=config.max_output_chars,
@@ -152,8 +166,12 @@ def build_sandbox(config: EnvironmentConfig, sandbox: SandboxConfig) -> SandboxP
     """The pool of ``sandbox`` (the run's [sandbox] section) for environments that run code (probed now: a host
     without the isolation the config asks for fails here, before anything slow starts; with ``backend = "remote"``
     a replica is asked), else None. The caller closes it."""
+    if isinstance(config, RepositoryEnvironmentConfig):  # the policy and the grader run the package's tests
+        binds = [bind for bind in pytest_ro_binds() if bind not in sandbox.extra_ro_binds]
+        sandbox = sandbox.model_copy(update={"extra_ro_binds": [*sandbox.extra_ro_binds, *binds]})
     # remote: the replicas run the code
-    if isinstance(config, PythonEnvironmentConfig | TerminalEnvironmentConfig) and config.remote is None:
+    runs_code = isinstance(config, PythonEnvironmentConfig | TerminalEnvironmentConfig | RepositoryEnvironmentConfig)
+    if runs_code and config.remote is None:
         return RemoteSandboxPool(sandbox) if sandbox.backend == "remote" else SandboxPool(sandbox)
     return None
 
@@ -191,6 +209,10 @@ def environment_tasks(config: EnvironmentConfig, *, size: int, seed: int) -> lis
             return make_browser_tasks(config, size=size, seed=seed)
         case TerminalEnvironmentConfig():
             return TerminalEnvironment.make_tasks(size, seed=seed, tasks=config.tasks)
+        case RepositoryEnvironmentConfig():
+            return RepositoryEnvironment.make_tasks(
+                size, seed=seed, tasks_dir=config.tasks_dir, task_ids=config.task_ids
+            )
         case CustomEnvironmentConfig(tasks=str(tasks)):
             return custom_tasks(tasks, size=size, seed=seed)
         case _:

@@ -101,14 +101,20 @@ class TerminalEnvironment(ToolEnvironment):
     async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:
         if ctx.sandbox is None:
             raise TerminalFailure("the terminal environment needs a sandbox (the run's [sandbox]) and got none")
+        files = self.load_task(example)
+        messages = await super().reset(example, ctx)
+        self.grade, self.num_turns, self.is_shell_lost = 0.0, 0, False
+        self.shell = await SandboxShell.start(ctx.sandbox.sandbox, files)
+        return messages
+
+    def load_task(self, example: Example) -> Mapping[str, str | bytes]:
+        """Build the example's task (kept for grading) and return the workspace's seed files. A subclass with
+        other tasks overrides this and `check_workspace` (the repository environment does)."""
         name, task_seed = example.metadata.get("task"), example.metadata.get("task_seed")
         if not isinstance(name, str) or not isinstance(task_seed, int):
             raise ValueError(f"terminal: example {example.task_key} has no task and task_seed in its metadata")
         self.task = build_terminal_task(name, task_seed)
-        messages = await super().reset(example, ctx)
-        self.grade, self.num_turns, self.is_shell_lost = 0.0, 0, False
-        self.shell = await SandboxShell.start(ctx.sandbox.sandbox, self.task.files)
-        return messages
+        return self.task.files
 
     async def step(self, action: str) -> StepResult:
         result = await super().step(action)
@@ -157,12 +163,17 @@ class TerminalEnvironment(ToolEnvironment):
 
     async def _grade(self) -> float:
         """1.0 when the task's checker passes on the workspace now, else 0.0."""
-        assert self.shell is not None and self.task is not None
+        assert self.shell is not None
         try:
             files = await self.shell.snapshot()
         except ShellLost as error:
             self._lose(error)
             return self.grade  # the workspace is gone: the last grade stands
+        return await self.check_workspace(files)
+
+    async def check_workspace(self, files: Mapping[str, bytes]) -> float:
+        """The grade of a snapshot of the workspace, outside the shell: 1.0 when the task's checker passes."""
+        assert self.task is not None
         check = self.task.check
         if not isinstance(check, SandboxCheck):
             return float(check(files))

@@ -2,7 +2,8 @@
 package's own tests catch it (some fail, the rest pass), and describe it by its failing tests.
 
 `build_task_set` (build.py) takes a package's sdist (sources.py), lists mutation sites in its functions
-(mutations.py), runs the package's pytest suite on seeded mutants in the sandbox (suite.py) and writes a task set
+(mutations.py), runs the package's pytest suite on seeded mutants in the sandbox (`sharpen.environments.pytest_suite`,
+which the repository environment's grader shares) and writes a task set
 (the format is `sharpen.data.repo_tasks`); `check_task_set` proves each task fails as recorded and passes once the
 original file is restored. `sharpen tasks build | check` is the command line; docs/repo_tasks.md the guide.
 

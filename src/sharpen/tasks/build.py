@@ -35,6 +35,7 @@ from sharpen.data.repo_tasks import (
     read_tree,
     write_tree,
 )
+from sharpen.environments.pytest_suite import SuiteResult, run_suite, suite_sandbox_config
 from sharpen.environments.sandbox import Sandbox
 from sharpen.tasks.mutations import Mutation, find_mutations
 from sharpen.tasks.sources import (
@@ -46,7 +47,6 @@ from sharpen.tasks.sources import (
     read_sdist,
     source_files,
 )
-from sharpen.tasks.suite import SuiteResult, run_suite, suite_sandbox_config
 
 BUILDER_VERSION = "1"
 BASELINE_WALL_SECONDS = 300.0
