@@ -491,6 +491,12 @@ class SharpenConfig(Section):
                 f"trainer.parallel.tp = {self.trainer.parallel.tp}: the trainer scores the truncated distribution, "
                 "which needs the whole vocabulary on each rank (set tp = 1, or top_k = 0 and top_p = 1)"
             )
+        if self.trainer.distillation.enabled and (self.rollout.top_k > 0 or self.rollout.top_p < 1.0):
+            raise ValueError(
+                f"rollout.top_k = {self.rollout.top_k} / top_p = {self.rollout.top_p} cannot be used with "
+                "trainer.distillation: the student's truncated logprob of a token outside its cut is -inf, which the "
+                "teacher's reverse KL cannot take (set top_k = 0 and top_p = 1, or turn distillation off)"
+            )
         num_mini = self.trainer.algorithm.num_mini_batches
         if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
             raise ValueError(

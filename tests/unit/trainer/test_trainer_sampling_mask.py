@@ -128,3 +128,11 @@ def test_tensor_parallelism_refuses_a_truncation_in_one_line() -> None:
     for cut in ("rollout.top_p=0.9", "rollout.top_k=20"):
         with pytest.raises(ConfigError, match=r"cannot be used with trainer\.parallel\.tp = 2: the trainer scores"):
             load_config(None, [*ray, cut])
+
+
+def test_distillation_refuses_a_truncation_in_one_line() -> None:
+    distil = ["trainer.distillation.enabled=true"]
+    assert load_config(None, distil).trainer.distillation.enabled  # no truncation: fine
+    for cut in ("rollout.top_p=0.9", "rollout.top_k=20"):
+        with pytest.raises(ConfigError, match=r"cannot be used with trainer\.distillation: the student's truncated"):
+            load_config(None, [*distil, cut])
