@@ -121,7 +121,15 @@ def test_with_the_object_store_the_two_node_run_checkpoints_and_resumes(
     assert list(two_nodes.node2_disk.iterdir()) == []
     rows, full_rows = read_jsonl(split / "metrics.jsonl"), read_jsonl(full / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1, 2, 3]
-    assert stable(rows) == stable(full_rows)
+    # The reference runs in this pytest process, whose torch state earlier tests of a full suite may have changed:
+    # alone, this module's runs equal it bit for bit (seen 3 times); after the whole suite, within ~1e-5 relative
+    # (a grad norm of 0.72212917 against 0.72212929, the probe's engine delta 0.00586586 against 0.00586591, seen
+    # once). So the rollouts' rewards must be equal and every other number within 1e-4 relative: a resume from wrong
+    # weights, or none, moves them by far more.
+    for resumed, uninterrupted in zip(stable(rows), stable(full_rows), strict=True):
+        assert resumed.keys() == uninterrupted.keys()
+        assert resumed == pytest.approx(uninterrupted, rel=1e-4, abs=1e-6)
+    assert [row["reward/mean"] for row in rows] == [row["reward/mean"] for row in full_rows]
     assert full_rows[3]["reward/mean"] != full_rows[2]["reward/mean"]  # the compared steps carry real signal
     assert rows[2]["sync/probe_mismatch_mean"] < 1e-4  # the weights loaded from the bucket reached the engine
 
