@@ -80,25 +80,10 @@ def build_environment_factory(config: EnvironmentConfig, *, model_path: Path | N
             )
         case TerminalEnvironmentConfig():
             TerminalEnvironment.make_tasks(0, seed=0, tasks=config.tasks)  # an unknown task name: one error now
-            return partial(
-                TerminalEnvironment,
-                parser=config.tool_parser,
-                max_tool_calls=config.max_tool_calls,
-                max_output_chars=config.max_output_chars,
-                command_timeout_seconds=config.command_timeout_seconds,
-                instructions=config.instructions,
-            )
+            return partial(TerminalEnvironment, **_shell_options(config))
         case RepositoryEnvironmentConfig():
             RepositoryEnvironment.make_tasks(0, seed=0, tasks_dir=config.tasks_dir, task_ids=config.task_ids)
-            return partial(
-                RepositoryEnvironment,
-                tasks_dir=config.tasks_dir,
-                parser=config.tool_parser,
-                max_tool_calls=config.max_tool_calls,
-                max_output_chars=config.max_output_chars,
-                command_timeout_seconds=config.command_timeout_seconds,
-                instructions=config.instructions,
-            )
+            return partial(RepositoryEnvironment, tasks_dir=config.tasks_dir, **_shell_options(config))
         case GuessNumberEnvironmentConfig():
             return partial(GuessNumberEnvironment, low=config.low, high=config.high)
         case CustomEnvironmentConfig():
@@ -133,6 +118,17 @@ def build_environment_factory(config: EnvironmentConfig, *, model_path: Path | N
             return partial(VerifiersEnvironment, **_verifiers_arguments(config))
         case BrowserEnvironmentConfig():
             return build_browser_factory(config)
+
+
+def _shell_options(config: TerminalEnvironmentConfig | RepositoryEnvironmentConfig) -> dict[str, Any]:
+    """What a shell environment (terminal, repository) takes from its section besides its tasks."""
+    return {
+        "parser": config.tool_parser,
+        "max_tool_calls": config.max_tool_calls,
+        "max_output_chars": config.max_output_chars,
+        "command_timeout_seconds": config.command_timeout_seconds,
+        "instructions": config.instructions,
+    }
 
 
 def resolve_tool_parser(model_path: Path | None) -> str:
