@@ -23,6 +23,8 @@ from sharpen.rollout.agent_session import (
     ChatRequest,
     ChatTurn,
     RequestError,
+    function_tools,
+    parses_tool_calls,
     requested_max_tokens,
     required_list,
 )
@@ -64,9 +66,9 @@ def chat_request(body: dict[str, Any]) -> ChatRequest:
         messages.extend(_chat_messages(message, index))
     return ChatRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
+        tools=function_tools(body.get("tools"), _function),
         max_tokens=max_tokens,
-        parse_tool_calls=_parses_tool_calls(body.get("tool_choice")),
+        parse_tool_calls=parses_tool_calls(_choice_kind(body.get("tool_choice"))),
     )
 
 
@@ -128,37 +130,14 @@ def _text(value: Any, where: str) -> str:
     raise RequestError(f"{where} must be a string or a list of text blocks")
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("'tools' must be a list of tool definitions")
-    out: list[dict[str, Any]] = []
-    for index, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
-            raise RequestError(f"tools[{index}] must be an object with a string 'name'")
-        if tool.get("type", "custom") != "custom":
-            raise RequestError(
-                f"tools[{index}]: server tools ({tool['type']}) are not served; define the tool yourself"
-            )
-        function = {
-            "name": tool["name"],
-            "description": tool.get("description", ""),
-            "parameters": tool.get("input_schema", {}),
-        }
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _parses_tool_calls(tool_choice: Any) -> bool:
-    kind = tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice
-    if kind in (None, "auto"):
-        return True
-    if kind == "none":
-        return False
-    raise RequestError(
-        f"tool_choice {kind!r} is not served: the run's sampling cannot force a tool call (auto and none are)"
-    )
+def _function(index: int, tool: Any) -> dict[str, Any]:
+    """One Anthropic tool definition as a function (`function_tools`)."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise RequestError(f"tools[{index}] must be an object with a string 'name'")
+    if tool.get("type", "custom") != "custom":
+        raise RequestError(f"tools[{index}]: server tools ({tool['type']}) are not served; define the tool yourself")
+    schema = tool.get("input_schema", {})
+    return {"name": tool["name"], "description": tool.get("description", ""), "parameters": schema}
 
 
 def _message(session: AgentSession, body: dict[str, Any], turn: ChatTurn) -> dict[str, Any]:
@@ -214,3 +193,8 @@ def message_error(error: RequestError) -> dict[str, Any]:
         "type": "error",
         "error": {"type": _ERROR_TYPES.get(error.status, "invalid_request_error"), "message": str(error)},
     }
+
+
+def _choice_kind(tool_choice: Any) -> Any:
+    """An Anthropic ``tool_choice`` (``{"type": ...}``) as its kind."""
+    return tool_choice.get("type") if isinstance(tool_choice, dict) else tool_choice

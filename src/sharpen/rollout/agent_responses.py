@@ -25,6 +25,8 @@ from sharpen.rollout.agent_session import (
     ChatRequest,
     ChatTurn,
     RequestError,
+    function_tools,
+    parses_tool_calls,
     requested_max_tokens,
 )
 
@@ -63,9 +65,9 @@ def chat_request(session: AgentSession, body: dict[str, Any]) -> tuple[ChatReque
     messages += _chat_messages(body.get("input"))
     request = ChatRequest(
         messages=messages,
-        tools=_tools(body.get("tools")),
+        tools=function_tools(body.get("tools"), _function),
         max_tokens=requested_max_tokens(body.get("max_output_tokens"), "max_output_tokens"),
-        parse_tool_calls=_parses_tool_calls(body.get("tool_choice")),
+        parse_tool_calls=parses_tool_calls(body.get("tool_choice")),
     )
     return request, 1 if instructions else 0
 
@@ -117,29 +119,12 @@ def _text(content: Any, where: str) -> str:
     raise RequestError(f"{where}: content must be a string or a list of text parts")
 
 
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    if not isinstance(tools, list):
-        raise RequestError("'tools' must be a list of tool definitions")
-    out: list[dict[str, Any]] = []
-    for index, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(f"tools[{index}]: only function tools with a 'name' are served, not {kind!r}")
-        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
-        out.append({"type": "function", "function": function})
-    return out
-
-
-def _parses_tool_calls(tool_choice: Any) -> bool:
-    if tool_choice in (None, "auto"):
-        return True
-    if tool_choice == "none":
-        return False
-    raise RequestError(
-        f"tool_choice {tool_choice!r} is not served: the run's sampling cannot force a tool call (auto and none are)"
-    )
+def _function(index: int, tool: Any) -> dict[str, Any]:
+    """One Responses tool definition as a function (`function_tools`)."""
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise RequestError(f"tools[{index}]: only function tools with a 'name' are served, not {kind!r}")
+    return {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
 
 
 def _response(session: AgentSession, body: dict[str, Any], turn: ChatTurn) -> dict[str, Any]:

@@ -383,6 +383,28 @@ def requested_max_tokens(value: Any, name: str) -> int | None:
     return value
 
 
+def function_tools(tools: Any, function_of: Callable[[int, Any], dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """An API's ``tools`` as the chat route's function tools (None for none); ``function_of(index, tool)`` gives
+    each one's function (``name``, ``description``, ``parameters``) or raises `RequestError`."""
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("'tools' must be a list of tool definitions")
+    return [{"type": "function", "function": function_of(index, tool)} for index, tool in enumerate(tools)]
+
+
+def parses_tool_calls(kind: Any) -> bool:
+    """Whether the answer's tool calls are parsed under a ``tool_choice`` of ``kind``: ``auto`` (or none given)
+    yes, ``none`` no; a choice that forces a call is refused (the run's sampling cannot force one)."""
+    if kind in (None, "auto"):
+        return True
+    if kind == "none":
+        return False
+    raise RequestError(
+        f"tool_choice {kind!r} is not served: the run's sampling cannot force a tool call (auto and none are)"
+    )
+
+
 def _check_single_choice(body: dict[str, Any]) -> None:
     if body.get("n", 1) != 1:
         raise RequestError("only n = 1 is served (an episode's samples are separate episodes)")
