@@ -14,8 +14,8 @@ from sharpen.config.section import Section
 
 __all__ = ["AlarmPolicy", "BadStepPolicy", "GuardsConfig"]
 
-AlarmPolicy = Literal["warn", "stop"]
-BadStepPolicy = Literal["warn", "skip", "stop"]
+AlarmPolicy = Literal["warn", "stop", "rollback"]
+BadStepPolicy = Literal["warn", "skip", "stop", "rollback"]
 
 
 class GuardsConfig(Section):
@@ -40,10 +40,22 @@ class GuardsConfig(Section):
     """Consecutive measurements out of bounds before an alarm fires."""
     on_alarm: AlarmPolicy = "warn"
     """What an alarm does: ``warn`` (the console line and the records); ``stop``: also end the run after its step,
-    with a checkpoint of it and one line naming the alarm (``--resume`` continues)."""
+    with a checkpoint of it and one line naming the alarm (``--resume`` continues); ``rollback``: go back to the
+    newest checkpoint and on with the data after the alarm's step, as ``on_bad_step = "rollback"``."""
     on_bad_step: BadStepPolicy = "warn"
     """What a bad step does (a non-finite gradient, whose optimizer step is always skipped, or a gradient-norm spike
     over monitoring.grad_norm_spike_factor x its recent median): ``warn`` applies a spike's update and flags it;
     ``skip`` leaves out every optimizer step whose gradient norm is over that bound (``train/num_skipped_updates``);
-    ``stop`` skips it too, then ends the run after the step with a checkpoint and one line. A rollback to the last
-    checkpoint is not offered: ``stop`` and ``--resume`` do that by hand."""
+    ``stop`` skips it too, then ends the run after the step with a checkpoint and one line; ``rollback`` skips it
+    too, then restores the newest complete checkpoint in the same run (trainer weights and optimizer, the engine's
+    weights synced again) and goes on from its step with the data after the bad step's batch (the batches in
+    between are left out, so the same data cannot spike again), at most ``max_rollbacks`` times; before the first
+    checkpoint it acts as ``skip``. A rollback needs ``run.checkpoint_every`` > 0."""
+    max_rollbacks: int = Field(default=3, ge=1)
+    """Rollbacks (``on_bad_step`` or ``on_alarm`` = ``rollback``) a run may make in all; a bad step or alarm past
+    them ends the run as ``stop`` does, with one line naming this key."""
+
+    @property
+    def rolls_back(self) -> bool:
+        """Whether a bad step or an alarm can roll the run back to its newest checkpoint."""
+        return "rollback" in (self.on_bad_step, self.on_alarm)

@@ -5,7 +5,8 @@ Owns two alarms. ``entropy_collapse``: the policy's mean token entropy (``train/
 mismatch (``offpolicy/kl_k3`` every step, the parity probe's ``parity/k3`` on its steps) above ``mismatch_ceiling``.
 Each fires once, at the step where its signal has been out of bounds for ``patience`` consecutive measurements, and
 is armed again when the signal comes back. Pure: it writes and logs nothing (`RunHealth` does, and applies the
-policies) and changes nothing in training. `RunStopped` is the one-line error a ``stop`` policy ends a run with.
+policies) and changes nothing in training. `RunStopped` is the one-line error a ``stop`` policy ends a run with;
+`Rollback` is what a ``rollback`` policy asks of the session (`session.roll_back`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from sharpen.config.guards import GuardsConfig
 
@@ -24,6 +26,24 @@ MISMATCH_SIGNALS = ("offpolicy/kl_k3", "parity/k3")
 
 class RunStopped(RuntimeError):
     """A stability guard whose policy is ``stop`` ended the run (after a checkpoint of its last step)."""
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class Rollback:
+    """A ``rollback`` policy's request, made at a bad step or an alarm: restore the newest checkpoint and go on with
+    the data after this step's batch."""
+
+    step: int
+    """The step whose bad update or alarm asked for it."""
+    signal: str
+    """The metric that was out of bounds (``train/grad_norm``, ``train/num_nonfinite_updates``, an alarm's signal)."""
+    value: float
+    reason: str
+    """One line: the step and what happened (``step 6: a gradient-norm spike (train/grad_norm = 812)``)."""
+    number: int
+    """This rollback's number in the run, from 1 (monitoring.guards.max_rollbacks bounds it)."""
+    sampler_state: dict[str, Any] = field(default_factory=dict[str, Any])
+    """The data position after the step's batch, where the data continues after the rollback (the loop fills it)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from sharpen.monitoring import (
     Timeline,
     peak_memory_metrics,
 )
+from sharpen.monitoring.guards import Rollback
 from sharpen.orchestration.batches import GroupCollector, ProducedBatch, build_batch_source
 from sharpen.orchestration.checkpoint import checkpoint_home, save_checkpoint
 from sharpen.orchestration.handles import TrainerHandle
@@ -70,9 +71,13 @@ class Components:
     steps (None: off)."""
 
 
-def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[ProducedBatch] = ()) -> None:
+def run_loop(
+    components: Components, *, start_step: int = 0, pending: Sequence[ProducedBatch] = (), rolled_back: bool = False
+) -> Rollback | None:
     """Steps ``start_step .. run.num_steps - 1``. ``pending``: batches a checkpoint kept (async mode) — they are
-    trained on first, exactly as they would have been without the interruption."""
+    trained on first, exactly as they would have been without the interruption. ``rolled_back``: the session just
+    rolled the run back to the checkpoint of ``start_step``. Returns the `Rollback` a guard asked for at the step it
+    ended on, unsaved (the session restores the newest checkpoint, `session.roll_back`), or None."""
     config = components.config
     timer = PhaseTimer(timeline=components.timeline)
     health = RunHealth(
@@ -82,7 +87,7 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
         guards=config.monitoring.guards,
     )
     if start_step:
-        health.resume(start_step)  # the spike median and alarm streaks of the steps before
+        health.resume(start_step, rolled_back=rolled_back)  # the spike median and alarm streaks of the steps before
     source = build_batch_source(
         config,
         GroupCollector(config, runner=components.runner, rubric=components.rubric, sampler=components.sampler),
@@ -159,6 +164,8 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
             metrics["throughput/tokens_per_second"] = num_tokens / metrics["time/step"]
             components.sink.log(metrics, step=step)
             components.recorder.record(step, rollouts)
+            if health.rollback is not None:  # its step is not checkpointed: the rollback goes on after its batch
+                return replace(health.rollback, sampler_state=batch.sampler_state)
             is_last = step + 1 == config.run.num_steps or health.stop_reason is not None
             if (config.run.checkpoint_every and (step + 1) % config.run.checkpoint_every == 0) or is_last:
                 kept = source.pending(step + 1)
@@ -169,10 +176,12 @@ def run_loop(components: Components, *, start_step: int = 0, pending: Sequence[P
                     sampler_state=kept[-1].sampler_state if kept else batch.sampler_state,
                     pending=kept,
                 )
+                health.checkpointed(step + 1)
             if health.stop_reason is not None:
                 raise RunStopped(f"{health.stop_reason}: run stopped after a checkpoint of step {step + 1} (--resume)")
     finally:
         source.close()
+    return None
 
 
 def check_environment_failures(step: int, rollouts: Sequence[Rollout]) -> None:

@@ -1,13 +1,13 @@
 """One run, from a recipe to its run directory, around a trainer and an engine that a runtime placed.
 
-Owns what every runtime does the same way: user errors first (model, environment, data) before anything slow,
-the run directory and its resolved config, where the run starts (`choose_start`: from step 0 or the newest complete
-checkpoint, as ``--resume`` asks), the first weight sync, the parity probe set, the loop, the exported model, and
-closing what the run opened; and the restart of a run that lost a component (`run_restarting`: the runtime's attempt
-again, resumed the ``--resume auto`` way, at most ``runtime.max_restarts`` times). Where the trainer and the engine
-live is
-the runtime's choice, handed in as ``place``; the session never knows whether they are objects in this process or
-proxies of Ray actors.
+Owns what every runtime does the same way: user errors first (model, environment, data) before anything slow, the run
+directory and its resolved config, where the run starts (`choose_start`: from step 0 or the newest complete checkpoint,
+as ``--resume`` asks), the first weight sync, the parity probe set, the loop, the exported model, and closing what the
+run opened; the rollbacks the stability guards ask for (`roll_back`: the newest complete checkpoint restored in this
+process, by the same `load_checkpoint` as a resume); and the restart of a run that lost a component (`run_restarting`:
+the runtime's attempt again, resumed the ``--resume auto`` way, at most ``runtime.max_restarts`` times). Where the
+trainer and the engine live is the runtime's choice, handed in as ``place``; the session never knows whether they are
+objects in this process or proxies of Ray actors.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from sharpen.config.loader import ConfigError
 from sharpen.config.models import resolve_model_path
 from sharpen.environments.registry import build_environment_factory, build_sandbox, close_environment_factory
 from sharpen.monitoring import Timeline
+from sharpen.monitoring.guards import Rollback
+from sharpen.monitoring.health import record_rollback
 from sharpen.monitoring.run_log import LOG_FILE_NAME
 from sharpen.orchestration.batches import ProducedBatch
 from sharpen.orchestration.build import (
@@ -37,14 +39,16 @@ from sharpen.orchestration.build import (
     uses_ray_reward_models,
 )
 from sharpen.orchestration.checkpoint import (
+    CheckpointError,
     CheckpointScan,
     checkpoint_home,
     export_model,
+    latest_checkpoint,
     load_checkpoint,
     scan_checkpoints,
 )
 from sharpen.orchestration.handles import TrainerHandle
-from sharpen.orchestration.loop import run_loop
+from sharpen.orchestration.loop import Components, run_loop
 from sharpen.orchestration.object_store import StoreFolder
 from sharpen.rewards import RewardFn
 from sharpen.rollout.engines import InferenceEngine
@@ -195,6 +199,7 @@ def run_session(
     weight sync, and with None before the timeline is closed: the Ray runtime adds its actors' spans in between."""
     attach = attach_timeline or (lambda timeline: None)
     # user errors first: before any folder or slow component exists
+    check_rollback(config)
     model_path = resolve_model_path(config.model.path)
     make_environment = build_environment_factory(config.environment, model_path=model_path)
     with contextlib.ExitStack() as stack:
@@ -239,7 +244,9 @@ def run_session(
             # weights and check them before the first rollout.
             components.weight_sync(components.trainer, components.engine, version=next_step)
             components.parity_probe = build_parity_probe(config, components, examples)
-            run_loop(components, start_step=next_step, pending=pending)
+            rollback = run_loop(components, start_step=next_step, pending=pending)
+            while rollback is not None:  # bounded: the guards stop the run past monitoring.guards.max_rollbacks
+                rollback = run_loop(components, start_step=roll_back(components, rollback), rolled_back=True)
             if config.run.export_model:
                 export_model(checkpoint_home(config.run, run_dir), trainer=components.trainer)
         finally:
@@ -249,3 +256,39 @@ def run_session(
             if components.timeline is not None:
                 components.timeline.close()
     return run_dir
+
+
+def check_rollback(config: SharpenConfig) -> None:
+    """Refuse a ``rollback`` policy that would have no checkpoint to go back to but the last step's."""
+    if config.monitoring.guards.rolls_back and not config.run.checkpoint_every:
+        raise ConfigError(
+            'monitoring.guards: a "rollback" policy restores the newest checkpoint; set run.checkpoint_every > 0 '
+            "(with 0 the only checkpoint is the last step's)"
+        )
+
+
+def roll_back(components: Components, rollback: Rollback) -> int:
+    """Do what a ``rollback`` policy asked (`Rollback`): restore the newest complete checkpoint with the resume's
+    `load_checkpoint` (every trainer rank's weights and optimizer state, the RNG states), move the data to after the
+    bad step's batch, sync the engine with the restored weights (and check them), and record the rollback (one log
+    line, a record in ``alarms.jsonl``); returns the step to run next.
+
+    The data skips ahead because a rollback that replayed the same batches on the same weights would meet the same
+    bad step again (the loop is deterministic): the batches from the checkpoint's step through the bad one, the
+    checkpoint's pending ones (async mode) included, are left out, as PaLM and OLMo skip the data around a spike.
+    A run resumed later from a checkpoint written after the rollback holds that data position; one resumed from the
+    checkpoint rolled back to replays its steps exactly, meets the bad step again and rolls back the same way."""
+    config, run_dir = components.config, components.run_dir
+    home = checkpoint_home(config.run, run_dir)
+    checkpoint = latest_checkpoint(home)
+    if checkpoint is None:
+        raise CheckpointError(f"{rollback.reason}: {home} has no complete checkpoint to roll back to")
+    next_step, _ = load_checkpoint(checkpoint, trainer=components.trainer, sampler=components.sampler)
+    assert next_step <= rollback.step, f"{checkpoint} is newer than the step rolled back ({rollback.step})"
+    components.sampler.load_state_dict(rollback.sampler_state)
+    components.weight_sync(components.trainer, components.engine, version=next_step)
+    guards = config.monitoring.guards
+    record_rollback(
+        run_dir, rollback, checkpoint=checkpoint.name, next_step=next_step, max_rollbacks=guards.max_rollbacks
+    )
+    return next_step
