@@ -227,6 +227,11 @@ class ByteChatTokenizer:
 
     pad_token_id, im_start_id, eos_token_id = 0, 1, 2
     role_ids: ClassVar[dict[str, int]] = {"system": 3, "user": 4, "assistant": 5, "tool": 6}
+    chat_template = None  # it renders no tool calls: the agent endpoint reads Hermes blocks
+    # its special ids are not added tokens, and `decode` drops them whatever it is asked
+    added_tokens_decoder: ClassVar[dict[int, Any]] = {}
+    all_special_ids: ClassVar[list[int]] = []
+    all_special_tokens: ClassVar[list[str]] = []
     newline_id = 16 + ord("\n")
 
     def __len__(self) -> int:  # the vocabulary: 16 special ids, then the 256 bytes

@@ -19,6 +19,7 @@ from typing import Any
 from sharpen.config.schema import SharpenConfig
 from sharpen.data import ExampleSampler
 from sharpen.environments.base import EnvironmentCodeError
+from sharpen.environments.tool_formats.decode import completion_text
 from sharpen.evaluation import eval_sampling, evaluate
 from sharpen.monitoring import (
     MetricSink,
@@ -96,7 +97,7 @@ def run_loop(
         start_step=start_step,
         timer=timer,
         timeline=components.timeline,
-        decode=lambda ids: components.tokenizer.decode(ids, skip_special_tokens=True),
+        decode=lambda ids: completion_text(components.tokenizer, ids),
         pending=pending,
     )
     canaries = build_canary_monitor(components.rubric)

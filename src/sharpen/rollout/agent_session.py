@@ -35,7 +35,13 @@ from typing import Any
 from sharpen.control_tokens import TokenIdError, check_token_ids
 from sharpen.data import render_continuation
 from sharpen.data.chat import render_messages
-from sharpen.environments.tools import HermesToolCallParser, ToolCall
+from sharpen.environments.tool_formats import (
+    TOOL_CALL_PARSERS,
+    ToolCall,
+    UnknownToolCallFormatError,
+    parser_for_template,
+)
+from sharpen.environments.tool_formats.decode import completion_text, visible_text
 from sharpen.rollout.engines.base import EngineError, EngineInputError
 from sharpen.types import Completion, ExpertRoutes, Message, PolicyVersion, SamplingParams
 
@@ -166,6 +172,18 @@ class AgentSession:
     instructions aside), which a request naming it as ``previous_response_id`` continues."""
     _segments: list[Segment] = field(default_factory=list[Segment])
     """`segments`, extended as each call returns (one prefix match per call, not a rebuild of them all)."""
+    tool_parser: str = ""
+    """The `TOOL_CALL_PARSERS` entry that reads the tool calls of the chat template's format (a template that
+    renders none: Hermes ``<tool_call>`` blocks); found at the first request with tools, so a template in a format
+    sharpen cannot read refuses only the requests that would need it, in one line."""
+
+    def _tool_parser(self) -> str:
+        if not self.tool_parser:
+            try:
+                self.tool_parser = parser_for_template(self.tokenizer.chat_template)
+            except UnknownToolCallFormatError as error:
+                raise RequestError(f"tools cannot be read back from this model's replies: {error}") from error
+        return self.tool_parser
 
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
         """A ``/v1/chat/completions`` request -> its response."""
@@ -201,11 +219,18 @@ class AgentSession:
         if not messages:
             raise RequestError("'messages' is empty")
         tools = request.tools or None
+        is_parsed = tools is not None and request.parse_tool_calls
+        parser = TOOL_CALL_PARSERS[self._tool_parser()](tools=tools or ()) if is_parsed else None
         prompt_ids = self._chat_prompt(messages, tools)
         call = await self._call(prompt_ids, request.max_tokens)
         index = len(self.calls) - 1
-        is_parsed = tools is not None and request.parse_tool_calls
-        content, tool_calls = _split_tool_calls(call.text) if is_parsed else (call.text, [])
+        tool_calls = [] if parser is None else [c for c in parser.parse(call.text) if isinstance(c, ToolCall)]
+        # the text beside the calls, or without calls all of it (a malformed call stays, where the agent sees it);
+        # either way without a special token: the markers `call.text` keeps for the parser are not content
+        if parser is not None and tool_calls:
+            content = parser.strip(call.text)
+        else:
+            content = visible_text(self.tokenizer, call.completion.token_ids)
         reply: dict[str, Any] = {"role": "assistant", "content": content.strip()}
         if tool_calls:
             reply["tool_calls"] = [(c.name, c.arguments) for c in tool_calls]
@@ -335,7 +360,7 @@ class AgentSession:
         if self.is_closed:  # the episode ended while this call ran: its tokens are not the episode's
             raise RequestError(f"episode {self.episode_id} has ended", status=410, code="episode_ended")
         versions = list(completion.versions) if completion.versions else [version] * len(completion.token_ids)
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        text = completion_text(self.tokenizer, completion.token_ids)  # the engines' decode: tool-call markers kept
         call = AgentCall(prompt_ids=list(prompt_ids), completion=completion, versions=versions, text=text)
         self.calls.append(call)
         # matched again: calls that returned while this one ran may have extended or started segments
@@ -457,15 +482,6 @@ def _template_message(message: dict[str, Any]) -> dict[str, Any]:
             {"type": "function", "function": {"name": n, "arguments": a}} for n, a in message["tool_calls"]
         ]
     return out
-
-
-def _split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """The text outside ``<tool_call>`` blocks, and the well-formed calls in them (a malformed block stays in
-    the content, where the agent sees it)."""
-    calls = [c for c in HermesToolCallParser().parse(text) if isinstance(c, ToolCall)]
-    if not calls:
-        return text, []
-    return HermesToolCallParser.strip(text), calls
 
 
 def _tool_call_json(call: ToolCall, call_id: str) -> dict[str, Any]:

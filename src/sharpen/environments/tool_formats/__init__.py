@@ -1,9 +1,10 @@
 """Tool-call formats: where a policy's turn holds tool calls, for each model family's chat format.
 
-Owns reading calls out of text (`TOOL_CALL_PARSERS`, by name) and choosing a format from a chat template
-(`parser_for_template`). Each parser returns the calls in order, or a `ToolCallError` whose message the policy is
-told, never raises; ``strip`` gives the text beside the calls. It does not run calls, describe tools to the policy
-or decide when an episode ends (`sharpen.environments.tools`, `ToolEnvironment`).
+Owns reading calls out of text (`TOOL_CALL_PARSERS`, by name), choosing a format from a chat template
+(`parser_for_template`) and the one decode of a completion's ids that keeps the formats' markers (`decode`). Each
+parser returns the calls in order, or a `ToolCallError` whose message the policy is told, never raises; ``strip``
+gives the text beside the calls. It does not run calls, describe tools to the policy or decide when an episode
+ends (`sharpen.environments.tools`, `ToolEnvironment`).
 
 | name          | format                                                                        | families          |
 |---------------|-------------------------------------------------------------------------------|-------------------|

@@ -33,6 +33,10 @@ class ToolCallError:
 class ToolCallParser(Protocol):
     call_format: str
     """How one call is written, for tool instructions shown to the policy (placeholders in angle brackets)."""
+    markers: tuple[str, ...]
+    """The tokens a call is found by, which some families' tokenizers hold as special tokens (`completion_text`
+    keeps them); a message's end (``<|call|>``, ``<|eom_id|>``) is not one: a turn reads alike without it, as when
+    the engine cuts its stop token."""
 
     def parse(self, text: str) -> list[ToolCall | ToolCallError]:
         """The tool calls in one policy turn, in order (empty: the turn calls no tool)."""

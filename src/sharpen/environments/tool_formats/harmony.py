@@ -27,6 +27,7 @@ class HarmonyToolCallParser:
     call_format = (
         "<|channel|>commentary to=functions.<tool name> <|constrain|>json<|message|>{<arguments as JSON>}<|call|>"
     )
+    markers: tuple[str, ...] = (START, CHANNEL, "<|constrain|>", MESSAGE)  # not the ends: a turn reads alike without
 
     def __init__(self, *, tools: ToolSpecs = ()) -> None:
         del tools

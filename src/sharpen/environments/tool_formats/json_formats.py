@@ -25,6 +25,7 @@ class HermesToolCallParser:
 
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     call_format = '<tool_call>{"name": "<tool name>", "arguments": {<arguments as JSON>}}</tool_call>'
+    markers: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
     def __init__(self, *, tools: ToolSpecs = ()) -> None:
         del tools  # JSON arguments carry their own types
@@ -46,6 +47,7 @@ class JsonToolCallParser:
     calls no tool. `Llama3JsonToolCallParser` also reads ``<|python_tag|>`` and several calls."""
 
     call_format = '{"name": "<tool name>", "parameters": {<arguments as JSON>}}'
+    markers: tuple[str, ...] = ()
 
     def __init__(self, *, tools: ToolSpecs = ()) -> None:
         del tools
@@ -70,6 +72,7 @@ class Llama3JsonToolCallParser:
     per turn and refuse more). A turn that starts with ``{`` is read as calls, so a malformed one is reported."""
 
     call_format = '{"name": "<tool name>", "parameters": {<arguments as JSON>}}'
+    markers: tuple[str, ...] = (PYTHON_TAG,)
 
     def __init__(self, *, tools: ToolSpecs = ()) -> None:
         del tools
@@ -110,6 +113,7 @@ class MistralToolCallParser:
     not kept: the environment answers calls in order."""
 
     call_format = "[TOOL_CALLS]<tool name>[ARGS]{<arguments as JSON>}"
+    markers: tuple[str, ...] = (TOOL_CALLS, ARGS, CALL_ID)
 
     def __init__(self, *, tools: ToolSpecs = ()) -> None:
         del tools

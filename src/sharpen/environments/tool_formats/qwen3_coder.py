@@ -31,6 +31,7 @@ class Qwen3CoderToolCallParser:
         "<tool_call>\n<function=<tool name>>\n<parameter=<argument name>>\n<value>\n</parameter>\n</function>\n"
         "</tool_call>"
     )
+    markers: tuple[str, ...] = ("<tool_call>", "</tool_call>")
 
     def __init__(self, *, tools: ToolSpecs = ()) -> None:
         self.parameters = parameter_types(tools)

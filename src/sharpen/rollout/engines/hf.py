@@ -39,6 +39,7 @@ from transformers import (
 )
 
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class, text_only_error
+from sharpen.environments.tool_formats.decode import completion_text
 from sharpen.expert_routes import (
     UNROUTED,
     RouterReplay,
@@ -210,7 +211,7 @@ class HfEngine:
                 Completion(
                     token_ids=ids,
                     logprobs=logprobs[row, :num].tolist(),
-                    text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                    text=completion_text(self.tokenizer, ids),
                     finish_reason="stop" if finished else "length",
                     routes=None if routes is None else self._row_routes(routes[row], len(prompts[row]), width, num),
                 )

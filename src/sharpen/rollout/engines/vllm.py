@@ -39,6 +39,7 @@ from sharpen.data.vision import (
     placeholders_without_images,
     text_only_error,
 )
+from sharpen.environments.tool_formats.decode import completion_text
 from sharpen.rollout.engines.base import EngineError, EngineInputError, device_free_bytes
 from sharpen.rollout.engines.vllm_routes import RoutesOf, routes_of
 from sharpen.rollout.weight_sync.buckets import BucketError, BucketManifest, engine_sync_dtype
@@ -181,9 +182,12 @@ def vllm_completion(
     sample: CompletionOutput,
     versions: list[PolicyVersion] | None = None,
     *,
+    decode: Callable[[list[int]], str] | None = None,
     routes_of: RoutesOf | None = None,
 ) -> Completion:
-    """``routes_of``: with R3, the prompt's length and the model's expert count (`vllm_routes`)."""
+    """``decode``: the text from the ids (the engines pass `VllmRequests.text`, `completion_text`; None, for tests
+    that read no text: vLLM's own, which skips every special token); ``routes_of``: with R3, the prompt's length and
+    the model's expert count (`vllm_routes`)."""
     ids = list(sample.token_ids)
     if sample.logprobs is None or len(sample.logprobs) != len(ids):
         raise EngineError(f"vLLM returned {len(sample.logprobs or [])} logprobs for {len(ids)} tokens")
@@ -192,7 +196,7 @@ def vllm_completion(
     return Completion(
         token_ids=ids,
         logprobs=[step[token].logprob for step, token in zip(steps, ids, strict=True)],
-        text=sample.text,
+        text=sample.text if decode is None else decode(ids),
         finish_reason="length" if sample.finish_reason == "length" else "stop",
         versions=versions,
         routes=None if routes_of is None else routes_of.routes(sample.routed_experts, len(ids)),
@@ -236,6 +240,13 @@ class VllmRequests:
     def __init__(self, model_path: Path) -> None:
         self.model_path = Path(model_path)
         self.vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+    def text(self, ids: list[int]) -> str:
+        """A completion's text, decoded as every engine decodes it (`completion_text`)."""
+        return completion_text(self.tokenizer, ids)
 
     def request(self, ids: list[int], images: Sequence[ImagePart] = ()) -> dict[str, Any]:
         """The request of one prompt; placeholders without their images, or images for a text-only model, are a
@@ -377,7 +388,7 @@ class VllmEngine:
             if row:
                 self.requests.check_expanded(output, ids)
         return [
-            vllm_completion(output.outputs[0], routes_of=routes_of(ids, self.route_experts))
+            vllm_completion(output.outputs[0], decode=self.requests.text, routes_of=routes_of(ids, self.route_experts))
             for output, ids in zip(outputs, prompts, strict=True)
         ]
 

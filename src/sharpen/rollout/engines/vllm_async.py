@@ -192,7 +192,9 @@ class VllmAsyncEngine(RequestLevelEngine):
         output = await self._request(prompt, options, images)
         sample = output.outputs[0]
         versions = self._versions(sample, request_id=output.request_id)
-        return vllm_completion(sample, versions=versions, routes_of=routes_of(prompt, self.route_experts))
+        return vllm_completion(
+            sample, versions=versions, decode=self.requests.text, routes_of=routes_of(prompt, self.route_experts)
+        )
 
     def _versions(self, sample: CompletionOutput, *, request_id: str) -> list[PolicyVersion]:
         """The policy version of each token, from vLLM's weight-version spans (the version held now when vLLM
