@@ -30,6 +30,7 @@ from sharpen.config.lora import LoraConfig
 from sharpen.config.moe import MoeConfig
 from sharpen.config.object_store import ObjectStoreConfig
 from sharpen.config.parallel import ParallelConfig
+from sharpen.config.partial import PartialRolloutConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.config.sandbox import SandboxConfig
@@ -232,6 +233,8 @@ class RolloutConfig(Section):
     """An episode still running this many seconds after it started (generation and environment together) is ended
     where it is, as truncated (stop reason ``episode_timeout``), keeping its tokens so far: one stuck episode does not
     hold back its batch (None: no limit; lockstep scheduling bounds only the environment's calls)."""
+    partial: PartialRolloutConfig = Field(default_factory=PartialRolloutConfig)
+    """Partial rollouts across steps: over-sample, close the batch once full, carry unfinished episodes on."""
 
     @model_validator(mode="after")
     def _check_async(self) -> RolloutConfig:
@@ -240,6 +243,8 @@ class RolloutConfig(Section):
                 f'rollout.weight_updates = "{self.weight_updates}" needs rollout.mode = "async" (in sync mode weights '
                 "are always updated between batches)"
             )
+        if self.partial.enabled:
+            self._check_partial()
         hang, limit = self.failover.replica_timeout_s, self.request_timeout_s
         if hang is not None and limit is not None and hang >= limit:
             raise ValueError(
@@ -247,6 +252,26 @@ class RolloutConfig(Section):
                 "(the request timeout bounds a request with its retries on other replicas)"
             )
         return self
+
+    def _check_partial(self) -> None:
+        partial = self.partial
+        if self.engine.type == "scripted":
+            raise ValueError(
+                "rollout.partial needs an engine that can resume a request from its tokens; the scripted engine "
+                "returns fixed texts whatever the prompt (use hf, vllm, vllm_server or sglang)"
+            )
+        if self.weight_updates != "between_batches":
+            raise ValueError(
+                f'rollout.partial needs rollout.weight_updates = "between_batches" (not "{self.weight_updates}"): '
+                "carried episodes already take each step's new weights"
+            )
+        if self.dynamic_sampling:
+            raise ValueError("rollout.partial does not work with rollout.dynamic_sampling yet")
+        if partial.extra_prompts > self.prompts_per_step:
+            raise ValueError(
+                f"rollout.partial.extra_prompts = {partial.extra_prompts} must be at most rollout.prompts_per_step = "
+                f"{self.prompts_per_step} (the groups at their last allowed step must fit into one batch)"
+            )
 
 
 class TrainerConfig(Section):
@@ -478,6 +503,10 @@ class SharpenConfig(Section):
             )
         check_scale_out(self)
         self._check_advantage()
+        if self.rollout.partial.enabled and environment.type != "single_turn":
+            raise ValueError(
+                f'rollout.partial carries single-turn episodes only, not environment.type = "{environment.type}"'
+            )
         if self.trainer.lora.enabled and self.runtime.colocate:
             # a LoRA sync sends the target modules only; a woken engine lost every weight (docs/weight-sync.md, LoRA)
             raise ValueError(

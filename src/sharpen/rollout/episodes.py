@@ -372,6 +372,37 @@ class EpisodeRunner:
         for episode in episodes:
             groups.ended(episode)
 
+    async def open_episodes(self, example: Example, example_index: int, num_samples: int) -> list[EpisodeState]:
+        """``num_samples`` episodes of ``example``, reset and with their first prompt rendered, whose turn is generated
+        elsewhere (partial rollouts: chunk by chunk, across steps); `request_of` and `close_turn` go on with them."""
+        prompts = PromptCache(self.tokenizer, vision=self.vision)
+        episodes = [self._new_episode(example, example_index, s) for s in range(num_samples)]
+        for episode in episodes:
+            observation = await _reset(episode, example)
+            if observation is not None:
+                episode.prompt_ids = prompts.render(observation)
+                episode.images = prompts.images_of(observation)
+        return episodes
+
+    def request_of(self, episode: EpisodeState, sampling: SamplingParams, *, seed: int | str) -> SamplingParams:
+        """The sampling of an opened episode's (single) turn: the turn's token budget and seed, as `run` gives it."""
+        return _request(episode, sampling, limits=self.limits, seed=seed, turn=0)[1]
+
+    async def close_turn(self, episode: EpisodeState, completion: Completion) -> None:
+        """An opened episode's single turn is ``completion`` (per-token versions set): record it and step the
+        environment with it, as `run` does."""
+        assert completion.versions is not None
+        _append(episode, completion.token_ids, completion.logprobs, versions=completion.versions, is_generated=True)
+        episode.add_routes(completion.routes)
+        episode.last_text = completion.text
+        result = await _step(episode, completion.text)
+        version = completion.versions[-1] if completion.versions else 0
+        renderers = {"tokenizer": self.tokenizer, "vision": self.vision}
+        _advance(episode, completion, result, version=version, limits=self.limits, turn=0, **renderers)
+        if not episode.is_done:  # a single-turn environment ends with its turn
+            name = episode.environment.name
+            raise ConfigError(f"environment {name!r} is not single-turn, which rollout.partial needs")
+
     def _new_episode(self, example: Example, example_index: int, sample_index: int) -> EpisodeState:
         environment, limits, sandbox = self.make_environment(), self.limits, self.sandbox
         error = environment_shape_error(environment, source="the environment factory")

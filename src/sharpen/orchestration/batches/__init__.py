@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from sharpen.config.corrections import NoCorrection
 from sharpen.orchestration.batches.base import BatchSource, ProducedBatch, load_pending, save_pending
 from sharpen.orchestration.batches.collect import GroupCollector, rollout_sampling
+from sharpen.orchestration.batches.partial import PartialCollector
 from sharpen.orchestration.batches.producer import AsyncBatches, staleness_metrics
 from sharpen.orchestration.batches.sync import SyncBatches
 
@@ -26,6 +27,7 @@ __all__ = [
     "AsyncBatches",
     "BatchSource",
     "GroupCollector",
+    "PartialCollector",
     "ProducedBatch",
     "SyncBatches",
     "build_batch_source",
@@ -51,10 +53,12 @@ def build_batch_source(
     pending: Sequence[ProducedBatch] = (),
 ) -> BatchSource:
     """The batch source of ``rollout.mode``; ``timer`` times the trainer thread's phases, and the async producer
-    records its own on ``timeline``."""
+    records its own on ``timeline``. With ``rollout.partial`` the batches are made by a `PartialCollector` around
+    ``collector``, which takes the carried groups of ``pending``'s last batch."""
+    maker = PartialCollector(collector, pending=pending) if config.rollout.partial.enabled else collector
     if config.rollout.mode == "sync":
         return SyncBatches(
-            collector,
+            maker,
             engine=engine,
             weight_sync=weight_sync,
             timer=timer,
@@ -64,7 +68,7 @@ def build_batch_source(
     if isinstance(config.trainer.algorithm.off_policy_correction, NoCorrection):
         logger.warning("async mode without off-policy correction: stale tokens are trained on as if on-policy")
     return AsyncBatches(
-        collector,
+        maker,
         engine=engine,
         weight_sync=weight_sync,
         rollout=config.rollout,

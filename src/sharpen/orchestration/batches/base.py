@@ -31,6 +31,9 @@ class ProducedBatch:
     """Sampling metrics, and in async mode the producer's phase times and weight loads."""
     sampler_state: dict[str, Any] = field(default_factory=dict[str, Any])
     """The data sampler's state after this batch was drawn (what a checkpoint after this step must restore)."""
+    carried: list[Any] | None = None
+    """Partial rollouts (`partial.py`): the groups still in flight after this batch closed, carried into the next
+    steps (a copy: what a checkpoint after this batch must restore). None: the run has no partial rollouts."""
 
 
 class BatchSource(Protocol):
@@ -61,6 +64,15 @@ class BatchSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def with_carried(kept: list[ProducedBatch], last: ProducedBatch | None) -> list[ProducedBatch]:
+    """The batches a checkpoint keeps, ``kept``, and the partial rollouts' carried groups: those of the last kept
+    batch, or without one those of ``last``, the batch trained last, in an empty batch of its step (never trained
+    again: a resumed run starts after it)."""
+    if kept or last is None or last.carried is None:
+        return kept
+    return [ProducedBatch(step=last.step, groups=[], sampler_state=last.sampler_state, carried=last.carried)]
 
 
 def save_pending(folder: Path, batches: Sequence[ProducedBatch]) -> None:

@@ -83,7 +83,7 @@ class GroupCollector:
                 with timer.phase("score"):  # what is left once the last episode has ended
                     scorer.wait()
             if config.trainer.algorithm.advantage.needs_greedy_baseline:
-                self._add_greedy_baselines(engine, groups, timer=timer)
+                self.add_greedy_baselines(engine, groups, timer=timer)
             if buffer is None:
                 return groups, {}
             buffer.add(groups)
@@ -93,7 +93,7 @@ class GroupCollector:
         metrics = buffer.metrics()
         return buffer.take(), metrics
 
-    def _add_greedy_baselines(self, engine: InferenceEngine, groups: list[RolloutGroup], *, timer: PhaseTimer) -> None:
+    def add_greedy_baselines(self, engine: InferenceEngine, groups: list[RolloutGroup], *, timer: PhaseTimer) -> None:
         """ReMax: one greedy completion per example, scored like the samples; its score is the group's baseline."""
         with timer.phase("generate"):
             greedy = self.runner.generate_groups(

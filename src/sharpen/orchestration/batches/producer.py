@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from sharpen.monitoring import PhaseTimer
-from sharpen.orchestration.batches.base import ProducedBatch
+from sharpen.orchestration.batches.base import ProducedBatch, with_carried
 from sharpen.orchestration.batches.weights import (
     ProducerStopped,
     PublishedWeights,
@@ -86,12 +86,16 @@ class AsyncBatches:
         self.start_step = start_step
         self.num_steps = num_steps
         self.max_staleness = rollout.max_staleness
+        # partial rollouts: a carried token is up to max_steps_spanned - 1 versions older than its batch's generation
+        self._carried_staleness = rollout.partial.max_steps_spanned - 1 if rollout.partial.enabled else 0
         self.join_timeout_s = join_timeout_s
         self._maker = maker
         self._weight_sync = weight_sync
         self._timeline = timeline
-        self._ready: dict[int, ProducedBatch] = {batch.step: batch for batch in pending}
-        self._next = start_step + len(pending)
+        # a batch before start_step only brings partial rollouts' carried groups (`with_carried`)
+        self._ready: dict[int, ProducedBatch] = {batch.step: batch for batch in pending if batch.step >= start_step}
+        self._next = start_step + len(self._ready)
+        self._last: ProducedBatch | None = None
         self._cond = threading.Condition()
         self._engine_lock = threading.Lock()  # the producer holds it for a whole batch; `exclusive` in between
         self._error: BaseException | None = None
@@ -128,6 +132,7 @@ class AsyncBatches:
                 raise self._error
             batch = self._ready.pop(step)
             num_ready = len(self._ready)
+        self._last = batch
         batch.metrics["async/wait_batch_seconds"] = time.perf_counter() - started
         batch.metrics["async/num_ready_batches"] = float(num_ready)
         return batch
@@ -148,12 +153,14 @@ class AsyncBatches:
                 self._cond.wait()
             if self._error is not None:
                 raise self._error
-            return [pickle.loads(pickle.dumps(self._ready[g])) for g in needed]
+            kept = [pickle.loads(pickle.dumps(self._ready[g])) for g in needed]
+        return with_carried(kept, self._last)
 
     def step_metrics(
         self, step: int, trained: list[Rollout], *, train_started: float, train_ended: float
     ) -> dict[str, float]:
-        metrics = staleness_metrics(trained, step=step, max_staleness=self.max_staleness)
+        bound = self.max_staleness + self._carried_staleness
+        metrics = staleness_metrics(trained, step=step, max_staleness=bound)
         train_seconds = train_ended - train_started
         overlap = self.overlap(train_started, train_ended)
         metrics["async/overlap_ratio"] = overlap / train_seconds if train_seconds > 0 else 0.0

@@ -11,13 +11,13 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from sharpen.orchestration.batches.base import ProducedBatch
+from sharpen.orchestration.batches.base import ProducedBatch, with_carried
 from sharpen.rollout.engines import pop_engine_metrics, sleepable
 from sharpen.types import PolicyVersion, Rollout
 
 if TYPE_CHECKING:
     from sharpen.monitoring import PhaseTimer
-    from sharpen.orchestration.batches.collect import GroupCollector
+    from sharpen.orchestration.batches.producer import BatchMaker
     from sharpen.orchestration.handles import TrainerHandle
     from sharpen.orchestration.weight_sync import WeightSync
     from sharpen.rollout.engines import InferenceEngine
@@ -28,7 +28,7 @@ class SyncBatches:
 
     def __init__(
         self,
-        collector: GroupCollector,
+        collector: BatchMaker,
         *,
         engine: InferenceEngine,
         weight_sync: WeightSync,
@@ -43,12 +43,14 @@ class SyncBatches:
         self.kept = {batch.step: batch for batch in pending}
         self.sleeper = sleepable(engine) if colocate else None
         self.is_asleep = False
+        self.last: ProducedBatch | None = None
 
     def scored_batch(self, step: int) -> ProducedBatch:
         if step in self.kept:  # a checkpoint of an async run kept it
             batch = self.kept.pop(step)
         else:
             batch = self.collector.collect(self.engine, step=step, timer=self.timer)
+        self.last = batch
         batch.metrics.update(pop_engine_metrics(self.engine))  # a router's retries, restarts, load per replica
         if self.sleeper is not None:
             with self.timer.phase("sleep"):
@@ -71,7 +73,7 @@ class SyncBatches:
         yield self.engine
 
     def pending(self, next_step: int) -> list[ProducedBatch]:
-        return [self.kept[step] for step in sorted(self.kept) if step >= next_step]
+        return with_carried([self.kept[step] for step in sorted(self.kept) if step >= next_step], self.last)
 
     def step_metrics(
         self, step: int, trained: list[Rollout], *, train_started: float, train_ended: float

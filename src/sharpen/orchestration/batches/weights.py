@@ -157,7 +157,7 @@ class VersionedEngine:
         pass  # the engine belongs to the run
 
     def _generate_in_chunks(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
-        parts = [_Partial() for _ in prompts]
+        parts = [PartialCompletion() for _ in prompts]
         while live := [i for i, part in enumerate(parts) if not part.is_done]:
             self.ensure(self.wanted())
             version = self.engine.policy_version
@@ -166,8 +166,8 @@ class VersionedEngine:
                     if parts[i].versions and parts[i].versions[0] != version:
                         aborted = self._metrics.get("async/num_aborted_tokens", 0.0) + len(parts[i].token_ids)
                         self._metrics["async/num_aborted_tokens"] = aborted
-                        parts[i] = _Partial()
-            requests = [_chunk_request(prompts[i], params[i], parts[i], self.chunk_tokens) for i in live]
+                        parts[i] = PartialCompletion()
+            requests = [chunk_request(prompts[i], params[i], parts[i], self.chunk_tokens) for i in live]
             outputs = self.engine.generate([ids for ids, _ in requests], [p for _, p in requests])
             for i, output in zip(live, outputs, strict=True):
                 parts[i].extend(output, version=version, limit=params[i].max_new_tokens)
@@ -215,7 +215,10 @@ def versioned_engine(
 
 
 @dataclass(kw_only=True)
-class _Partial:
+class PartialCompletion:
+    """A completion generated chunk by chunk (in-flight updates, partial rollouts): its tokens so far, each with the
+    version that sampled it."""
+
     token_ids: list[int] = field(default_factory=list[int])
     logprobs: list[float] = field(default_factory=list[float])
     versions: list[int] = field(default_factory=list[int])
@@ -244,9 +247,11 @@ class _Partial:
         )
 
 
-def _chunk_request(
-    prompt: list[int], params: SamplingParams, part: _Partial, chunk_tokens: int
+def chunk_request(
+    prompt: list[int], params: SamplingParams, part: PartialCompletion, chunk_tokens: int
 ) -> tuple[list[int], SamplingParams]:
+    """The request that goes on with ``part``: the prompt and its tokens so far, at most ``chunk_tokens`` more, and a
+    seed of its own per position (so the continuation does not depend on where earlier chunks ended)."""
     done = len(part.token_ids)
     seed = params.seed if done == 0 or params.seed is None else derive_seed(params.seed, "chunk", done)
     budget = min(chunk_tokens, params.max_new_tokens - done)
