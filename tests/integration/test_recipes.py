@@ -75,7 +75,8 @@ def test_recipe_runs_with_the_tiny_model(
         f"run.output_dir={json.dumps(str(tmp_path))}",
         "run.num_steps=2",
         "run.export_model=false",
-        'rollout.engine.type="hf"',
+        # the whole engine section: a vLLM recipe's own engine keys (max_model_len) are not the hf engine's
+        'rollout.engine={type = "hf"}',
         "rollout.prompts_per_step=2",
         "rollout.max_new_tokens=12",
         "trainer.micro_batch_size=4",

@@ -46,13 +46,11 @@ def serve_sandbox(config: SharpenConfig, *, host: str, port: int) -> int:
         raise ConfigError('serve-sandbox runs a local sandbox: sandbox.backend may not be "remote" here')
     token = _token(sandbox.service.token_env)
     advertise = advertised_url(sandbox.service.advertise_url_env)
+    from sharpen.environments.registry import sandbox_for_run
     from sharpen.environments.sandbox import SandboxPool
     from sharpen.environments.sandbox.service import SandboxService
 
-    if config.data.type == "humaneval":  # its checker runs pytest in the sandbox, as a local run's would (build.py)
-        from sharpen.rewards.code_tests import pytest_ro_binds
-
-        sandbox = sandbox.model_copy(update={"extra_ro_binds": [*sandbox.extra_ro_binds, *pytest_ro_binds()]})
+    sandbox = sandbox_for_run(config)  # pytest, for HumanEval's checker and the repository environment
 
     with SandboxPool(sandbox) as pool:
         try:

@@ -69,30 +69,30 @@ class TerminalEnvironmentConfig(ToolSection):
 
 class RepositoryEnvironmentConfig(ToolSection):
     """A repository task per episode (a real package with a planted bug, `sharpen tasks build`): the policy fixes
-    it with ``run_command`` in a shell whose workspace is its own copy of the task's snapshot; graded outside the
-    shell by the package's own tests with the test files restored (1: the failing tests pass and the rest still
-    do, else 0). Like ``terminal``: keep ``sandbox.wall_seconds`` at least this section's ``wall_seconds``."""
+    it with ``read_file``, ``search``, ``edit_file``, ``run_tests`` and ``run_command`` in a shell whose workspace is
+    its own copy of the task's snapshot; graded outside the shell by the package's own tests with the test files
+    restored (1: the failing tests pass and the rest still do, else 0). Like ``terminal``: keep
+    ``sandbox.wall_seconds`` at least this section's ``wall_seconds``."""
 
     type: Literal["repository"] = "repository"
     max_turns: int = Field(default=16, ge=1)
     """Policy turns per episode (each turn's token limit is rollout.max_new_tokens)."""
     max_tool_calls: int = Field(default=32, ge=1)
-    """Commands per episode; one more ends the episode (truncated)."""
+    """Tool calls per episode; one more ends the episode (truncated)."""
     max_output_chars: int = Field(default=4000, ge=1)
-    """Characters of a command's output shown to the policy (its head and tail)."""
+    """Characters of a tool's output shown to the policy (its head and tail)."""
     command_timeout_seconds: float = Field(default=30.0, gt=0.0)
-    """Wall-clock limit of one command (a test run included); at the limit its process group is killed."""
+    """Wall-clock limit of one tool call (a test run included); at the limit its process group is killed."""
     tasks_dir: str = ".sharpen-tasks/h11-0.16.0-seed0"
     """The task set folder (`sharpen tasks build`; ``make tasks`` builds this default one)."""
     task_ids: list[str] = Field(default_factory=list[str])
     """Task ids of the set for ``data.type = "environment"``; tasks cycle through them. Empty: every task."""
     instructions: str = (
-        "You work in a Linux bash shell, at the root of a Python repository with a bug. Run one command per tool "
-        "call with run_command; the working directory and the files persist between commands, and commands cannot "
-        "read from stdin. Read and search the code with cat, grep and sed -n; edit files with sed -i or a "
-        "here-document (cat > file <<'EOF'); run tests with python3 -m pytest -q -o addopts= PATH. Fix the source, "
-        "not the tests: the tests are restored before grading. When done, reply with a short summary and no tool "
-        "call."
+        "You work at the root of a Python repository with a bug. Find it with search and read_file, fix it with "
+        "edit_file (old_string must match the file exactly, indentation included), and check the fix with "
+        "run_tests. Paths are relative to the repository's root. run_command runs a bash command; the files "
+        "persist between calls. Fix the source, not the tests: the tests are restored before grading. When done, "
+        "reply with a short summary and no tool call."
     )
     """The start of every episode's system prompt (the tool's description follows)."""
 

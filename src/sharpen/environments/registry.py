@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from sharpen.config import ConfigError
+from sharpen.config import ConfigError, SharpenConfig
 from sharpen.config.browser import BrowserEnvironmentConfig
 from sharpen.config.environments import (
     CalculatorEnvironmentConfig,
@@ -41,7 +41,7 @@ from sharpen.environments.guess_number import GuessNumberEnvironment
 from sharpen.environments.gymnasium_adapter import GymnasiumEnvironment
 from sharpen.environments.python_tool import PythonEnvironment
 from sharpen.environments.remote import RemoteEnvironmentFactory
-from sharpen.environments.repository import RepositoryEnvironment
+from sharpen.environments.repository import RepositoryEnvironment, check_session_output
 from sharpen.environments.sandbox import Sandbox, SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandbox, RemoteSandboxPool
 from sharpen.environments.terminal import TerminalEnvironment
@@ -163,13 +163,34 @@ def build_sandbox(config: EnvironmentConfig, sandbox: SandboxConfig) -> SandboxP
     without the isolation the config asks for fails here, before anything slow starts; with ``backend = "remote"``
     a replica is asked), else None. The caller closes it."""
     if isinstance(config, RepositoryEnvironmentConfig):  # the policy and the grader run the package's tests
-        binds = [bind for bind in pytest_ro_binds() if bind not in sandbox.extra_ro_binds]
-        sandbox = sandbox.model_copy(update={"extra_ro_binds": [*sandbox.extra_ro_binds, *binds]})
+        sandbox = _with_pytest(sandbox)
+        check_session_output(  # refused here, in one line, when an episode's worst case overflows its shell
+            tasks_dir=config.tasks_dir,
+            max_turns=config.max_turns,
+            max_tool_calls=config.max_tool_calls,
+            max_output_chars=config.max_output_chars,
+            max_output_bytes=sandbox.max_output_bytes,
+        )
     # remote: the replicas run the code
     runs_code = isinstance(config, PythonEnvironmentConfig | TerminalEnvironmentConfig | RepositoryEnvironmentConfig)
     if runs_code and config.remote is None:
         return RemoteSandboxPool(sandbox) if sandbox.backend == "remote" else SandboxPool(sandbox)
     return None
+
+
+def sandbox_for_run(config: SharpenConfig) -> SandboxConfig:
+    """The run's [sandbox] as the sandbox that runs the run's code needs it, wherever that sandbox is (this process,
+    `sharpen serve-sandbox` replicas, a sandbox fleet): pytest bound read-only (`pytest_ro_binds`) when HumanEval's
+    checker or the repository environment's shell and grader run pytest in it. A replica serves what this returns;
+    a client's own binds do nothing on ``backend = "remote"``."""
+    if config.data.type == "humaneval" or isinstance(config.environment, RepositoryEnvironmentConfig):
+        return _with_pytest(config.sandbox)
+    return config.sandbox
+
+
+def _with_pytest(sandbox: SandboxConfig) -> SandboxConfig:
+    binds = [bind for bind in pytest_ro_binds() if bind not in sandbox.extra_ro_binds]
+    return sandbox.model_copy(update={"extra_ro_binds": [*sandbox.extra_ro_binds, *binds]})
 
 
 def open_sandbox(sandbox: SandboxConfig) -> Sandbox | RemoteSandbox:

@@ -93,9 +93,11 @@ class ShellLost(RuntimeError):
     """The episode's shell ended (killed by its own commands, out of memory, or unresponsive): its workspace is
     gone. ``status`` is the session's `ExecutionStatus` value when known."""
 
-    def __init__(self, message: str, *, status: str = "") -> None:
+    def __init__(self, message: str, *, status: str = "", detail: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.detail = detail
+        """The session's `ExecutionResult.detail` (why the sandbox ended it) when known."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -121,6 +123,9 @@ class SandboxShell:
     def __init__(self, session: Any) -> None:
         self._session = session
         self._is_closed = False
+        self.num_received_bytes = 0
+        """Bytes the session has sent the host so far (lines and their ends): what counts against the sandbox's
+        ``max_output_bytes``, which ends the session when passed."""
         self._finalizer = weakref.finalize(self, _close_in_background, session)
 
     @classmethod
@@ -172,6 +177,7 @@ class SandboxShell:
             line = self._session.receive(timeout=deadline - time.monotonic())
             if line is None:
                 self._lose("the shell ended" if self._session.has_ended else "the shell stopped answering")
+            self.num_received_bytes += len(line) + 1
             text = line.decode(errors="replace")
             if text.startswith(prefix):
                 return lines[:-1] if lines and not lines[-1] else lines, text[len(prefix) :].split()
@@ -181,7 +187,9 @@ class SandboxShell:
         result = self.close_blocking()
         status = result.status.value if result is not None else ""
         detail = f" ({result.detail})" if result is not None and result.detail else ""
-        raise ShellLost(f"{message}: status {status}{detail}", status=status)
+        raise ShellLost(
+            f"{message}: status {status}{detail}", status=status, detail=result.detail if result is not None else ""
+        )
 
     def close_blocking(self) -> Any:
         """End the shell now; the session's `ExecutionResult` (None when it was closed before)."""
@@ -196,8 +204,13 @@ class SandboxShell:
 
 
 def is_infrastructure_loss(error: ShellLost) -> bool:
-    """Whether a lost shell is not the policy's doing: the sandbox failed, or the session ran into the sandbox's
-    own wall clock (its ``wall_seconds`` shorter than the episode)."""
+    """Whether a lost shell is not the policy's doing: the sandbox failed, or the session ran into the sandbox's own
+    wall clock (its ``wall_seconds`` shorter than the episode). A session the sandbox ended for its output (past
+    ``max_output_bytes``) is the policy's doing: the controller cuts every command's output inside the sandbox and
+    the environment's own traffic is bounded below the budget (each grading asks for at most what is left, the
+    config's worst case is checked before the run), so only a command writing around the controller (to its
+    output directly) gets there; counting that as an abstention would let a policy turn a failing episode into no
+    episode."""
     return error.status in (ExecutionStatus.SANDBOX_ERROR.value, ExecutionStatus.TIMEOUT.value)
 
 

@@ -14,14 +14,15 @@ the host for a file check, in a separate sandbox execution for a `SandboxCheck`,
 never sees); the turn's reward is the change of that grade, so an episode's rewards sum to the grade of its last
 graded turn (1 solved, 0 not) however the episode ends, even when the episode loop cuts it for its token budget
 without telling the environment. A shell the policy's own commands killed ends the episode with the grade it
-had; a sandbox that failed, or a session cut by the sandbox's wall clock, is an infrastructure fault (the episode
-abstains).
+had; a sandbox that failed, or a session cut by the sandbox's wall clock or its output budget, is an
+infrastructure fault (the episode abstains).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from sharpen.config.environments import TerminalEnvironmentConfig
 from sharpen.environments.base import EnvironmentInfraError, EpisodeContext, StepResult
@@ -57,9 +58,10 @@ class TerminalEnvironment(ToolEnvironment):
         max_output_chars: int = 2000,
         command_timeout_seconds: float = 10.0,
         instructions: str = DEFAULT_INSTRUCTIONS,
+        tools: Sequence[Callable[..., Any]] = (),
     ) -> None:
         super().__init__(
-            [self.run_command],
+            [self.run_command, *tools],  # ``tools``: a subclass's own, beside the shell (the repository's file tools)
             parser=parser,
             max_tool_calls=max_tool_calls,
             max_output_chars=max_output_chars + _NOTE_CHARS,

@@ -22,7 +22,7 @@ from sharpen.data import ExampleSampler, load_examples, render_prompt
 from sharpen.data.humaneval import humaneval_examples
 from sharpen.data.vision import VisionProcessor, is_vision_model, text_only_error
 from sharpen.environments.base import EnvironmentFactory
-from sharpen.environments.registry import environment_tasks, episode_limits, open_sandbox
+from sharpen.environments.registry import environment_tasks, episode_limits, open_sandbox, sandbox_for_run
 from sharpen.environments.sandbox import SandboxPool
 from sharpen.environments.sandbox.remote import RemoteSandboxPool
 from sharpen.expert_routes import REPLAY_MODEL_TYPES
@@ -38,7 +38,7 @@ from sharpen.orchestration.handles import TrainerHandle
 from sharpen.orchestration.loop import Components
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rewards import RewardFn, Rubric
-from sharpen.rewards.code_tests import HumanEvalReward, pytest_ro_binds
+from sharpen.rewards.code_tests import HumanEvalReward
 from sharpen.rollout.engines import InferenceEngine, build_engine
 from sharpen.rollout.engines.router import EngineRouter
 from sharpen.rollout.episodes import EpisodeRunner
@@ -212,10 +212,7 @@ def build_reward_fn(
     closed with ``stack``."""
     base = None
     if config.data.type == "humaneval":
-        sandbox_config = config.sandbox.model_copy(
-            update={"extra_ro_binds": [*config.sandbox.extra_ro_binds, *pytest_ro_binds()]}
-        )
-        base = HumanEvalReward(stack.enter_context(open_sandbox(sandbox_config)))
+        base = HumanEvalReward(stack.enter_context(open_sandbox(sandbox_for_run(config))))  # pytest bound in
     count_tokens = None
     if any(c.type == "length" and c.unit == "tokens" for c in config.reward.components):
         tokenizer = load_tokenizer(resolve_model_path(config.model.path))

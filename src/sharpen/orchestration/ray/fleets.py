@@ -179,11 +179,10 @@ def start_sandbox_fleet(config: SharpenConfig, *, stack: contextlib.ExitStack) -
     sandbox = config.sandbox
     if sandbox.fleet is None:
         return config
-    served = sandbox.model_copy(update={"backend": sandbox.fleet.backend, "fleet": None})
-    if config.data.type == "humaneval":  # its checker runs pytest in the sandbox, as serve-sandbox's does
-        from sharpen.rewards.code_tests import pytest_ro_binds
+    from sharpen.environments.registry import sandbox_for_run
 
-        served = served.model_copy(update={"extra_ro_binds": [*served.extra_ro_binds, *pytest_ro_binds()]})
+    # pytest for HumanEval's checker and the repository environment, as serve-sandbox's replicas have it
+    served = sandbox_for_run(config).model_copy(update={"backend": sandbox.fleet.backend, "fleet": None})
     serve = functools.partial(serve_sandbox, served)
     urls = _start_fleet(config, serve, sandbox.fleet, token_env=sandbox.service.token_env, what="sandbox", stack=stack)
     remote = sandbox.remote.model_copy(update={"urls": urls})
