@@ -23,7 +23,6 @@ from sharpen.monitoring import RunHealth, RunStopped, read_alarms, read_jsonl
 from sharpen.monitoring.health import record_rollback
 from sharpen.monitoring.inspect import inspect_run
 from sharpen.orchestration.embedded import run_embedded
-from sharpen.orchestration.session import check_rollback
 from sharpen.trainer import Trainer
 from sharpen.types import TrainBatch
 
@@ -86,10 +85,11 @@ def test_an_alarm_rolls_back_too_and_a_stop_of_the_same_step_wins(tmp_path: Path
 
 
 def test_a_rollback_without_periodic_checkpoints_is_refused() -> None:
-    config = load_config(None, ['monitoring.guards.on_bad_step="rollback"'])
     with pytest.raises(ConfigError, match=r"set run.checkpoint_every > 0"):
-        check_rollback(config)
-    check_rollback(load_config(None, ['monitoring.guards.on_bad_step="rollback"', "run.checkpoint_every=2"]))
+        load_config(None, ['monitoring.guards.on_bad_step="rollback"'])
+    with pytest.raises(ConfigError, match=r"set run.checkpoint_every > 0"):
+        load_config(None, ['monitoring.guards.on_alarm="rollback"', "run.checkpoint_every=0"])
+    load_config(None, ['monitoring.guards.on_bad_step="rollback"', "run.checkpoint_every=2"])
 
 
 class Poisoner:

@@ -81,11 +81,13 @@ class ModelConfig(Section):
         """Dtype of the trainer's weights (and of the reference policy and critic)."""
         return "float32" if self.dtype == "auto" else self.dtype
 
-    def engine_dtype(self, precision: Literal["float32", "bf16"]) -> Literal["float32", "bfloat16"]:
+    def engine_dtype(self, precision: Literal["float32", "bf16", "fp16"]) -> Literal["float32", "bfloat16", "float16"]:
         """Dtype of the inference engine when the trainer's precision resolved to ``precision``."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if precision == "bf16" else "float32"
+        if precision == "bf16":
+            return "bfloat16"
+        return "float16" if precision == "fp16" else "float32"
 
 
 class ReasoningGymDataConfig(Section):
@@ -306,12 +308,18 @@ class TrainerConfig(Section):
     chunk's logits are recomputed in the backward, so peak memory is [chunk, vocab] rather than [targets, vocab]
     (4k targets x 49k vocab, measured: 0.7 GB instead of 4.8 GB, ~1.2x the head's time). A micro-batch with fewer
     targets runs in one piece at no extra cost. 0: never chunk."""
-    precision: Literal["auto", "float32", "bf16"] = "auto"
+    precision: Literal["auto", "float32", "bf16", "fp16"] = "auto"
     """Arithmetic of the forward and backward passes. ``bf16``: bfloat16 autocast over float32 master weights and
-    optimizer (with model.dtype = "auto"); ``float32``: float32 throughout; ``auto``: bf16 where the device has fast
-    bf16 (a CPU with AVX512-BF16 or AMX, a CUDA device with native bf16) and a short matmul probe at start-up finds
-    it at least 1.3x faster, else float32 (the choice and the measured speeds are logged and written to
-    ``run_dir/precision.json``)."""
+    optimizer (with model.dtype = "auto"); ``fp16``: float16 autocast over float32 master weights with dynamic loss
+    scaling, and a float16 engine (never chosen by ``auto``); ``float32``: float32 throughout; ``auto``: bf16 where
+    the device has fast bf16 (a CPU with AVX512-BF16 or AMX, a CUDA device with native bf16) and a short matmul probe
+    at start-up finds it at least 1.3x faster, else float32 (the choice and the measured speeds are logged and
+    written to ``run_dir/precision.json``)."""
+    lm_head_float32: bool = False
+    """Compute the LM head and its logprobs in float32 on both sides: the trainer runs its head outside autocast on
+    the float32 master weights; the engine upcasts its head weight and hidden states to float32 (hf engine: in
+    place; vLLM: its ``head_dtype = "float32"`` override). Narrows the engine/trainer mismatch under bf16 or fp16
+    (docs/algorithms.md, Precision)."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""
     share_prompt: bool = True
@@ -467,6 +475,22 @@ class SharpenConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
 
+    def _check_fp16(self) -> None:
+        """fp16 is float16 autocast over float32 master weights with a loss scale that the backends' own backward
+        applies (docs/algorithms.md, Precision): refused where either does not hold, in one line."""
+        trainer = self.trainer
+        if trainer.precision == "fp16" and self.model.dtype != "auto":
+            raise ValueError(
+                f'trainer.precision = "fp16" needs float32 master weights: model.dtype must be "auto", not '
+                f'"{self.model.dtype}" (pure float16 weights would lose small updates)'
+            )
+        if trainer.precision == "fp16" and trainer.parallel.pp > 1:
+            raise ValueError('trainer.precision = "fp16" is not supported with pipeline parallelism (parallel.pp > 1)')
+        if trainer.lm_head_float32 and trainer.parallel.tp > 1:
+            raise ValueError(
+                "trainer.lm_head_float32 is not supported with a vocabulary-parallel head (parallel.tp > 1)"
+            )
+
     @model_validator(mode="after")
     def _check_batch_hierarchy(self) -> SharpenConfig:
         num_rollouts = self.rollout.prompts_per_step * self.rollout.num_samples_per_prompt
@@ -514,6 +538,12 @@ class SharpenConfig(Section):
                 "the merged target modules, and an engine woken from sleep needs every weight"
             )
         self._check_adapter_sync()
+        self._check_fp16()
+        if self.monitoring.guards.rolls_back and not self.run.checkpoint_every:
+            raise ValueError(
+                'monitoring.guards: a "rollback" policy restores the newest checkpoint; set run.checkpoint_every > 0 '
+                "(with 0 the only checkpoint is the last step's)"
+            )
         if self.trainer.parallel.tp > 1 and (self.rollout.top_k > 0 or self.rollout.top_p < 1.0):
             raise ValueError(
                 f"rollout.top_k = {self.rollout.top_k} / top_p = {self.rollout.top_p} cannot be used with "

@@ -232,15 +232,15 @@ def run_precision(config: SharpenConfig) -> PrecisionChoice:
 
 def probe_tolerance(config: SharpenConfig) -> ProbeTolerance:
     """The weight-sync check's bound: weight_sync.tolerance when set, else 1e-3 when the engine and the trainer's
-    probe both compute in float32, and measured at the first sync when either is in bfloat16 (the engine's
-    dtype; master weights in bfloat16; FSDP2 computes in bf16 parameters under bf16)."""
+    probe both compute in float32, and measured at the first sync when either is in bfloat16 or float16 (the
+    engine's dtype; master weights in bfloat16; FSDP2 computes in bf16 or fp16 parameters under bf16 or fp16)."""
     tolerance = config.weight_sync.tolerance
     if tolerance != "auto":
         return ProbeTolerance(fixed=tolerance)
     precision = run_precision(config).precision
-    is_engine_bf16 = config.model.engine_dtype(precision) == "bfloat16"
+    is_engine_bf16 = config.model.engine_dtype(precision) != "float32"  # bfloat16 or float16
     is_probe_bf16 = config.model.master_dtype == "bfloat16" or (
-        precision == "bf16" and config.runtime.trainer_ranks > 1
+        precision != "float32" and config.runtime.trainer_ranks > 1
     )
     return ProbeTolerance() if is_engine_bf16 or is_probe_bf16 else ProbeTolerance(fixed=FLOAT32_TOLERANCE)
 
@@ -263,6 +263,7 @@ def build_run_engine(config: SharpenConfig, *, model_path: Path, tokenizer: Any,
             log_dir=Path(config.run.output_dir) / config.run.name / "engine-logs",
             lora=config.trainer.lora if config.trainer.lora.syncs_adapter else None,
             route_experts=_route_experts(config, model_path),
+            lm_head_float32=config.trainer.lm_head_float32,
         )
         for _ in range(config.rollout.num_engines)
     ]

@@ -199,7 +199,6 @@ def run_session(
     weight sync, and with None before the timeline is closed: the Ray runtime adds its actors' spans in between."""
     attach = attach_timeline or (lambda timeline: None)
     # user errors first: before any folder or slow component exists
-    check_rollback(config)
     model_path = resolve_model_path(config.model.path)
     make_environment = build_environment_factory(config.environment, model_path=model_path)
     with contextlib.ExitStack() as stack:
@@ -256,15 +255,6 @@ def run_session(
             if components.timeline is not None:
                 components.timeline.close()
     return run_dir
-
-
-def check_rollback(config: SharpenConfig) -> None:
-    """Refuse a ``rollback`` policy that would have no checkpoint to go back to but the last step's."""
-    if config.monitoring.guards.rolls_back and not config.run.checkpoint_every:
-        raise ConfigError(
-            'monitoring.guards: a "rollback" policy restores the newest checkpoint; set run.checkpoint_every > 0 '
-            "(with 0 the only checkpoint is the last step's)"
-        )
 
 
 def roll_back(components: Components, rollback: Rollback) -> int:

@@ -1,4 +1,5 @@
-"""The trainer's precision, chosen from the hardware: ``trainer.precision = "auto"`` resolved to float32 or bf16.
+"""The trainer's precision, chosen from the hardware: ``trainer.precision = "auto"`` resolved to float32 or bf16;
+``"fp16"`` only when asked for, with dynamic loss scaling (`LossScaler`).
 
 bf16 here means bfloat16 autocast for the forward and backward passes over float32 master weights and a float32
 optimizer. It pays only where the device has bfloat16 arithmetic: on a CPU with AVX512-BF16 or AMX a bfloat16
@@ -7,16 +8,27 @@ bfloat16 is emulated and slower than float32. So "auto" asks two things: does th
 CPU's flags in /proc/cpuinfo; ``torch.cuda.is_bf16_supported`` without emulation on CUDA), and does a short matmul
 probe on it confirm that bf16 is clearly faster (`MIN_BF16_SPEEDUP`)? Both yes: bf16; otherwise float32.
 
+fp16 means float16 autocast over the same float32 master weights, with the loss multiplied by a dynamic scale before
+the backward (float16's smallest normal number is 6e-5: small gradients of the activations would flush to zero
+otherwise) and the gradients divided by it before the global norm; a non-finite norm skips the step as any
+non-finite gradient does, and halves the scale. It is never chosen by "auto" (bf16 needs no scale and has
+float32's range); it exists for hardware with float16 arithmetic and no bfloat16 (V100, T4, some CPUs) and for
+users who ask for it. On a CPU torch runs float16 everywhere (natively with AVX512-FP16 or AMX-FP16, otherwise by
+converting to float32 around each kernel: correct, slow); a device without a float16 rule is refused in one line.
+
 Owns the choice (`choose_precision`, pure, with the cpuinfo reader and the probe passed in), the probe
-(`measure_matmul_gflops`) and the per-process cache of the choice (`resolve_precision`: the trainer and the
-engine built in one process agree, and the probe runs once). It does not apply the choice: the backends autocast,
-orchestration picks the engine's dtype from it (`ModelConfig.engine_dtype`).
+(`measure_matmul_gflops`), the per-process cache of the choice (`resolve_precision`: the trainer and the
+engine built in one process agree, and the probe runs once), the dynamic loss scale (`LossScaler`) and the
+float32 LM head (`keep_lm_head_float32`). It does not apply the choice: the backends autocast
+(`PrecisionChoice.autocast_dtype`), orchestration picks the engine's dtype from it (`ModelConfig.engine_dtype`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -24,11 +36,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
-Precision = Literal["float32", "bf16"]
-RequestedPrecision = Literal["auto", "float32", "bf16"]
+Precision = Literal["float32", "bf16", "fp16"]
+RequestedPrecision = Literal["auto", "float32", "bf16", "fp16"]
+
+AUTOCAST_DTYPES: dict[str, torch.dtype | None] = {"float32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The autocast dtype of each precision (None: no autocast)."""
 
 MIN_BF16_SPEEDUP = 1.3
 """bf16 is chosen only when its measured matmul speed is at least this multiple of float32's. Autocast adds casts
@@ -38,6 +55,10 @@ keeps vary far less) and not worth bf16's rounding."""
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 """x86 /proc/cpuinfo flags of native bfloat16 arithmetic: AVX512-BF16 (dot products) and AMX (tile matmuls)."""
+
+CPU_FP16_FLAGS = ("avx512_fp16", "amx_fp16")
+"""x86 /proc/cpuinfo flags of native float16 arithmetic (Sapphire Rapids and later). Without them torch still runs
+float16 on the CPU (converting with F16C), so they are evidence of speed, not a condition."""
 
 PROBE_SIZE = {"cpu": 1024, "cuda": 4096}
 """Side of the square probe matmuls per device type: large enough that the matmul, not the call, is timed (a
@@ -73,6 +94,15 @@ class PrecisionChoice:
         return self.precision == "bf16"
 
     @property
+    def is_fp16(self) -> bool:
+        return self.precision == "fp16"
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the backends autocast to (None: float32, no autocast)."""
+        return AUTOCAST_DTYPES[self.precision]
+
+    @property
     def bf16_speedup(self) -> float | None:
         """bf16 GFLOP/s over float32 GFLOP/s (None: not probed)."""
         if self.float32_gflops is None or self.bf16_gflops is None:
@@ -104,13 +134,14 @@ def read_cpuinfo() -> str:
     return path.read_text() if path.is_file() else ""
 
 
-def cpu_bf16_flags(cpuinfo: str) -> list[str]:
-    """The `CPU_BF16_FLAGS` present in a /proc/cpuinfo text (the flags of its first processor)."""
+def cpu_bf16_flags(cpuinfo: str, *, wanted: tuple[str, ...] = CPU_BF16_FLAGS) -> list[str]:
+    """The ``wanted`` flags (`CPU_BF16_FLAGS`, `CPU_FP16_FLAGS`) present in a /proc/cpuinfo text (the flags of its
+    first processor)."""
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         if key.strip() == "flags":
             present = set(value.split())
-            return [flag for flag in CPU_BF16_FLAGS if flag in present]
+            return [flag for flag in wanted if flag in present]
     return []
 
 
@@ -168,6 +199,19 @@ def device_bf16_support(device: torch.device, *, cpuinfo: str) -> tuple[bool, st
     return False, f"no bf16 rule for device type {device.type!r}"
 
 
+def device_fp16_support(device: torch.device, *, cpuinfo: str) -> tuple[bool, str]:
+    """Whether ``device`` runs float16 autocast at all (a CPU always: natively or converting; CUDA always), and the
+    evidence in words. A device without a rule here is refused rather than guessed."""
+    if device.type == "cpu":
+        flags = cpu_bf16_flags(cpuinfo, wanted=CPU_FP16_FLAGS)
+        if flags:
+            return True, f"CPU flags {', '.join(flags)}"
+        return True, "no AVX512-FP16 or AMX-FP16 flag: float16 is converted to float32 around each kernel (slow)"
+    if device.type == "cuda":
+        return True, "CUDA device"
+    return False, f"no float16 rule for device type {device.type!r}"
+
+
 def choose_precision(
     requested: RequestedPrecision,
     device: torch.device,
@@ -179,6 +223,17 @@ def choose_precision(
     the device reports bf16 arithmetic and ``measure`` finds bf16 matmuls at least `MIN_BF16_SPEEDUP` times faster
     than float32."""
     is_capable, evidence = device_bf16_support(device, cpuinfo=cpuinfo)
+    if requested == "fp16":
+        has_fp16, fp16_evidence = device_fp16_support(device, cpuinfo=cpuinfo)
+        if not has_fp16:
+            raise ValueError(f'trainer.precision = "fp16" cannot run here: {fp16_evidence}; use "bf16" or "float32"')
+        return PrecisionChoice(
+            precision="fp16",
+            requested="fp16",
+            device=device.type,
+            is_bf16_capable=is_capable,
+            reason=f"set by trainer.precision; {fp16_evidence}",
+        )
     if requested != "auto":
         return PrecisionChoice(
             precision=requested,
@@ -227,3 +282,99 @@ def resolve_precision(
         if requested == "auto":
             logger.info(choice.describe())
     return choice
+
+
+INITIAL_LOSS_SCALE = 2.0**16
+"""torch.amp.GradScaler's defaults, which Megatron and DeepSpeed share: start at 2^16, halve on an overflow, double
+after `LOSS_SCALE_GROWTH_INTERVAL` finite steps in a row."""
+LOSS_SCALE_BACKOFF = 0.5
+LOSS_SCALE_GROWTH = 2.0
+LOSS_SCALE_GROWTH_INTERVAL = 2000
+MIN_LOSS_SCALE = 1.0
+"""The scale never drops below 1: a run that overflows at scale 1 overflows in the forward pass, which no scale
+fixes (the skips show it)."""
+LOSS_SCALER_FILE = "loss_scaler.json"
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 autocast, on any backend: `scale` the loss before each backward,
+    `unscale_` this rank's gradients (plain tensors or FSDP2 shards) before the global norm, then `update` with
+    whether that norm was finite, which every rank computes the same, so every rank keeps the same scale. A step
+    whose norm is not finite is skipped by the backend as any non-finite step is; here it halves the scale. The
+    state (scale, finite steps since the last change) goes into the checkpoint, so a resumed run scales as the
+    uninterrupted one would have."""
+
+    def __init__(self, *, scale: float = INITIAL_LOSS_SCALE, growth_interval: int = LOSS_SCALE_GROWTH_INTERVAL):
+        self.scale = scale
+        self.growth_interval = growth_interval
+        self.finite_steps = 0
+        """Finite steps in a row since the scale last changed."""
+        self.num_overflows = 0
+        """Steps skipped for a non-finite gradient since this scaler was made (not checkpointed: a count for logs)."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale
+
+    @torch.no_grad()
+    def unscale_(self, grads: list[torch.Tensor]) -> None:
+        """Divide the gradients by the scale in place (an inf or NaN stays one, and the global norm sees it)."""
+        for grad in grads:
+            grad.mul_(1.0 / self.scale)
+
+    def update(self, *, is_finite: bool) -> None:
+        if not is_finite:
+            self.scale = max(self.scale * LOSS_SCALE_BACKOFF, MIN_LOSS_SCALE)
+            self.finite_steps = 0
+            self.num_overflows += 1
+            return
+        self.finite_steps += 1
+        if self.finite_steps >= self.growth_interval:
+            self.scale *= LOSS_SCALE_GROWTH
+            self.finite_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "finite_steps": self.finite_steps, "growth_interval": self.growth_interval}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        scale = float(state["scale"])
+        if not (math.isfinite(scale) and scale >= MIN_LOSS_SCALE):
+            raise ValueError(f"loss scaler state has scale {scale}: it must be finite and at least {MIN_LOSS_SCALE}")
+        self.scale = scale
+        self.finite_steps = int(state["finite_steps"])
+        self.growth_interval = int(state["growth_interval"])
+
+    def save(self, folder: Path) -> None:
+        (folder / LOSS_SCALER_FILE).write_text(json.dumps(self.state_dict()) + "\n")
+
+    def load(self, folder: Path) -> None:
+        path = folder / LOSS_SCALER_FILE
+        if not path.is_file():
+            raise ValueError(f"checkpoint {folder} has no {LOSS_SCALER_FILE}: it was not written by an fp16 run")
+        self.load_state_dict(json.loads(path.read_text()))
+
+
+def loss_scaler_for(choice: PrecisionChoice) -> LossScaler | None:
+    """A `LossScaler` under fp16; None otherwise (bf16 has float32's range and needs none)."""
+    return LossScaler() if choice.is_fp16 else None
+
+
+class Float32Head(nn.Linear):
+    """An LM head (`nn.Linear`) that computes its logits in float32 from float32 inputs, outside any autocast: its
+    weight is used in float32 (master weights are float32 already; a float16 or bfloat16 weight is upcast, so its
+    rounding stays, as in vLLM's ``head_dtype = "float32"``)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=input.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(input.float(), self.weight.float(), bias)
+
+
+def keep_lm_head_float32(model: nn.Module) -> None:
+    """Make ``model``'s output embedding (its LM head) a `Float32Head` in place: the same parameters and names (a
+    tied head stays tied), only its forward changes. Every scoring path calls the head module, so each gets float32
+    logits."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if type(head) is not nn.Linear and not isinstance(head, Float32Head):
+        raise ValueError(f"trainer.lm_head_float32 needs a plain linear LM head; this model's is {type(head).__name__}")
+    head.__class__ = Float32Head

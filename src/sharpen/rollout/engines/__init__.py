@@ -77,12 +77,22 @@ def build_engine(
     log_dir: Path | None = None,
     lora: LoraConfig | None = None,
     route_experts: int | None = None,
+    lm_head_float32: bool = False,
 ) -> InferenceEngine:
     """The configured engine; ``bucket_bytes`` sizes the weight-sync buckets of engines in another process;
     ``sleep_mode`` prepares an engine that needs it for `SleepableEngine.sleep` (vLLM's sleep mode). Engine
     servers give up on a request after ``request_timeout_s`` and write the output of servers they start into
     ``log_dir`` (None: a temporary folder). ``route_experts``: the MoE's routed experts per layer, when a vLLM
-    engine must return each completion's routes (R3; the `hf` engine returns an MoE's routes always)."""
+    engine must return each completion's routes (R3; the `hf` engine returns an MoE's routes always).
+    ``lm_head_float32`` (trainer.lm_head_float32): the LM head and its logprobs in float32; the `hf` and in-process
+    `vllm` engines do it, the others refuse it."""
+    if lm_head_float32 and not (
+        isinstance(config, HfEngineConfig) or (isinstance(config, VllmEngineConfig) and not config.async_engine)
+    ):
+        raise EngineError(
+            f"trainer.lm_head_float32 is supported by the hf and the in-process vllm engines, not by {config.type!r}"
+            + (" with async_engine" if isinstance(config, VllmEngineConfig) else "")
+        )
     match config:
         case VllmEngineConfig(async_engine=True):
             from sharpen.rollout.engines.vllm_async import VllmAsyncEngine
@@ -108,6 +118,7 @@ def build_engine(
                 sleep_mode=sleep_mode,
                 lora=lora,
                 route_experts=route_experts,
+                lm_head_float32=lm_head_float32,
             )
         case VllmServerEngineConfig():
             from sharpen.rollout.engines.vllm_server import VllmServerEngine
@@ -136,7 +147,7 @@ def build_engine(
         case HfEngineConfig():
             from sharpen.rollout.engines.hf import HfEngine
 
-            return HfEngine(model_path, dtype=dtype, device=device)
+            return HfEngine(model_path, dtype=dtype, device=device, lm_head_float32=lm_head_float32)
         case ScriptedEngineConfig():
             from sharpen.rollout.engines.scripted import ScriptedEngine
 

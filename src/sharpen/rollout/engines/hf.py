@@ -58,7 +58,16 @@ global generator, which engines of this process (replicas behind a router, the a
 
 
 class HfEngine:
-    def __init__(self, model_path: Path, *, dtype: str = "float32", device: str = "cpu", batch_size: int = 32) -> None:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        batch_size: int = 32,
+        lm_head_float32: bool = False,
+    ) -> None:
+        """``lm_head_float32``: the LM head computes in float32 (`_Float32Head`) whatever ``dtype`` is."""
         from transformers import AutoTokenizer
 
         self.device = torch.device(device)
@@ -69,6 +78,11 @@ class HfEngine:
         self.model_path = Path(model_path)
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
+        if lm_head_float32:
+            head = self.model.get_output_embeddings()
+            if type(head) is not torch.nn.Linear:
+                raise ValueError(f"trainer.lm_head_float32 needs a plain linear LM head, not {type(head).__name__}")
+            head.__class__ = _Float32Head  # same weight (a tied head stays tied; weight syncs reach it), new forward
         self.router = RouterReplay(self.model, name=str(model_path)) if is_moe_model(self.model) else None
         """A Mixture-of-Experts model's routes, captured while it generates (`Completion.routes`)."""
         self.batch_size = batch_size
@@ -328,3 +342,13 @@ class _PerRequestSampler(LogitsProcessor):
 
 def _key(params: SamplingParams) -> tuple[int, float, float, int, tuple[int, ...]]:
     return (params.max_new_tokens, params.temperature, params.top_p, params.top_k, params.stop_token_ids)
+
+
+class _Float32Head(torch.nn.Linear):
+    """The engine's LM head with float32 logits: its weight (in the engine's dtype) and the hidden states upcast to
+    float32 before the projection, as vLLM's ``head_dtype = "float32"`` does. The trainer's counterpart is
+    ``trainer.precision.Float32Head`` (the trainer and rollout packages import nothing of each other)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(input.float(), self.weight.float(), bias)

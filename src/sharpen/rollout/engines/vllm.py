@@ -125,10 +125,13 @@ def engine_arguments(
     sleep_mode: bool,
     lora: LoraConfig | None = None,
     return_routes: bool = False,
+    lm_head_float32: bool = False,
 ) -> dict[str, Any]:
     """The engine arguments sharpen gives vLLM (`vllm.LLM` and vLLM's async engine take the same); on the CPU build
     also `cpu_scheduling_arguments`; with ``lora`` (adapter-only sync) LoRA serving for one adapter of its rank;
-    with ``return_routes`` an MoE's routed experts with every completion."""
+    with ``return_routes`` an MoE's routed experts with every completion; with ``lm_head_float32`` the LM head in
+    float32 (vLLM's ``head_dtype`` override: on the CPU it upcasts the head's weight and the hidden states and runs
+    the projection in float32)."""
     lora_arguments: dict[str, Any] = {}
     if lora is not None:
         from sharpen.rollout.weight_sync.adapter import vllm_max_lora_rank
@@ -151,6 +154,7 @@ def engine_arguments(
         "enable_sleep_mode": sleep_mode,
         "tensor_parallel_size": config.tensor_parallel_size,
         **({"enable_return_routed_experts": True} if return_routes else {}),
+        **({"hf_overrides": {"head_dtype": "float32"}} if lm_head_float32 else {}),
     }
 
 
@@ -306,6 +310,7 @@ class VllmEngine:
         sleep_mode: bool = False,
         lora: LoraConfig | None = None,
         route_experts: int | None = None,
+        lm_head_float32: bool = False,
     ) -> None:
         """``lora``: the run's adapters when it syncs them alone (``trainer.lora.sync = "adapter"``): the engine then
         serves the base model's weights from ``model_path`` plus the adapter of the last `load_weights`;
@@ -327,6 +332,7 @@ class VllmEngine:
             sleep_mode=sleep_mode,
             lora=lora,
             return_routes=route_experts is not None,
+            lm_head_float32=lm_head_float32,
         )
         self.llm = LLM(**arguments)
         self.requests = VllmRequests(model_path)

@@ -312,7 +312,9 @@ class ScoresTokenLogprobs:
                     entropy_requires_grad=entropy_requires_grad,
                     sampling_mask=sampling_mask,
                 )
-                loss(index, scores).backward()
+                value = loss(index, scores)
+                scaler = getattr(self, "loss_scaler", None)  # fp16: `precision.LossScaler`, undone in clip_and_step
+                (value if scaler is None else scaler.scale_loss(value)).backward()
         return None
 
     def score_micro_batches(

@@ -17,7 +17,7 @@ from torch import nn
 
 from sharpen.config.algorithm import CriticConfig
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
-from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs
+from sharpen.trainer.backends.scoring import autocast_to, rows_image_inputs
 from sharpen.trainer.optim import build_adamw
 from sharpen.trainer.precision import Precision
 from sharpen.types import ImagePart
@@ -55,7 +55,8 @@ class ValueModel:
     ) -> None:
         self.config = config
         self.device = device
-        self.is_bf16 = precision == "bf16"
+        # bf16 autocast under bf16; float32 under fp16 too: the critic's backward (trainer.py) applies no loss scale
+        self.autocast_dtype = torch.bfloat16 if precision == "bf16" else None
         self.model_path = Path(model_path)
         self.vision = VisionProcessor.from_pretrained(model_path) if is_vision_model(model_path) else None
         torch_dtype = getattr(torch, dtype)
@@ -103,7 +104,7 @@ class ValueModel:
         last = attention_mask.sum(dim=1) - 1  # [batch]: right padding, so the last real token's position
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path)) or {}
-        with autocast_bf16(self.device, enabled=self.is_bf16):
+        with autocast_to(self.device, self.autocast_dtype):
             hidden = self.network.decoder(
                 input_ids=input_ids, attention_mask=attention_mask, **image_inputs
             ).last_hidden_state

@@ -20,8 +20,8 @@ import torch
 from sharpen.data.vision import VisionProcessor, is_vision_model, model_class
 from sharpen.expert_routes import RouterReplay, Routes
 from sharpen.trainer.backends.base import replaying
-from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
-from sharpen.trainer.precision import Precision
+from sharpen.trainer.backends.scoring import autocast_to, rows_image_inputs, score_tokens
+from sharpen.trainer.precision import AUTOCAST_DTYPES, Precision
 from sharpen.types import ImagePart
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class FrozenScorer:
         """``vision``: the model's image processor (a vision-language model's image rows; None: text only);
         ``model_path``: named in the error for images given to a text-only model."""
         self.device = device
-        self.is_bf16 = precision == "bf16"
+        self.autocast_dtype = AUTOCAST_DTYPES[precision]  # forward only: no loss scale needed
         self.vision = vision
         self.model_path = model_path
         self.router: RouterReplay | None = None
@@ -66,7 +66,7 @@ class FrozenScorer:
         image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
         with (
             self.frozen_model() as model,
-            autocast_bf16(self.device, enabled=self.is_bf16),
+            autocast_to(self.device, self.autocast_dtype),
             replaying(self.router, routes if self.router is not None else None),  # without one: its own routes
         ):
             return score_tokens(

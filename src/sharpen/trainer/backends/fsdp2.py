@@ -53,12 +53,18 @@ from sharpen.trainer.backends.expert_parallel import apply_expert_parallel, expe
 from sharpen.trainer.backends.lora import adapter_state_dict, apply_lora, export_merged, merged_target_weights
 from sharpen.trainer.backends.mesh import build_device_mesh, data_meshes, expert_meshes, rank_device, weight_shard
 from sharpen.trainer.backends.pipeline_parallel import PipelineParallel
-from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens
+from sharpen.trainer.backends.scoring import autocast_to, rows_image_inputs, score_tokens
 from sharpen.trainer.backends.tensor_parallel import apply_tensor_parallel
 from sharpen.trainer.backends.vocab_parallel import VocabShard
 from sharpen.trainer.layout import ModelShape, ParallelLayout
 from sharpen.trainer.optim import build_adamw, mesh_groups
-from sharpen.trainer.precision import PrecisionChoice, resolve_precision
+from sharpen.trainer.precision import (
+    LossScaler,
+    PrecisionChoice,
+    keep_lm_head_float32,
+    loss_scaler_for,
+    resolve_precision,
+)
 from sharpen.types import ImagePart
 from sharpen.weight_files import write_safetensors
 from sharpen.weight_shards import WeightShard
@@ -186,6 +192,10 @@ class FSDP2Backend(ScoresTokenLogprobs):
         self.vision = VisionProcessor.from_pretrained(self.model_path) if is_vision_model(self.model_path) else None
         """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
+        if config.lm_head_float32:  # before sharding: FSDP2 subclasses the module's class
+            keep_lm_head_float32(self.model)
+        self.loss_scaler: LossScaler | None = loss_scaler_for(self.precision)
+        """fp16's dynamic loss scale (`train_micro_batches` scales, `clip_and_step` unscales); None otherwise."""
         self.router: RouterReplay | None = None
         """A Mixture-of-Experts policy's `RouterReplay` (``trainer.moe``) without a pipeline (whose stages have
         theirs: `routers`)."""
@@ -228,9 +238,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
         if config.gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs(self.model))
         self.model.train()
-        policy = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16 if self.precision.is_bf16 else None, reduce_dtype=torch.float32
-        )
+        policy = MixedPrecisionPolicy(param_dtype=self.precision.autocast_dtype, reduce_dtype=torch.float32)
         self.pipeline: PipelineParallel | None = None
         """Pipeline parallelism (pp > 1): this rank's stages, and the schedule that runs them."""
         layers = cast(nn.ModuleList, self.model.get_decoder().layers)
@@ -304,7 +312,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 [inputs], temperature=temperature, use_autocast=use_autocast, sampling_mask=sampling_mask
             )[0]
         image_inputs = rows_image_inputs(self.vision, input_ids, images, model=str(self.model_path))
-        with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
+        with autocast_to(self.device, self.precision.autocast_dtype if use_autocast else None):
             logprobs, entropy = self._root(
                 input_ids,
                 attention_mask,
@@ -350,7 +358,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
                 entropy_requires_grad=entropy_requires_grad,
                 sampling_mask=sampling_mask,
             )
-        with autocast_bf16(self.device, enabled=self.precision.is_bf16):
+        with autocast_to(self.device, self.precision.autocast_dtype):
             return self.pipeline.train(
                 inputs,
                 loss,
@@ -372,7 +380,7 @@ class FSDP2Backend(ScoresTokenLogprobs):
             return super().score_micro_batches(
                 inputs, temperature=temperature, use_autocast=use_autocast, sampling_mask=sampling_mask
             )
-        with torch.no_grad(), autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
+        with torch.no_grad(), autocast_to(self.device, self.precision.autocast_dtype if use_autocast else None):
             return self.pipeline.score(inputs, temperature=temperature, sampling_mask=sampling_mask)
 
     def share_loss_sums(self, sums: dict[str, float]) -> dict[str, float]:
@@ -391,10 +399,15 @@ class FSDP2Backend(ScoresTokenLogprobs):
             pipeline.sync_tied_gradients(self.model)
         parameters = [p for p in self.model.parameters() if p.grad is not None]
         counted = [p for p in parameters if pipeline is None or pipeline.counted_in_norm(self.model, p)]
+        if self.loss_scaler is not None:  # this rank's shards; the global norm below decides for every rank
+            self.loss_scaler.unscale_([p.grad for p in parameters if p.grad is not None])
         total_norm = _global_grad_norm([p.grad for p in counted if p.grad is not None])
         if pipeline is not None:
             total_norm = pipeline.norm_over_stages(total_norm)
-        if torch.isfinite(total_norm) and float(total_norm) <= skip_above:  # the global norm: ranks skip together
+        is_finite = bool(torch.isfinite(total_norm))
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(is_finite=is_finite)
+        if is_finite and float(total_norm) <= skip_above:  # the global norm: ranks skip together
             # one call cannot take DTensors of two meshes (expert parallelism's experts beside the rest)
             for group in mesh_groups(list[torch.Tensor](parameters)):
                 torch.nn.utils.clip_grads_with_norm_(group, self.config.max_grad_norm, total_norm)
@@ -487,6 +500,8 @@ class FSDP2Backend(ScoresTokenLogprobs):
         if self.pipeline is not None:
             optimizer_state = self.pipeline.optimizer_names(cast(dict, optimizer_state), saving=True)
         save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(folder))
+        if self.loss_scaler is not None and dist.get_rank() == 0:  # the same on every rank (`LossScaler`)
+            self.loss_scaler.save(Path(folder))
 
     def load(self, folder: Path) -> None:
         """Resume from `save`'s folder (the same number of ranks or another: DCP reshards); collective."""
@@ -502,6 +517,8 @@ class FSDP2Backend(ScoresTokenLogprobs):
         if self.pipeline is not None:
             state["optimizer"] = self.pipeline.optimizer_names(state["optimizer"], saving=False)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.loss_scaler is not None:
+            self.loss_scaler.load(Path(folder))
 
     def export(self, folder: Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
         """A HF folder (config, safetensors, tokenizer) that transformers and vLLM load, written by rank 0 alone

@@ -1,10 +1,11 @@
 """The forward pass every trainer-side model shares: token ids in, per-token logprobs (and entropy) out.
 
 Owns `score_tokens` (the decoder, then the LM head on the target positions only), `score_top_k` (the top-k
-distillation variant's full-vocabulary logprobs of k ids per target), `autocast_bf16` (the run's bf16 autocast) and
-`rows_image_inputs` (a vision-language model's pixel inputs for rows that hold images). The policy backends
-(`single_device`, `fsdp2`), the critic and the frozen scorers (`frozen`, `teacher`) all build on it; it imports none
-of them (an import-linter contract keeps it below them). It owns no model, no device placement and no optimizer.
+distillation variant's full-vocabulary logprobs of k ids per target), `autocast_to` (the run's bf16 or fp16
+autocast) and `rows_image_inputs` (a vision-language model's pixel inputs for rows that hold images). The policy
+backends (`single_device`, `fsdp2`), the critic and the frozen scorers (`frozen`, `teacher`) all build on it; it
+imports none of them (an import-linter contract keeps it below them). It owns no model, no device placement and no
+optimizer.
 """
 
 from __future__ import annotations
@@ -186,11 +187,12 @@ def score_top_k(
     return ids, logprobs.gather(1, ids)
 
 
-def autocast_bf16(device: torch.device, *, enabled: bool) -> contextlib.AbstractContextManager[object]:
-    """bfloat16 autocast on ``device`` when enabled, else nothing (master weights keep their dtype either way)."""
-    if not enabled:
+def autocast_to(device: torch.device, dtype: torch.dtype | None) -> contextlib.AbstractContextManager[object]:
+    """Autocast on ``device`` to ``dtype`` (bfloat16 or float16: `PrecisionChoice.autocast_dtype`), or nothing for
+    None (master weights keep their dtype either way)."""
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def rows_image_inputs(

@@ -37,9 +37,15 @@ from sharpen.trainer.backends.lora import (
     merged_target_weights,
     save_adapter,
 )
-from sharpen.trainer.backends.scoring import autocast_bf16, rows_image_inputs, score_tokens, score_top_k
+from sharpen.trainer.backends.scoring import autocast_to, rows_image_inputs, score_tokens, score_top_k
 from sharpen.trainer.optim import build_adamw
-from sharpen.trainer.precision import PrecisionChoice, resolve_precision
+from sharpen.trainer.precision import (
+    LossScaler,
+    PrecisionChoice,
+    keep_lm_head_float32,
+    loss_scaler_for,
+    resolve_precision,
+)
 from sharpen.types import ImagePart
 from sharpen.weight_shards import WeightShard
 
@@ -75,6 +81,10 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         self.vision = VisionProcessor.from_pretrained(self.model_path) if is_vision_model(self.model_path) else None
         """A vision-language model's image processor (rows with images); None for a text-only model."""
         self.model.config.use_cache = False
+        if config.lm_head_float32:
+            keep_lm_head_float32(self.model)
+        self.loss_scaler: LossScaler | None = loss_scaler_for(self.precision)
+        """fp16's dynamic loss scale (`train_micro_batches` scales, `clip_and_step` unscales); None otherwise."""
         self.router = replay_routes_of(self.model, config, name=str(self.model_path))
         self.lora: PeftModel | None = None  # the adapters' wrapper when trainer.lora.enabled (self.model is its base)
         if config.lora.enabled:
@@ -108,7 +118,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         With ``prompt_lengths`` (right-padded rows), each prompt that rows share runs once (prefix.py); rows with
         ``images`` (one tuple per row) run whole, their pixel inputs made from the images."""
         image_inputs = self._image_inputs(input_ids, position_ids, images)
-        with autocast_bf16(self.device, enabled=use_autocast and self.precision.is_bf16):
+        with autocast_to(self.device, self.precision.autocast_dtype if use_autocast else None):
             if (
                 image_inputs is None
                 and prompt_lengths is not None
@@ -162,7 +172,7 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The policy's k most likely tokens at each target and their logprobs (with gradient), each
         [num_targets, k] (`scoring.score_top_k`; the top-k distillation variant)."""
-        with autocast_bf16(self.device, enabled=self.precision.is_bf16):
+        with autocast_to(self.device, self.precision.autocast_dtype):
             return score_top_k(self.model, input_ids, attention_mask, target_mask, temperature=temperature, k=k)
 
     def all_reduce_sum(self, values: dict[str, float]) -> dict[str, float]:
@@ -175,9 +185,15 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
         """Clip the accumulated gradient, step the optimizer, clear gradients; returns the pre-clip grad norm.
         A non-finite norm (a NaN or Inf anywhere in the gradient) skips the optimizer step: one NaN would poison
         AdamW's moments for good; so does a norm above ``skip_above`` (a spike the stability guards leave out).
-        The caller sees the norm and counts the skip."""
+        The caller sees the norm and counts the skip. Under fp16 the gradients are unscaled first, and a non-finite
+        norm lowers the loss scale (`precision.LossScaler`)."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_([p.grad for p in self.model.parameters() if p.grad is not None])
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        if torch.isfinite(grad_norm) and float(grad_norm) <= skip_above:
+        is_finite = bool(torch.isfinite(grad_norm))
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(is_finite=is_finite)
+        if is_finite and float(grad_norm) <= skip_above:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.freed_memory is not None:
@@ -220,6 +236,8 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
             state = {name: tensor.contiguous() for name, tensor in self.named_weights()}
             save_file(state, str(folder / "model.safetensors"))
         torch.save(self.optimizer.state_dict(), folder / "optimizer.pt")
+        if self.loss_scaler is not None:
+            self.loss_scaler.save(folder)
 
     def load(self, folder: Path) -> None:
         from safetensors.torch import load_file
@@ -235,6 +253,8 @@ class SingleDeviceBackend(ScoresTokenLogprobs):
                     f"checkpoint {folder} does not fit the model: missing {missing}, unexpected {unexpected}"
                 )
         self.optimizer.load_state_dict(torch.load(folder / "optimizer.pt", map_location=self.device))
+        if self.loss_scaler is not None:
+            self.loss_scaler.load(folder)
 
     def export(self, folder: Path) -> None:
         """A HF folder (config, safetensors, tokenizer) that transformers and vLLM load. With LoRA: the merged model

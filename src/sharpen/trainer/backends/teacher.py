@@ -23,7 +23,7 @@ import torch
 
 from sharpen.expert_routes import Routes
 from sharpen.trainer.backends.frozen import ReferencePolicy
-from sharpen.trainer.backends.scoring import autocast_bf16, score_top_k
+from sharpen.trainer.backends.scoring import autocast_to, score_top_k
 from sharpen.trainer.precision import Precision
 from sharpen.types import Example, ImagePart, Message, Rollout
 
@@ -87,7 +87,7 @@ class TeacherPolicy(ReferencePolicy):
     ) -> torch.Tensor:
         """[num_targets, k] the teacher's logprobs of ``candidate_ids`` (the student's top-k) at each target
         (`scoring.score_top_k`)."""
-        with autocast_bf16(self.device, enabled=self.is_bf16):
+        with autocast_to(self.device, self.autocast_dtype):
             _, logprobs = score_top_k(
                 self.model,
                 input_ids,
