@@ -215,3 +215,22 @@ def test_a_template_in_an_unknown_tool_format_refuses_only_requests_with_tools(s
     assert refused.value.status == 400 and calls == []
     answer = asyncio.run(session.chat({"messages": [{"role": "user", "content": "2 + 2?"}]}))
     assert answer["choices"][0]["message"]["content"] == "Four."
+
+
+def test_server_engines_decode_the_ids_with_the_local_tokenizer(families, tmp_path: Path) -> None:
+    """vLLM's and SGLang's servers send text without any special token: with the model's folder here the server
+    engines decode the ids themselves (`local_decoder`), keeping the markers; without one, the server's text."""
+    from sharpen.environments.tool_formats.decode import local_decoder
+
+    tokenizer, text, markers = families["harmony"]
+    tokenizer.save_pretrained(tmp_path)
+    ids = _ids(tokenizer, text, markers)
+    decode = local_decoder(tmp_path)
+    assert decode is not None and decode(ids) == completion_text(tokenizer, ids)
+    skipped = tokenizer.decode(ids, skip_special_tokens=True)  # the servers' text
+    environment = ToolEnvironment([add], parser="harmony")
+    assert asyncio.run(environment.step(skipped)).info == {"num_tool_calls": 0}
+    assert asyncio.run(environment.step(decode(ids))).info == {
+        "tool_calls": [{"name": "add", "arguments": {"a": 2, "b": 3}}]
+    }
+    assert local_decoder(tmp_path / "absent") is None

@@ -11,7 +11,8 @@ makes text: the tokens recorded and trained on stay the engine's, never re-token
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from sharpen.environments.tool_formats.harmony import HarmonyToolCallParser
@@ -42,6 +43,20 @@ def completion_text(tokenizer: Any, token_ids: Sequence[int]) -> str:
     """``token_ids`` decoded without their special tokens, tool-call markers aside (kept as their text)."""
     skipped = _skipped_ids(tokenizer)
     return tokenizer.decode([i for i in token_ids if i not in skipped], skip_special_tokens=False)
+
+
+def local_decoder(model_path: Path) -> Callable[[list[int]], str] | None:
+    """`completion_text` with the tokenizer of the model folder at ``model_path``, for an engine whose server sends
+    text decoded without any special token (vLLM's and SGLang's servers); None when there is no such folder here
+    (a server's model that only the server holds) or no tokenizer in it: the server's own text is then all there
+    is."""
+    folder = Path(model_path)
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return lambda ids: completion_text(tokenizer, ids)
 
 
 def visible_text(tokenizer: Any, token_ids: Sequence[int]) -> str:

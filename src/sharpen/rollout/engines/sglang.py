@@ -78,6 +78,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sharpen.config.engines import SglangEngineConfig
+from sharpen.environments.tool_formats.decode import local_decoder
 from sharpen.rollout.engines.base import EngineError, device_free_bytes
 from sharpen.rollout.engines.server import ServerEngine
 from sharpen.rollout.weight_sync.buckets import engine_sync_dtype
@@ -125,6 +126,9 @@ class SglangEngine(ServerEngine[SglangEngineConfig]):
     ) -> None:
         super().__init__(config)
         self.model_path = model_path
+        self.decode = local_decoder(model_path)
+        """The completion's text from its ids keeping the tool-call markers (the server's text has no special
+        token); None without the model's folder here."""
         self.dtype = dtype
         self.server_version: str | None = None
         """SGLang's version, as /get_server_info reports it."""
@@ -309,10 +313,11 @@ class SglangEngine(ServerEngine[SglangEngineConfig]):
         kind = reason.get("type") if isinstance(reason, dict) else None
         if kind not in ("stop", "length"):
             raise EngineError(f"{self.name}: {self.url}/generate finished with {reason!r}")
+        ids = [int(token) for token in token_ids]
         return Completion(
-            token_ids=[int(token) for token in token_ids],
+            token_ids=ids,
             logprobs=logprobs,
-            text=str(answer.get("text") or ""),
+            text=str(answer.get("text") or "") if self.decode is None else self.decode(ids),
             finish_reason="length" if kind == "length" else "stop",
             versions=self._versions(meta, len(token_ids), sent_version),
         )

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sharpen.config.engines import VllmServerEngineConfig
+from sharpen.environments.tool_formats.decode import local_decoder
 from sharpen.rollout.engines.base import EngineError, EngineUnavailable
 from sharpen.rollout.engines.server import ServerEngine
 from sharpen.rollout.engines.vllm import (
@@ -92,6 +93,9 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
         self._refusal: str | None = None  # set while a failed sync leaves half-loaded weights behind
         self._in_weight_group = False
         self.served_model = config.served_model_name or str(model_path)
+        self.decode = local_decoder(model_path)
+        """The completion's text from its ids keeping the tool-call markers (the server's text has no special
+        token); None without the model's folder here."""
         self._open(model_path=model_path, dtype=dtype, seed=seed, request_timeout_s=request_timeout_s, log_dir=log_dir)
 
     def _server_command(self, *, port: int, model_path: Path, dtype: str, seed: int) -> list[str]:
@@ -223,7 +227,7 @@ class VllmServerEngine(ServerEngine[VllmServerEngineConfig]):
         return Completion(
             token_ids=ids,
             logprobs=logprobs,
-            text=str(choice.get("text") or ""),
+            text=str(choice.get("text") or "") if self.decode is None else self.decode(ids),
             finish_reason="length" if reason == "length" else "stop",
             versions=self._versions(spans, len(ids)),
             routes=None if self.route_experts is None else self._routes(routed, prompt, ids),
