@@ -302,15 +302,11 @@ class RepositoryEnvironment(TerminalEnvironment):
 
     async def _run_workspace_tool(self, tool: str, **arguments: object) -> str:
         """Run one call of `workspace_tools` in the episode's shell, on its workspace (never on the host)."""
-        if self.shell is None or self.is_shell_lost:
-            return "error: the shell has ended; the workspace is gone"
-        command = self._tool_command(tool, arguments)
-        try:
-            ran = await self.shell.run(
-                command, timeout_seconds=self.command_timeout_seconds, keep_bytes=self.keep_bytes
-            )
-        except ShellLost as error:
-            return self._lose(error)
+        ran = await self.run_in_shell(
+            self._tool_command(tool, arguments), ended="error: the shell has ended; the workspace is gone"
+        )
+        if isinstance(ran, str):
+            return ran
         if ran.is_timed_out:
             return f"error: {tool} ran past its {self.command_timeout_seconds:g} s limit and was stopped"
         output = f"exit code: {ran.exit_code}\n{ran.output}" if tool == "run_tests" else ran.output

@@ -27,7 +27,7 @@ from typing import Any
 from sharpen.config.environments import TerminalEnvironmentConfig
 from sharpen.environments.base import EnvironmentInfraError, EpisodeContext, StepResult
 from sharpen.environments.sandbox import ExecutionStatus
-from sharpen.environments.shell import SandboxShell, ShellLost, is_infrastructure_loss
+from sharpen.environments.shell import CommandResult, SandboxShell, ShellLost, is_infrastructure_loss
 from sharpen.environments.terminal_tasks import (
     TERMINAL_TASKS,
     SandboxCheck,
@@ -138,14 +138,9 @@ class TerminalEnvironment(ToolEnvironment):
         Args:
             command: the command line (several lines are allowed, e.g. a here-document)
         """
-        if self.shell is None or self.is_shell_lost:
-            return "error: the shell has ended; no more commands can run"
-        try:
-            ran = await self.shell.run(
-                command, timeout_seconds=self.command_timeout_seconds, keep_bytes=self.keep_bytes
-            )
-        except ShellLost as error:
-            return self._lose(error)
+        ran = await self.run_in_shell(command, ended="error: the shell has ended; no more commands can run")
+        if isinstance(ran, str):
+            return ran
         if ran.is_timed_out:
             head = (
                 f"error: the command ran past its {self.command_timeout_seconds:g} s limit and was killed "
@@ -156,6 +151,18 @@ class TerminalEnvironment(ToolEnvironment):
         if ran.is_truncated:
             head += f" (output of {ran.num_output_bytes} bytes, cut to its start and end)"
         return f"{head}\n{ran.output}" if ran.output else head
+
+    async def run_in_shell(self, command: str, *, ended: str) -> CommandResult | str:
+        """``command`` in the episode's shell under the command limits (time, output kept), or the policy's answer
+        instead: ``ended`` when the shell is gone, the loss's line when it is lost now (`_lose`)."""
+        if self.shell is None or self.is_shell_lost:
+            return ended
+        try:
+            return await self.shell.run(
+                command, timeout_seconds=self.command_timeout_seconds, keep_bytes=self.keep_bytes
+            )
+        except ShellLost as error:
+            return self._lose(error)
 
     def _lose(self, error: ShellLost) -> str:
         if is_infrastructure_loss(error):
