@@ -1,5 +1,6 @@
-"""Fixtures of the sandbox tests (test_sandbox*.py): a bwrap sandbox with small limits, a host loopback listener.
-Helpers shared by those tests live in sandbox_checks.py."""
+"""Fixtures of the sandbox tests (test_sandbox*.py): a bwrap sandbox with small limits, a host loopback listener;
+and of the repository environment's tests: the default task set's first task. Helpers shared by those tests live in
+sandbox_checks.py and repo_task_checks.py."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from repo_task_checks import TASKS_DIR
 from sandbox_checks import SHORT_WALL_SECONDS, sandbox_config
 
+from sharpen.data.repo_tasks import RepoTask, read_repo_tasks
 from sharpen.environments.sandbox import Sandbox
 
 
@@ -43,3 +46,11 @@ def host_listener() -> Iterator[socket.socket]:
     listener.setblocking(False)
     yield listener
     listener.close()
+
+
+@pytest.fixture(scope="module")
+def task() -> RepoTask:
+    """The default repository task set's first task (`make tasks` builds the set)."""
+    if not (TASKS_DIR / "tasks.jsonl").is_file():
+        pytest.fail(f"no default task set at {TASKS_DIR} (`make tasks` builds it)")
+    return read_repo_tasks(TASKS_DIR)[0]

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from repo_task_checks import ROOT, TASKS_DIR
 
 from sharpen.config import load_config
 from sharpen.config.environments import RepositoryEnvironmentConfig
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.data.repo_tasks import ORIGINAL_DIR, RepoTask, read_repo_tasks
+from sharpen.data.repo_tasks import ORIGINAL_DIR, RepoTask
 from sharpen.environments import EpisodeContext, StepResult
 from sharpen.environments.pytest_suite import RESULT_MARKER
 from sharpen.environments.registry import build_environment_factory, build_sandbox, environment_tasks
@@ -27,17 +28,8 @@ from sharpen.environments.repository import RepositoryEnvironment, graded_tree, 
 from sharpen.environments.sandbox import SandboxPool
 from sharpen.types import Example
 
-ROOT = Path(__file__).resolve().parents[3]
-TASKS_DIR = ROOT / ".sharpen-tasks" / "h11-0.16.0-seed0"  # the Makefile's DEFAULT_TASKS
 RECIPE = ROOT / "recipes" / "repository.toml"
 needs_sandbox = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
-
-
-@pytest.fixture(scope="module")
-def task() -> RepoTask:
-    if not (TASKS_DIR / "tasks.jsonl").is_file():
-        pytest.fail(f"no default task set at {TASKS_DIR} (`make tasks` builds it)")
-    return read_repo_tasks(TASKS_DIR)[0]
 
 
 @pytest.fixture(scope="module")

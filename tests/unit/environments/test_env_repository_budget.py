@@ -9,15 +9,15 @@ import asyncio
 import base64
 import json
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from repo_task_checks import TASKS_DIR
 
 from sharpen.config.environments import RepositoryEnvironmentConfig
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.data.repo_tasks import ORIGINAL_DIR, RepoTask, read_repo_tasks
+from sharpen.data.repo_tasks import ORIGINAL_DIR, RepoTask
 from sharpen.environments import EpisodeContext
 from sharpen.environments import terminal as terminal_module
 from sharpen.environments.registry import build_sandbox
@@ -27,16 +27,7 @@ from sharpen.environments.shell import CommandResult, ShellLost, is_infrastructu
 from sharpen.environments.terminal import TerminalFailure
 from sharpen.environments.workspace_tools import source_digest
 
-ROOT = Path(__file__).resolve().parents[3]
-TASKS_DIR = ROOT / ".sharpen-tasks" / "h11-0.16.0-seed0"  # the Makefile's DEFAULT_TASKS
 needs_sandbox = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
-
-
-@pytest.fixture(scope="module")
-def task() -> RepoTask:
-    if not (TASKS_DIR / "tasks.jsonl").is_file():
-        pytest.fail(f"no default task set at {TASKS_DIR} (`make tasks` builds it)")
-    return read_repo_tasks(TASKS_DIR)[0]
 
 
 def _call(command: str) -> str:

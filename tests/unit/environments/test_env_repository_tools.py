@@ -17,18 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from repo_task_checks import TASKS_DIR
 
 from sharpen.config.environments import RepositoryEnvironmentConfig
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.data.repo_tasks import ORIGINAL_DIR, RepoTask, read_repo_tasks
+from sharpen.data.repo_tasks import ORIGINAL_DIR, RepoTask
 from sharpen.environments import EpisodeContext, StepResult
 from sharpen.environments.registry import build_sandbox
 from sharpen.environments.repository import RepositoryEnvironment
 from sharpen.environments.sandbox import SandboxPool
 from sharpen.environments.workspace_tools import ToolError, edit_file, read_file, resolve, search
 
-ROOT = Path(__file__).resolve().parents[3]
-TASKS_DIR = ROOT / ".sharpen-tasks" / "h11-0.16.0-seed0"  # the Makefile's DEFAULT_TASKS
 needs_sandbox = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
 
@@ -96,13 +95,6 @@ def test_no_path_outside_the_workspace_resolves(home: str) -> None:
 
 
 # The environment, in the real sandbox, on the default task set.
-
-
-@pytest.fixture(scope="module")
-def task() -> RepoTask:
-    if not (TASKS_DIR / "tasks.jsonl").is_file():
-        pytest.fail(f"no default task set at {TASKS_DIR} (`make tasks` builds it)")
-    return read_repo_tasks(TASKS_DIR)[0]
 
 
 @pytest.fixture(scope="module")
