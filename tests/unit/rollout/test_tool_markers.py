@@ -79,6 +79,19 @@ def families(smollm2_path: Path) -> dict[str, tuple[Any, str, list[str]]]:
     }
 
 
+def _session(tokenizer: Any, generate: Any, *, max_calls: int, max_new_tokens: int) -> AgentSession:
+    """An agent session on ``tokenizer`` whose engine is ``generate``, episode 0-0, 64 tokens an episode."""
+    return AgentSession(
+        episode_id="0-0",
+        tokenizer=tokenizer,
+        generate=generate,
+        sampling=SamplingParams(max_new_tokens=max_new_tokens),
+        seed_of=lambda call: call,
+        max_calls=max_calls,
+        max_tokens=64,
+    )
+
+
 def _ids(tokenizer: Any, text: str, markers: list[str]) -> list[int]:
     ids = tokenizer.encode(text, add_special_tokens=False)
     for marker in markers:  # each marker the text writes is one special token id
@@ -140,15 +153,7 @@ def test_the_agent_endpoint_returns_the_calls_of_special_token_markers(families,
         skipped = tokenizer.decode(ids, skip_special_tokens=True)
         return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), text=skipped, versions=[0] * len(ids)), 0
 
-    session = AgentSession(
-        episode_id="0-0",
-        tokenizer=tokenizer,
-        generate=generate,
-        sampling=SamplingParams(max_new_tokens=64),
-        seed_of=lambda call: call,
-        max_calls=2,
-        max_tokens=64,
-    )
+    session = _session(tokenizer, generate, max_calls=2, max_new_tokens=64)
     answer = asyncio.run(session.chat({"messages": [{"role": "user", "content": "2 + 3?"}], "tools": TOOLS}))
     assert session.tool_parser == family
     choice = answer["choices"][0]
@@ -169,15 +174,7 @@ def test_agent_content_without_calls_has_no_control_tokens(families) -> None:
     async def generate(prompt: list[int], params: SamplingParams) -> tuple[Completion, int]:
         return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[0] * len(ids)), 0
 
-    session = AgentSession(
-        episode_id="0-0",
-        tokenizer=tokenizer,
-        generate=generate,
-        sampling=SamplingParams(max_new_tokens=64),
-        seed_of=lambda call: call,
-        max_calls=1,
-        max_tokens=64,
-    )
+    session = _session(tokenizer, generate, max_calls=1, max_new_tokens=64)
     turn = asyncio.run(session.chat_turn(ChatRequest(messages=[{"role": "user", "content": "2 + 3?"}], tools=TOOLS)))
     assert (turn.tool_calls, turn.content, turn.finish_reason) == ([], "Sure.add{not json", "stop")
 
@@ -201,15 +198,7 @@ def test_a_template_in_an_unknown_tool_format_refuses_only_requests_with_tools(s
         calls.append(prompt)
         return Completion(token_ids=ids, logprobs=[-0.5] * len(ids), versions=[0] * len(ids)), 0
 
-    session = AgentSession(
-        episode_id="0-0",
-        tokenizer=tokenizer,
-        generate=generate,
-        sampling=SamplingParams(max_new_tokens=8),
-        seed_of=lambda call: call,
-        max_calls=2,
-        max_tokens=64,
-    )
+    session = _session(tokenizer, generate, max_calls=2, max_new_tokens=8)
     with pytest.raises(RequestError, match=r"^tools cannot be read back from this model's replies: ") as refused:
         asyncio.run(session.chat({"messages": [{"role": "user", "content": "2 + 2?"}], "tools": TOOLS}))
     assert refused.value.status == 400 and calls == []
