@@ -18,9 +18,10 @@ converting to float32 around each kernel: correct, slow); a device without a flo
 
 Owns the choice (`choose_precision`, pure, with the cpuinfo reader and the probe passed in), the probe
 (`measure_matmul_gflops`), the per-process cache of the choice (`resolve_precision`: the trainer and the
-engine built in one process agree, and the probe runs once), the dynamic loss scale (`LossScaler`) and the
-float32 LM head (`keep_lm_head_float32`). It does not apply the choice: the backends autocast
-(`PrecisionChoice.autocast_dtype`), orchestration picks the engine's dtype from it (`ModelConfig.engine_dtype`).
+engine built in one process agree, and the probe runs once) and the dynamic loss scale (`LossScaler`); the
+float32 LM head (`keep_lm_head_float32`) is `sharpen.lm_head`'s, shared with the hf engine. It does not apply the
+choice: the backends autocast (`PrecisionChoice.autocast_dtype`), orchestration picks the engine's dtype from it
+(`ModelConfig.engine_dtype`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from sharpen.lm_head import Float32Head, keep_lm_head_float32
+
+__all__ = ["Float32Head", "keep_lm_head_float32"]  # re-exported: the backends take them from here
 
 logger = logging.getLogger(__name__)
 
@@ -356,25 +359,3 @@ class LossScaler:
 def loss_scaler_for(choice: PrecisionChoice) -> LossScaler | None:
     """A `LossScaler` under fp16; None otherwise (bf16 has float32's range and needs none)."""
     return LossScaler() if choice.is_fp16 else None
-
-
-class Float32Head(nn.Linear):
-    """An LM head (`nn.Linear`) that computes its logits in float32 from float32 inputs, outside any autocast: its
-    weight is used in float32 (master weights are float32 already; a float16 or bfloat16 weight is upcast, so its
-    rounding stays, as in vLLM's ``head_dtype = "float32"``)."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device_type=input.device.type, enabled=False):
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(input.float(), self.weight.float(), bias)
-
-
-def keep_lm_head_float32(model: nn.Module) -> None:
-    """Make ``model``'s output embedding (its LM head) a `Float32Head` in place: the same parameters and names (a
-    tied head stays tied), only its forward changes. Every scoring path calls the head module, so each gets float32
-    logits."""
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    if type(head) is not nn.Linear and not isinstance(head, Float32Head):
-        raise ValueError(f"trainer.lm_head_float32 needs a plain linear LM head; this model's is {type(head).__name__}")
-    head.__class__ = Float32Head

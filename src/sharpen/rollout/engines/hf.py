@@ -49,6 +49,7 @@ from sharpen.expert_routes import (
     routes_tensor,
     stack_layers,
 )
+from sharpen.lm_head import keep_lm_head_float32
 from sharpen.rollout.engines.base import EngineError
 from sharpen.types import Completion, ExpertRoutes, ImagePart, PolicyVersion, SamplingParams
 
@@ -67,7 +68,7 @@ class HfEngine:
         batch_size: int = 32,
         lm_head_float32: bool = False,
     ) -> None:
-        """``lm_head_float32``: the LM head computes in float32 (`_Float32Head`) whatever ``dtype`` is."""
+        """``lm_head_float32``: the LM head computes in float32 (`sharpen.lm_head`) whatever ``dtype`` is."""
         from transformers import AutoTokenizer
 
         self.device = torch.device(device)
@@ -78,11 +79,8 @@ class HfEngine:
         self.model_path = Path(model_path)
         # transformers wraps `to` with functools.wraps, which its stubs leave unbound (self is not passed)
         self.model.to(self.device).eval()  # pyright: ignore[reportArgumentType]
-        if lm_head_float32:
-            head = self.model.get_output_embeddings()
-            if type(head) is not torch.nn.Linear:
-                raise ValueError(f"trainer.lm_head_float32 needs a plain linear LM head, not {type(head).__name__}")
-            head.__class__ = _Float32Head  # same weight (a tied head stays tied; weight syncs reach it), new forward
+        if lm_head_float32:  # same weight (a tied head stays tied; weight syncs reach it), a float32 forward
+            keep_lm_head_float32(self.model)
         self.router = RouterReplay(self.model, name=str(model_path)) if is_moe_model(self.model) else None
         """A Mixture-of-Experts model's routes, captured while it generates (`Completion.routes`)."""
         self.batch_size = batch_size
@@ -342,13 +340,3 @@ class _PerRequestSampler(LogitsProcessor):
 
 def _key(params: SamplingParams) -> tuple[int, float, float, int, tuple[int, ...]]:
     return (params.max_new_tokens, params.temperature, params.top_p, params.top_k, params.stop_token_ids)
-
-
-class _Float32Head(torch.nn.Linear):
-    """The engine's LM head with float32 logits: its weight (in the engine's dtype) and the hidden states upcast to
-    float32 before the projection, as vLLM's ``head_dtype = "float32"`` does. The trainer's counterpart is
-    ``trainer.precision.Float32Head`` (the trainer and rollout packages import nothing of each other)."""
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return torch.nn.functional.linear(input.float(), self.weight.float(), bias)
