@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,13 @@ function visit(el) {
 visit(root);
 return {task: core.getUtterance(), lines: lines};
 """
+
+_LOADED_JS = "return document.readyState === 'complete' && typeof genProblem === 'function';"
+_LOAD_POLL_S = 0.05
+_LOAD_WAIT_S = 3.0
+"""How long a task page may take to finish loading after the driver's ``get`` returned. Chromedriver's ``get`` can
+return after the page's ``core.js`` ran but before the task's own script defined ``genProblem`` (seen once in CI,
+right after a wipe's navigation to the blank page); starting the task then fails in the page's JavaScript."""
 
 _START_JS = """
 core.EPISODE_MAX_TIME = arguments[1];
@@ -153,7 +161,7 @@ def start_task(driver: Any, url: str, seed: int, *, is_still: bool = False) -> N
     ``is_still``: for screenshots, also make the page still (`_STILL_JS`) and park the pointer outside the task area
     (another episode's last click would otherwise leave a hover effect on this one's first screenshot)."""
     if driver.current_url.split("#")[0] != url:
-        driver.get(url)
+        _load(driver, url)
     if is_still:
         driver.execute_script(_STILL_JS)
     if not driver.execute_script(_START_JS, seed, EPISODE_MAX_MS):
@@ -165,6 +173,21 @@ def start_task(driver: Any, url: str, seed: int, *, is_still: bool = False) -> N
         parking = ActionBuilder(driver, duration=0)  # selenium glides the pointer for 250 ms by default
         parking.pointer_action.move_to_location(int(area["view_width"]) - 1, int(area["view_height"]) - 1)
         parking.perform()
+
+
+def _load(driver: Any, url: str) -> None:
+    """Navigate to the task page at ``url`` and wait until its script has run, navigating once more if it has not
+    within `_LOAD_WAIT_S`; a page that never loads raises (the browser's fault: the pool replaces it)."""
+    for _ in range(2):
+        driver.get(url)
+        deadline = time.monotonic() + _LOAD_WAIT_S
+        while not driver.execute_script(_LOADED_JS):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(_LOAD_POLL_S)
+        else:
+            return
+    raise RuntimeError(f"MiniWoB task page {url} did not finish loading (no genProblem after two navigations)")
 
 
 def screenshot(driver: Any) -> bytes:

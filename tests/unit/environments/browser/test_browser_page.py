@@ -81,3 +81,32 @@ def test_actions_change_the_page_and_mistakes_come_back_as_errors(fixed_page: Br
     assert page.press(driver, "Hyper").startswith("error: unknown key 'Hyper'")
     driver.execute_script("document.getElementById('submit').style.display = 'none';")
     assert page.click(driver, 6).startswith("error: element [6] cannot be clicked")
+
+
+# A task page whose own script defines `genProblem` only a moment after the page has loaded: what chromedriver's `get`
+# returned to once in CI (core.js had run, the task's script had not), so starting the task failed in the page.
+LATE_TASK_PAGE = """<!DOCTYPE html>
+<html><head><script>
+var WOB_TASK_READY = true;
+var core = {EP_TIMER: null, getUtterance: function () { return 'late'; },
+            startEpisodeReal: function () { genProblem(); }};
+Math.seedrandom = function () {};
+setTimeout(function () { window.genProblem = function () { document.title = 'started'; }; }, DELAY_MS);
+</script></head><body><div id="area"><button>ONE</button></div></body></html>
+"""
+
+
+def test_starting_a_task_waits_for_its_script_and_a_page_that_never_loads_raises(
+    browser: Browser, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    late = tmp_path / "late.html"
+    late.write_text(LATE_TASK_PAGE.replace("DELAY_MS", "300"))
+    driver = browser.driver
+    page.start_task(driver, late.as_uri(), seed=1)
+    assert driver.title == "started"
+
+    never = tmp_path / "never.html"
+    never.write_text(LATE_TASK_PAGE.replace("DELAY_MS", "60000"))
+    monkeypatch.setattr(page, "_LOAD_WAIT_S", 0.2)
+    with pytest.raises(RuntimeError, match=r"never\.html did not finish loading \(no genProblem after two"):
+        page.start_task(driver, never.as_uri(), seed=1)
