@@ -313,7 +313,9 @@ class LossScaler:
         self.finite_steps = 0
         """Finite steps in a row since the scale last changed."""
         self.num_overflows = 0
-        """Steps skipped for a non-finite gradient since this scaler was made (not checkpointed: a count for logs)."""
+        """Non-finite steps the scale answered by halving (it was above `MIN_LOSS_SCALE`) since this scaler was made:
+        the expected cost of dynamic scaling, which the trainer reports apart from other non-finite updates (not
+        checkpointed: a count for the metrics). A non-finite step at the floor is not one: no scale explains it."""
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
@@ -326,14 +328,25 @@ class LossScaler:
 
     def update(self, *, is_finite: bool) -> None:
         if not is_finite:
+            self.num_overflows += self.scale > MIN_LOSS_SCALE
             self.scale = max(self.scale * LOSS_SCALE_BACKOFF, MIN_LOSS_SCALE)
             self.finite_steps = 0
-            self.num_overflows += 1
             return
         self.finite_steps += 1
         if self.finite_steps >= self.growth_interval:
             self.scale *= LOSS_SCALE_GROWTH
             self.finite_steps = 0
+
+    def step_metrics(self, *, overflows_before: int, num_nonfinite: int) -> dict[str, float]:
+        """A trainer step's metrics: the scale after it, the step's overflows (``num_overflows`` went up from
+        ``overflows_before``), and its ``num_nonfinite`` skipped updates less those overflows, which are dynamic
+        scaling at work, not a bad step: the health guards read ``train/num_nonfinite_updates``."""
+        overflows = self.num_overflows - overflows_before
+        return {
+            "train/loss_scale": self.scale,
+            "train/num_loss_scale_overflows": float(overflows),
+            "train/num_nonfinite_updates": float(num_nonfinite - overflows),
+        }
 
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": self.scale, "finite_steps": self.finite_steps, "growth_interval": self.growth_interval}

@@ -49,6 +49,7 @@ from sharpen.trainer.packing import (
     split_micro_batches_by_tokens,
     unpack_scores,
 )
+from sharpen.trainer.precision import LossScaler
 from sharpen.trainer.route_step import RouteStep
 from sharpen.trainer.routes import forward_routes, probe_scores, rollout_routes
 from sharpen.types import ImagePart, ProbeScores, Rollout, TrainBatch
@@ -177,6 +178,8 @@ class Trainer:
         distill_step = self._distillation_step(mini_batches)
         sums: dict[str, float] = defaultdict(float)
         grad_norms = []
+        scaler: LossScaler | None = getattr(self.backend, "loss_scaler", None)  # fp16's
+        overflows_before = scaler.num_overflows if scaler is not None else 0
         for _ in range(algorithm.num_epochs):
             for mini_batch in mini_batches:
                 self._accumulate(mini_batch, old_logprobs, critic_step, sums, distill_step=distill_step)
@@ -213,6 +216,10 @@ class Trainer:
                 "train/kl_coef": kl_coef,
             }
         )
+        if scaler is not None:
+            metrics |= scaler.step_metrics(
+                overflows_before=overflows_before, num_nonfinite=len(grad_norms) - len(finite)
+            )
         if skip_above is not None:
             metrics["train/num_skipped_updates"] = float(sum(norm > skip_above for norm in finite))
             metrics["train/num_optimizer_steps"] -= metrics["train/num_skipped_updates"]

@@ -223,3 +223,45 @@ def test_vllm_gets_its_float32_head_switch_only_when_asked(tmp_path: Path):
     )
     assert "hf_overrides" not in plain
     assert head32["hf_overrides"] == {"head_dtype": "float32"} and head32["dtype"] == "float16"
+
+
+def test_a_loss_scale_overflow_is_reported_apart_and_is_no_bad_step(model_dir: Path, tmp_path: Path, monkeypatch):
+    """Dynamic scaling overflows on purpose (it starts at 2^16 and halves until the gradient fits): the trainer
+    reports such a step as ``train/num_loss_scale_overflows``, not as a non-finite update, so a ``stop`` guard goes
+    on; a non-finite gradient at the scale's floor of 1 is a real one and stops it."""
+    from sharpen.config.guards import GuardsConfig
+    from sharpen.monitoring.health import RunHealth
+    from sharpen.types import TrainBatch
+    from support.tiny_trainer import random_rollouts, single_device_trainer
+
+    config = TrainerConfig(device="cpu", precision="fp16", learning_rate=1e-3, micro_batch_size=6)
+    trainer = single_device_trainer(config, model_dir)
+    scaler = trainer.backend.loss_scaler  # type: ignore[attr-defined]
+    assert scaler is not None
+    health = RunHealth(tmp_path, spike_factor=10.0, spike_window=8, guards=GuardsConfig(on_bad_step="stop"))
+
+    scaler.scale = 1e30  # the scaled gradient overflows float16
+    metrics = trainer.step(TrainBatch(rollouts=random_rollouts(0), step=0))
+    assert metrics["train/num_loss_scale_overflows"] == 1.0 and metrics["train/num_nonfinite_updates"] == 0.0
+    assert metrics["train/loss_scale"] == 5e29 and metrics["train/num_optimizer_steps"] == 0.0
+    health.check(0, [], metrics)
+    assert health.stop_reason is None and not (tmp_path / "nonfinite").exists()
+
+    scaler.scale = 1024.0
+    metrics = trainer.step(TrainBatch(rollouts=random_rollouts(1), step=1))
+    assert metrics["train/num_loss_scale_overflows"] == 0.0 and metrics["train/num_optimizer_steps"] == 1.0
+    assert metrics["train/loss_scale"] == 1024.0
+
+    scaler.scale = 1.0
+    score_tokens = trainer.backend.score_tokens
+
+    def poisoned(*args, **kwargs):
+        scores = score_tokens(*args, **kwargs)
+        scores.logprobs = scores.logprobs * float("nan")
+        return scores
+
+    monkeypatch.setattr(trainer.backend, "score_tokens", poisoned)
+    metrics = trainer.step(TrainBatch(rollouts=random_rollouts(2), step=2))
+    assert metrics["train/num_loss_scale_overflows"] == 0.0 and metrics["train/num_nonfinite_updates"] == 1.0
+    health.check(2, [], metrics)
+    assert health.stop_reason == 'step 2: a non-finite gradient; monitoring.guards.on_bad_step = "stop"'
