@@ -41,12 +41,12 @@ MODES = {"sync": {}, "async": {"rollout.mode": '"async"', "rollout.max_staleness
 
 
 class StopTokensEngine:
-    """An engine whose every request also stops at the token ids divisible by ``STOP_EVERY`` (the engine's own
+    """An engine whose every request also stops at the token ids divisible by ``every`` (the engine's own
     stop-token handling, as for an EOS token)."""
 
-    def __init__(self, engine: Any, vocab_size: int) -> None:
+    def __init__(self, engine: Any, vocab_size: int, *, every: int = STOP_EVERY) -> None:
         self.engine = engine
-        self.stop = tuple(range(STOP_EVERY, vocab_size, STOP_EVERY))
+        self.stop = tuple(range(every, vocab_size, every))
 
     @property
     def policy_version(self) -> int:
