@@ -13,17 +13,13 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import Field, field_validator, model_validator
 
-from sharpen.config.advantages import PassKAdvantage
 from sharpen.config.algorithm import AlgorithmConfig, CriticConfig, DistillationConfig
+from sharpen.config.cross_checks import check_across_sections
 from sharpen.config.engines import EngineConfig, FailoverConfig, VllmEngineConfig
 from sharpen.config.environments import (
-    CustomEnvironmentConfig,
     EnvironmentConfig,
-    RepositoryEnvironmentConfig,
     SingleTurnEnvironmentConfig,
-    TerminalEnvironmentConfig,
 )
-from sharpen.config.episodes import EpisodeLimitsSection
 from sharpen.config.evaluation import EvalConfig
 from sharpen.config.guards import GuardsConfig
 from sharpen.config.lora import LoraConfig
@@ -34,7 +30,6 @@ from sharpen.config.partial import PartialRolloutConfig
 from sharpen.config.rewards import RewardConfig
 from sharpen.config.runtime import RuntimeConfig
 from sharpen.config.sandbox import SandboxConfig
-from sharpen.config.scale_out import check_scale_out
 from sharpen.config.section import Section, internal, rename_keys
 
 
@@ -451,9 +446,6 @@ class MonitoringConfig(Section):
     """Token limit of the parity probes' greedy completions."""
 
 
-ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers", "browser", "terminal", "repository")
-
-
 class SharpenConfig(Section):
     """A whole run."""
 
@@ -475,133 +467,10 @@ class SharpenConfig(Section):
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
     monitoring: MonitoringConfig = Field(default_factory=MonitoringConfig)
 
-    def _check_fp16(self) -> None:
-        """fp16 is float16 autocast over float32 master weights with a loss scale that the backends' own backward
-        applies (docs/algorithms.md, Precision): refused where either does not hold, in one line."""
-        trainer = self.trainer
-        if trainer.precision == "fp16" and self.model.dtype != "auto":
-            raise ValueError(
-                f'trainer.precision = "fp16" needs float32 master weights: model.dtype must be "auto", not '
-                f'"{self.model.dtype}" (pure float16 weights would lose small updates)'
-            )
-        if trainer.precision == "fp16" and trainer.parallel.pp > 1:
-            raise ValueError('trainer.precision = "fp16" is not supported with pipeline parallelism (parallel.pp > 1)')
-        if trainer.lm_head_float32 and trainer.parallel.tp > 1:
-            raise ValueError(
-                "trainer.lm_head_float32 is not supported with a vocabulary-parallel head (parallel.tp > 1)"
-            )
-
     @model_validator(mode="after")
-    def _check_batch_hierarchy(self) -> SharpenConfig:
-        num_rollouts = self.rollout.prompts_per_step * self.rollout.num_samples_per_prompt
-        if num_rollouts % self.trainer.micro_batch_size != 0:
-            raise ValueError(
-                f"trainer.micro_batch_size = {self.trainer.micro_batch_size} does not divide the rollouts per step "
-                f"(rollout.prompts_per_step {self.rollout.prompts_per_step} x rollout.num_samples_per_prompt "
-                f"{self.rollout.num_samples_per_prompt} = {num_rollouts})"
-            )
-        if self.reward.overlong_buffer_tokens > self.rollout.max_new_tokens:
-            raise ValueError(
-                f"reward.overlong_buffer_tokens = {self.reward.overlong_buffer_tokens} is larger than "
-                f"rollout.max_new_tokens = {self.rollout.max_new_tokens}"
-            )
-        environment = self.environment
-        makes_tasks = environment.type in ENVIRONMENTS_WITH_TASKS or (
-            isinstance(environment, CustomEnvironmentConfig) and environment.tasks is not None
-        )
-        if self.data.type == "environment" and not makes_tasks:
-            raise ValueError(
-                f'data.type = "environment" needs an environment that makes its own tasks '
-                f"({', '.join(ENVIRONMENTS_WITH_TASKS)}, or custom with environment.tasks), "
-                f"not {environment.type!r}"
-            )
-        if (
-            isinstance(environment, TerminalEnvironmentConfig | RepositoryEnvironmentConfig)
-            and environment.remote is None
-            and (environment.wall_seconds is None or environment.wall_seconds > self.sandbox.wall_seconds)
-        ):
-            raise ValueError(
-                f"environment.wall_seconds = {environment.wall_seconds} is longer than sandbox.wall_seconds = "
-                f"{self.sandbox.wall_seconds}: the terminal's shell (one sandbox session per episode) would be "
-                "killed mid-episode; raise sandbox.wall_seconds"
-            )
-        check_scale_out(self)
-        self._check_advantage()
-        if self.rollout.partial.enabled and environment.type != "single_turn":
-            raise ValueError(
-                f'rollout.partial carries single-turn episodes only, not environment.type = "{environment.type}"'
-            )
-        if self.trainer.lora.enabled and self.runtime.colocate:
-            # a LoRA sync sends the target modules only; a woken engine lost every weight (docs/weight-sync.md, LoRA)
-            raise ValueError(
-                "trainer.lora.enabled with runtime.colocate is not supported: a LoRA sync sends only "
-                "the merged target modules, and an engine woken from sleep needs every weight"
-            )
-        self._check_adapter_sync()
-        self._check_fp16()
-        if self.monitoring.guards.rolls_back and not self.run.checkpoint_every:
-            raise ValueError(
-                'monitoring.guards: a "rollback" policy restores the newest checkpoint; set run.checkpoint_every > 0 '
-                "(with 0 the only checkpoint is the last step's)"
-            )
-        if self.trainer.parallel.tp > 1 and (self.rollout.top_k > 0 or self.rollout.top_p < 1.0):
-            raise ValueError(
-                f"rollout.top_k = {self.rollout.top_k} / top_p = {self.rollout.top_p} cannot be used with "
-                f"trainer.parallel.tp = {self.trainer.parallel.tp}: the trainer scores the truncated distribution, "
-                "which needs the whole vocabulary on each rank (set tp = 1, or top_k = 0 and top_p = 1)"
-            )
-        if self.trainer.distillation.enabled and (self.rollout.top_k > 0 or self.rollout.top_p < 1.0):
-            raise ValueError(
-                f"rollout.top_k = {self.rollout.top_k} / top_p = {self.rollout.top_p} cannot be used with "
-                "trainer.distillation: the student's truncated logprob of a token outside its cut is -inf, which the "
-                "teacher's reverse KL cannot take (set top_k = 0 and top_p = 1, or turn distillation off)"
-            )
-        num_mini = self.trainer.algorithm.num_mini_batches
-        if num_rollouts % (num_mini * self.trainer.micro_batch_size) != 0:
-            raise ValueError(
-                f"trainer.algorithm.num_mini_batches = {num_mini} x trainer.micro_batch_size = "
-                f"{self.trainer.micro_batch_size} does not divide the {num_rollouts} rollouts per step"
-            )
+    def _check_across_sections(self) -> SharpenConfig:
+        check_across_sections(self)
         return self
-
-    def _check_advantage(self) -> None:
-        """What the advantage estimator needs from the group size and the reward."""
-        advantage, num_samples = self.trainer.algorithm.advantage, self.rollout.num_samples_per_prompt
-        largest_k = max(num_samples - 1, 1)
-        if isinstance(advantage, PassKAdvantage) and advantage.k > largest_k:
-            raise ValueError(
-                f"trainer.algorithm.advantage.k = {advantage.k} must be between 1 and {largest_k} "
-                f"(below rollout.num_samples_per_prompt = {num_samples}): pass@k is estimated from each group's "
-                "samples, and with k >= their number every group's estimate is 0 or 1, so every advantage is 0"
-            )
-        environment = self.environment
-        has_turns = isinstance(environment, EpisodeLimitsSection) and environment.max_turns > 1
-        if advantage.needs_turns and not has_turns:
-            one_turn = " with max_turns = 1" if isinstance(environment, EpisodeLimitsSection) else ""
-            raise ValueError(
-                f'trainer.algorithm.advantage = "{advantage.type}" gives each turn of an episode its own advantage and '
-                f"needs a multi-turn environment (environment.max_turns > 1), not environment.type = "
-                f'"{environment.type}"{one_turn}: use an episode-level estimator such as "grpo" there'
-            )
-        if self.reward.component_normalization == "group" and advantage.needs_greedy_baseline:
-            raise ValueError(
-                f'reward.component_normalization = "group" cannot be used with advantage = "{advantage.type}": the '
-                "greedy baseline is a group of one, whose normalised components are all 0"
-            )
-
-    def _check_adapter_sync(self) -> None:
-        """An adapter-only LoRA sync needs an engine that serves adapters and a transport that carries them."""
-        if not self.trainer.lora.syncs_adapter:
-            return
-        engine = self.rollout.engine
-        if not isinstance(engine, VllmEngineConfig) or engine.async_engine:
-            kind = "vllm with async_engine" if isinstance(engine, VllmEngineConfig) else engine.type
-            raise ValueError(
-                f'trainer.lora.sync = "adapter" needs rollout.engine.type = "vllm" (batch; the engine that serves '
-                f'LoRA adapters here), not {kind}: use sync = "merged" with this engine'
-            )
-        if self.weight_sync.transport == "broadcast":
-            raise ValueError('trainer.lora.sync = "adapter" goes through the object store, not transport = "broadcast"')
 
     @property
     def broadcast_backend(self) -> Literal["gloo", "nccl"]:
