@@ -45,3 +45,43 @@ def tokenizer(smollm2_path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_path)
+
+
+class SharedVllmEngine:
+    """SmolLM2 on vLLM's batch engine (float32, seed 0), started on first use and shared by the modules that need
+    that very engine (a start costs 40 s or more on 2 cores): test_vllm_async's reference and test_vllm_sync's engine.
+    Tests load weights into it; one that needs SmolLM2's own loads them (`with_smollm2_weights`). The last module to
+    use it (test_vllm_sync) closes it when it ends, so it holds no memory through the rest of the session; a later
+    use starts a new one."""
+
+    def __init__(self, model_path: Path) -> None:
+        self.model_path = model_path
+        self._engine = None
+
+    def get(self):
+        if self._engine is None:
+            from sharpen.config.engines import VllmEngineConfig
+            from sharpen.rollout.engines.vllm import VllmEngine
+
+            self._engine = VllmEngine(VllmEngineConfig(), model_path=self.model_path, dtype="float32", seed=0)
+        return self._engine
+
+    def with_smollm2_weights(self):
+        """The engine, holding SmolLM2's own weights again (version 0)."""
+        from safetensors.torch import load_file
+
+        engine = self.get()
+        engine.load_weights(load_file(self.model_path / "model.safetensors").items(), version=0)
+        return engine
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_engine(smollm2_path: Path) -> Iterator[SharedVllmEngine]:
+    shared = SharedVllmEngine(smollm2_path)
+    yield shared
+    shared.close()

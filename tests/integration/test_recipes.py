@@ -96,11 +96,10 @@ def test_recipe_runs_with_the_tiny_model(
         overrides.append("rollout.prompts_per_step=8")
     config = load_config(recipe, overrides)
     if shows_images(config):
-        if load_config(recipe).rollout.engine.type == "vllm":
-            vlm = [f"model.path={json.dumps(str(tiny_idefics3_path))}", 'rollout.engine.type="vllm"']
-        else:
-            vlm = [f"model.path={json.dumps(str(tiny_vlm_path))}"]
-        config = load_config(recipe, [*overrides, *vlm])
+        # a vLLM recipe gets the model vLLM's CPU build runs, on the hf engine as every recipe here: a run through
+        # vLLM on image prompts is tests/integration/test_vllm_images.py's, on its module's engine
+        model = tiny_idefics3_path if load_config(recipe).rollout.engine.type == "vllm" else tiny_vlm_path
+        config = load_config(recipe, [*overrides, f"model.path={json.dumps(str(model))}"])
     run_dir = run_embedded(config, reward_fn=even_length_reward if is_passk else vowel_reward)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     # trainer.precision = "auto" picks bf16 on a CPU that runs it fast: the engine and the trainer then round

@@ -98,11 +98,10 @@ def test_it_is_a_request_level_engine_and_refuses_sleep_mode_on_the_cpu(engine, 
         VllmAsyncEngine(VllmEngineConfig(), model_path=smollm2_path, dtype="float32", seed=0, sleep_mode=True)
 
 
-def test_requests_give_the_batch_engines_tokens_and_logprobs(engine, prompts, smollm2_path: Path) -> None:
+def test_requests_give_the_batch_engines_tokens_and_logprobs(engine, prompts, shared_vllm_engine) -> None:
     """16 requests of up to 32 tokens through both engines (the same initial weights, the same per-request seeds),
-    and their timings side by side (concurrent requests against one batch call)."""
-    from sharpen.rollout.engines.vllm import VllmEngine
-
+    and their timings side by side (concurrent requests against one batch call). The batch engine is the session's
+    (test_vllm_sync's), with SmolLM2's own weights loaded again."""
     batch_prompts = [prompt for prompt in prompts for _ in range(4)]
     params = [SamplingParams(max_new_tokens=32, seed=seed) for seed in range(len(batch_prompts))]
 
@@ -115,14 +114,11 @@ def test_requests_give_the_batch_engines_tokens_and_logprobs(engine, prompts, sm
     started = time.perf_counter()
     requests = asyncio.run(concurrently())
     async_seconds = time.perf_counter() - started
-    batch_engine = VllmEngine(VllmEngineConfig(), model_path=smollm2_path, dtype="float32", seed=0)
-    try:
-        batch_engine.generate(batch_prompts[:2], params[:2])  # warm-up
-        started = time.perf_counter()
-        batch = batch_engine.generate(batch_prompts, params)
-        batch_seconds = time.perf_counter() - started
-    finally:
-        batch_engine.close()
+    batch_engine = shared_vllm_engine.with_smollm2_weights()
+    batch_engine.generate(batch_prompts[:2], params[:2])  # warm-up
+    started = time.perf_counter()
+    batch = batch_engine.generate(batch_prompts, params)
+    batch_seconds = time.perf_counter() - started
     _assert_same(requests, batch, max_divergent=1)
     assert all(c.versions == [0] * len(c.token_ids) for c in requests)
     num_tokens = sum(len(c.token_ids) for c in requests)

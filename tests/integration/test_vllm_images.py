@@ -141,9 +141,11 @@ def test_an_episode_with_an_image_observation_keeps_exact_token_continuity(engin
     assert_trainer_agrees(backend, group.rollouts)
 
 
-def test_a_run_trains_on_image_prompts_through_vllm(tiny_idefics3_path: Path, tmp_path: Path) -> None:
+def test_a_run_trains_on_image_prompts_through_vllm(engine, tiny_idefics3_path: Path, tmp_path: Path) -> None:
+    """On the module's engine (the run's first weight sync gives it the run's weights, whatever earlier tests
+    loaded)."""
     config = image_run_config(tiny_idefics3_path, write_image_tasks(tmp_path), tmp_path / "runs", engine="vllm")
-    run_dir = run_embedded(config, reward_fn=vowel_reward)
+    run_dir = run_embedded(config, reward_fn=vowel_reward, engine=engine)
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [row["step"] for row in rows] == [0, 1]
     for row in rows:

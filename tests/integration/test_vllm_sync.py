@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from test_tiny_loop import is_volatile
 
-from sharpen.config.engines import VllmEngineConfig
 from sharpen.orchestration.phases import assign_advantages
 from sharpen.orchestration.weight_sync import WeightSync
 from sharpen.rollout.engines import EngineError
@@ -37,12 +36,10 @@ TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def engine(smollm2_path: Path) -> Iterator:
-    from sharpen.rollout.engines.vllm import VllmEngine
-
-    engine = VllmEngine(VllmEngineConfig(), model_path=smollm2_path, dtype="float32", seed=0)
-    yield engine
-    engine.close()
+def engine(shared_vllm_engine) -> Iterator:
+    """The session's SmolLM2 engine (conftest.py: `SharedVllmEngine`), closed when this module ends."""
+    yield shared_vllm_engine.get()
+    shared_vllm_engine.close()
 
 
 def _mean_abs(a: list[float], b: list[float]) -> float:
