@@ -47,11 +47,26 @@ def wait_for_free_cpus(expected: float) -> float:
     return free
 
 
-def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(tiny_model_path: Path, tmp_path: Path) -> None:
-    # One torch thread in both runs: the actors get OMP_NUM_THREADS=1 from Ray, and a different thread count in the
-    # driver would change float summation order (differences of ~1e-8 seen in the loss).
-    threads = {"trainer.num_threads": "1"}
-    local = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="local", num_steps=3, **threads))
+# One torch thread in every run: the actors get OMP_NUM_THREADS=1 from Ray, and a different thread count in the
+# driver would change float summation order (differences of ~1e-8 seen in the loss).
+ONE_THREAD = {"trainer.num_threads": "1"}
+EXPORT = {"run.export_model": "true"}
+
+
+@pytest.fixture(scope="module")
+def one_device(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference of this module's 3-step runs: the same run in this process on one device, its model exported
+    (an export changes no metric)."""
+    config = tiny_config(
+        tiny_model_path, tmp_path_factory.mktemp("one"), name="one", num_steps=3, **ONE_THREAD, **EXPORT
+    )
+    return run_in_this_process(config)
+
+
+def test_ray_runtime_gives_the_local_metrics_and_verifies_every_sync(
+    tiny_model_path: Path, tmp_path: Path, one_device: Path
+) -> None:
+    threads, local = ONE_THREAD, one_device
     remote = run(
         tiny_config(tiny_model_path, tmp_path, name="ray", num_steps=3, **threads),
         runtime=RAY_RUNTIME,
@@ -104,31 +119,36 @@ def test_async_mode_on_ray_actors_trains_like_async_mode_locally(tiny_model_path
 
 BROADCAST = {"weight_sync.transport": '"broadcast"'}  # rank 0's gathered tensors -> the engine over gloo
 PIECES = {"weight_sync.assemble": '"receiver"'}  # each rank's pieces -> the object store -> the engine assembles
+TWO_RANKS = RAY_RUNTIME.model_copy(update={"trainer_ranks": 2})
 
 
-@pytest.mark.parametrize(
-    "layout", [BROADCAST, {"trainer.parallel.tp": "2", **PIECES}], ids=["dp_shard2-broadcast", "tp2-pieces"]
-)
-def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, tmp_path: Path, layout) -> None:
+def test_two_tensor_parallel_trainer_ranks_on_ray_match_one_device(
+    tiny_model_path: Path, tmp_path: Path, one_device: Path
+) -> None:
     """2 trainer rank actors (gloo) + 1 engine actor vs the single-device backend in this process, 3 steps at one
-    seed: FSDP2's data shards, synced by broadcast, or one shard split by tensor parallelism (DTensor parameters),
-    synced by pieces that the engine actor assembles. The ranks reduce in another order, so losses and weights agree
-    to float32 rounding (tolerances below), and the engine, synced with weights that close, samples the same tokens:
-    rewards are identical. Tensor
-    parallelism also computes each gradient element with other kernels (column slices, the vocabulary-split
-    softmax), and AdamW moves an element whose gradient is near 0 by about lr whatever its size, so its weights are
-    compared by norm (measured: one element 3e-4 of its tensor's largest away after 3 steps at lr 1e-3); the
-    gradients themselves are compared element by element in tests/unit/trainer/backends/test_parallel_trainer.py."""
-    from safetensors.torch import load_file
-
-    options = {"trainer.num_threads": "1", "run.export_model": "true"}
-    one = run_in_this_process(tiny_config(tiny_model_path, tmp_path, name="one", num_steps=3, **options))
-    ranks = {"runtime.type": '"ray"', "runtime.trainer_ranks": "2", **layout}
+    seed: one shard split by tensor parallelism (DTensor parameters), synced by pieces that the engine actor
+    assembles (`assert_two_ranks_match_one_device`). FSDP2's data shards synced by broadcast are compared the same
+    way in `test_two_fsdp2_trainer_ranks_on_ray_match_one_device_and_resume_exactly`."""
+    ranks = {"runtime.type": '"ray"', "runtime.trainer_ranks": "2", "trainer.parallel.tp": "2", **PIECES}
     two = run(
-        tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **options, **ranks),
-        runtime=RAY_RUNTIME.model_copy(update={"trainer_ranks": 2}),
+        tiny_config(tiny_model_path, tmp_path, name="two", num_steps=3, **ONE_THREAD, **EXPORT, **ranks),
+        runtime=TWO_RANKS,
         reward_fn=vowel_reward,
     )
+    assert_two_ranks_match_one_device(two, one_device, tiny_model_path, is_broadcast=False)
+    assert wait_for_free_cpus(2.0) == 2.0
+
+
+def assert_two_ranks_match_one_device(two: Path, one: Path, tiny_model_path: Path, *, is_broadcast: bool) -> None:
+    """A 2-rank run against the single-device one. The ranks reduce in another order, so losses and weights agree
+    to float32 rounding (tolerances below), and the engine, synced with weights that close, samples the same tokens:
+    rewards are identical. Tensor parallelism also computes each gradient element with other kernels (column slices,
+    the vocabulary-split softmax), and AdamW moves an element whose gradient is near 0 by about lr whatever its size,
+    so its weights are compared by norm (measured: one element 3e-4 of its tensor's largest away after 3 steps at lr
+    1e-3); the gradients themselves are compared element by element in
+    tests/unit/trainer/backends/test_parallel_trainer.py."""
+    from safetensors.torch import load_file
+
     one_rows, two_rows = read_jsonl(one / "metrics.jsonl"), read_jsonl(two / "metrics.jsonl")
     assert [row["reward/mean"] for row in two_rows] == [row["reward/mean"] for row in one_rows]
     assert [row["train/num_loss_tokens"] for row in two_rows] == [row["train/num_loss_tokens"] for row in one_rows]
@@ -136,7 +156,7 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
         assert got["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-4, abs=1e-6)
         assert got["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-4)
         assert got["sync/probe_mismatch_mean"] < 1e-4  # the full weights reached the engine actor
-        if layout is BROADCAST:
+        if is_broadcast:
             assert got["sync/num_receivers"] == 1.0 and got["sync/num_buckets"] >= 1
         else:  # 2 tp pieces of each projection, the embedding and the head; 1 of each replicated norm
             assert got["sync/num_pieces"] > len(load_file(tiny_model_path / "model.safetensors"))
@@ -147,7 +167,7 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
     assert weights_one.keys() == weights_two.keys()
     relative = max(float((weights_two[k] - weights_one[k]).norm() / weights_one[k].norm()) for k in weights_one)
     assert relative < 5e-5, relative
-    if layout is BROADCAST:  # data shards only differ in the order gradients are summed: every element is that close
+    if is_broadcast:  # data shards only differ in the order gradients are summed: every element is that close
         worst = max(
             float((weights_two[k] - weights_one[k]).abs().max() / weights_one[k].abs().max().clamp_min(1e-12))
             for k in weights_one
@@ -155,7 +175,6 @@ def test_two_fsdp2_trainer_ranks_on_ray_match_one_device(tiny_model_path: Path, 
         assert worst < 1e-4
     moved = load_file(tiny_model_path / "model.safetensors")
     assert max(float((weights_one[k] - moved[k]).abs().max()) for k in weights_one if k in moved) > 1e-4
-    assert wait_for_free_cpus(2.0) == 2.0
 
 
 def test_engine_replicas_behind_a_router_locally_and_as_ray_actors(tiny_model_path: Path, tmp_path: Path) -> None:
@@ -247,17 +266,22 @@ def test_a_hung_or_dead_actor_stops_the_run_with_one_clear_error() -> None:
     assert wait_for_free_cpus(2.0) == 2.0
 
 
-def test_two_fsdp2_trainer_ranks_on_ray_resume_exactly(tiny_model_path: Path, tmp_path: Path) -> None:
-    """Sharded checkpoints in the Ray runtime: 2 rank actors train 2 steps and stop; new actors resume from the
-    sharded checkpoint (every rank reads its shards and optimizer state) and the third step repeats the
-    uninterrupted run's."""
-    options = {"trainer.num_threads": "1", "run.checkpoint_every": "1"}
-    two_ranks = RAY_RUNTIME.model_copy(update={"trainer_ranks": 2})
+def test_two_fsdp2_trainer_ranks_on_ray_match_one_device_and_resume_exactly(
+    tiny_model_path: Path, tmp_path: Path, one_device: Path
+) -> None:
+    """2 FSDP2 rank actors (data shards, synced by broadcast) train 3 steps like one device
+    (`assert_two_ranks_match_one_device`). Sharded checkpoints: 2 rank actors train 2 steps and stop; new actors
+    resume from the sharded checkpoint (every rank reads its shards and optimizer state) and the third step repeats
+    the uninterrupted run's."""
+    ranks = {"runtime.type": '"ray"', "runtime.trainer_ranks": "2", **BROADCAST}
+    options = {**ONE_THREAD, "run.checkpoint_every": "1", **ranks}
+    two_ranks = TWO_RANKS
     full = run(
-        tiny_config(tiny_model_path, tmp_path, name="full", num_steps=3, **options),
+        tiny_config(tiny_model_path, tmp_path, name="full", num_steps=3, **options, **EXPORT),
         runtime=two_ranks,
         reward_fn=vowel_reward,
     )
+    assert_two_ranks_match_one_device(full, one_device, tiny_model_path, is_broadcast=True)
     split = tiny_config(tiny_model_path, tmp_path, name="split", num_steps=2, **options)
     stopped = run(split, runtime=two_ranks, reward_fn=vowel_reward)
     shards = sorted(path.name for path in (stopped / "checkpoints" / "step_000002").glob("*.distcp"))
