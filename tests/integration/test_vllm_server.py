@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_vllm_sync import assert_bounded_in_flight_run, corrupt_bucket, join_trainer_weight_group
+from test_vllm_sync import assert_bounded_in_flight_run, assert_partial_run, corrupt_bucket, join_trainer_weight_group
 
 from sharpen.config.engines import VllmServerEngineConfig
 from sharpen.orchestration.weight_sync import WeightSync
@@ -174,6 +174,14 @@ def test_an_async_run_with_in_flight_updates_trains_through_the_server(engine, t
         ],
     )
     assert_bounded_in_flight_run(run_embedded(config, engine=engine), num_steps=3)
+
+
+def test_partial_rollouts_in_async_mode_through_the_server(engine, smollm2_path: Path, tmp_path: Path) -> None:
+    """``rollout.partial`` in async mode on the server engine: as on the in-process engine
+    (test_vllm_sync.py: `assert_partial_run`), a trained token at most max_staleness + max_steps_spanned - 1 = 2
+    versions older than its step."""
+    overrides = ['rollout.engine.type="vllm_server"', 'rollout.mode="async"', "rollout.max_staleness=1"]
+    assert_partial_run(engine, smollm2_path, tmp_path, *overrides, max_age=2)
 
 
 def test_the_trainers_broadcast_lands_in_the_server_workers(engine, trainer, smollm2_path: Path) -> None:

@@ -269,9 +269,14 @@ def test_async_in_flight_updates_on_vllm(engine, smollm2_path: Path, tmp_path: P
 def test_partial_rollouts_on_vllm_carry_groups_across_steps_cut_at_chunk_boundaries(
     engine, smollm2_path: Path, tmp_path: Path
 ) -> None:
-    """``rollout.partial`` on the real engine: groups are carried unfinished into the next step and continued there
-    from their exact tokens (`chunk_request`: prompt and tokens so far) with the newer weights; every trained
-    completion's versions never decrease and change only where a round of ``chunk_tokens`` ended."""
+    assert_partial_run(engine, smollm2_path, tmp_path, max_age=1)
+
+
+def assert_partial_run(engine, smollm2_path: Path, tmp_path: Path, *overrides: str, max_age: int) -> None:
+    """``rollout.partial`` on a real engine, 3 steps of the demo recipe with ``overrides``: groups are carried
+    unfinished into the next step and continued there from their exact tokens (`chunk_request`: prompt and tokens so
+    far) with the newer weights; every trained completion's versions never decrease, are at most ``max_age`` older
+    than its step, and change only where a round of ``chunk_tokens`` ended."""
     import json
 
     from test_partial_rollouts_run import StopTokensEngine
@@ -298,7 +303,8 @@ def test_partial_rollouts_on_vllm_carry_groups_across_steps_cut_at_chunk_boundar
             "trainer.micro_batch_size=4",
             "monitoring.progress=false",
             "monitoring.num_recorded_rollouts=64",
-            'trainer.precision="float32"',  # the engine fixture is float32
+            'trainer.precision="float32"',  # the engine fixtures are float32
+            *overrides,
         ],
     )
     # SmolLM2 rambles to the length limit here, so every group would complete in the same round: stop tokens at
@@ -314,7 +320,7 @@ def test_partial_rollouts_on_vllm_carry_groups_across_steps_cut_at_chunk_boundar
     for record in records:
         versions = record["versions"]
         assert len(versions) == len(record["completion_ids"]) == len(record["completion_logprobs"])
-        assert versions == sorted(versions) and record["step"] - versions[0] <= 1  # max_steps_spanned - 1
+        assert versions == sorted(versions) and record["step"] - versions[0] <= max_age
         changes = [i for i in range(1, len(versions)) if versions[i] != versions[i - 1]]
         assert all(i % chunk == 0 for i in changes), versions
         spanning += bool(changes)
