@@ -19,6 +19,10 @@ from typing import Any
 from sharpen.monitoring.health import read_alarms
 from sharpen.monitoring.sinks import METRICS_FILE_NAME, read_jsonl
 
+LOSS_SCALE_FLOOR = 1.0
+"""fp16's dynamic loss scale never goes below this (`trainer.precision.MIN_LOSS_SCALE`; not imported: the monitoring
+layer imports no trainer): a run there overflows float16 in its forward pass, which no scale fixes."""
+
 PHASES = ("generate", "score", "train", "sync", "evaluate")
 
 
@@ -156,6 +160,13 @@ def run_warnings(rows: list[dict[str, Any]], *, probe_tolerance: float) -> list[
     nonfinite = [row["step"] for row in rows if row.get("train/num_nonfinite_updates", 0) > 0]
     if nonfinite:
         warnings.append(f"non-finite gradients at steps {nonfinite} (skipped; batches in nonfinite/)")
+    floor = [row["step"] for row in rows if row.get("train/loss_scale", math.inf) <= LOSS_SCALE_FLOOR]
+    if floor:
+        overflows = sum(row.get("train/num_loss_scale_overflows", 0.0) for row in rows)
+        warnings.append(
+            f"the fp16 loss scale reached its floor of {LOSS_SCALE_FLOOR:g} at step {floor[0]} (train/loss_scale; "
+            f"{overflows:.0f} overflows in all): the forward pass overflows float16 itself; train in bf16 or float32"
+        )
     spikes = [row["step"] for row in rows if row.get("health/grad_norm_spike", 0) > 0]
     if spikes:
         warnings.append(f"gradient-norm spikes at steps {spikes}")

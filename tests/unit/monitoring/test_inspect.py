@@ -93,3 +93,20 @@ def test_train_prints_the_run_doctor_when_the_run_ends(tmp_path: Path, monkeypat
     assert main(["train", "run.name=run"]) == 0
     err = capsys.readouterr().err
     assert "sharpen: warning: 100% of episodes were truncated" in err and "raise rollout.max_new_tokens" in err
+
+
+def test_an_fp16_loss_scale_at_its_floor_is_named_and_early_overflows_are_not(tmp_path: Path):
+    """Dynamic scaling halves the scale on the first overflows on purpose; a scale down at 1 means float16 overflows
+    in the forward pass itself."""
+    early = [_row(0.5, **{"train/loss_scale": scale}) for scale in (32768.0, 16384.0, 16384.0)]
+    early[0]["train/num_loss_scale_overflows"] = 1.0
+    early[1]["train/num_loss_scale_overflows"] = 1.0
+    _write_run(tmp_path / "early", early)
+    assert inspect_run(tmp_path / "early").warnings == []
+    floored = [_row(0.5, **{"train/loss_scale": 2.0, "train/num_loss_scale_overflows": 15.0})]
+    floored += [_row(0.5, **{"train/loss_scale": 1.0, "train/num_loss_scale_overflows": 1.0}) for _ in range(2)]
+    _write_run(tmp_path / "floored", floored)
+    assert inspect_run(tmp_path / "floored").warnings == [
+        "the fp16 loss scale reached its floor of 1 at step 1 (train/loss_scale; 17 overflows in all): the forward "
+        "pass overflows float16 itself; train in bf16 or float32"
+    ]
