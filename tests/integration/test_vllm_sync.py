@@ -273,10 +273,12 @@ def test_partial_rollouts_on_vllm_carry_groups_across_steps_cut_at_chunk_boundar
 
 
 def assert_partial_run(engine, smollm2_path: Path, tmp_path: Path, *overrides: str, max_age: int) -> None:
-    """``rollout.partial`` on a real engine, 3 steps of the demo recipe with ``overrides``: groups are carried
+    """``rollout.partial`` on a real engine, 4 steps of the demo recipe with ``overrides``: groups are carried
     unfinished into the next step and continued there from their exact tokens (`chunk_request`: prompt and tokens so
     far) with the newer weights; every trained completion's versions never decrease, are at most ``max_age`` older
-    than its step, and change only where a round of ``chunk_tokens`` ended."""
+    than its step, and change only where a round of ``chunk_tokens`` ended. Four steps, so that a group carried
+    unfinished with newer weights has three chances to appear (two in async mode, whose steps 0 and 1 both generate
+    with version 0)."""
     import json
 
     from test_partial_rollouts_run import StopTokensEngine
@@ -291,7 +293,7 @@ def assert_partial_run(engine, smollm2_path: Path, tmp_path: Path, *overrides: s
         [
             f"run.output_dir={json.dumps(str(tmp_path))}",
             'run.name="partial"',
-            "run.num_steps=3",
+            "run.num_steps=4",
             "run.export_model=false",
             "rollout.prompts_per_step=2",
             "rollout.num_samples_per_prompt=2",
@@ -312,10 +314,10 @@ def assert_partial_run(engine, smollm2_path: Path, tmp_path: Path, *overrides: s
     vocab_size = json.loads((smollm2_path / "config.json").read_text())["vocab_size"]
     run_dir = run_embedded(config, engine=StopTokensEngine(engine, vocab_size, every=8))  # pyright: ignore
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
     assert sum(row["partial/num_carried_groups"] for row in rows) > 0
     records = read_jsonl(run_dir / "rollouts.jsonl")
-    assert len(records) == 3 * 2 * 2  # every trained rollout of the 3 steps (2 groups of 2)
+    assert len(records) == 4 * 2 * 2  # every trained rollout of the 4 steps (2 groups of 2)
     spanning = 0
     for record in records:
         versions = record["versions"]
