@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,15 +177,17 @@ def start_task(driver: Any, url: str, seed: int, *, is_still: bool = False) -> N
 def _load(driver: Any, url: str) -> None:
     """Navigate to the task page at ``url`` and wait until its script has run, navigating once more if it has not
     within `_LOAD_WAIT_S`; a page that never loads raises (the browser's fault: the pool replaces it)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.wait import WebDriverWait
+
     for _ in range(2):
         driver.get(url)
-        deadline = time.monotonic() + _LOAD_WAIT_S
-        while not driver.execute_script(_LOADED_JS):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(_LOAD_POLL_S)
-        else:
+        wait = WebDriverWait(driver, _LOAD_WAIT_S, poll_frequency=_LOAD_POLL_S)
+        try:
+            wait.until(lambda d: d.execute_script(_LOADED_JS))
             return
+        except TimeoutException:
+            pass
     raise RuntimeError(f"MiniWoB task page {url} did not finish loading (no genProblem after two navigations)")
 
 
