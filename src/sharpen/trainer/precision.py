@@ -337,17 +337,6 @@ class LossScaler:
             self.scale *= LOSS_SCALE_GROWTH
             self.finite_steps = 0
 
-    def step_metrics(self, *, overflows_before: int, num_nonfinite: int) -> dict[str, float]:
-        """A trainer step's metrics: the scale after it, the step's overflows (``num_overflows`` went up from
-        ``overflows_before``), and its ``num_nonfinite`` skipped updates less those overflows, which are dynamic
-        scaling at work, not a bad step: the health guards read ``train/num_nonfinite_updates``."""
-        overflows = self.num_overflows - overflows_before
-        return {
-            "train/loss_scale": self.scale,
-            "train/num_loss_scale_overflows": float(overflows),
-            "train/num_nonfinite_updates": float(num_nonfinite - overflows),
-        }
-
     def state_dict(self) -> dict[str, float | int]:
         return {"scale": self.scale, "finite_steps": self.finite_steps, "growth_interval": self.growth_interval}
 

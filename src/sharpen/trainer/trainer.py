@@ -204,22 +204,22 @@ class Trainer:
             metrics["train/kl"] = self.reward_kl
         if algorithm.kl.needs_reference and math.isfinite(metrics["train/kl"]):
             self.objective.update_kl(metrics["train/kl"], len(rollouts))
-        # a non-finite gradient norm means the backend skipped that optimizer step (NaN/Inf guard)
+        # a non-finite gradient norm means the backend skipped that optimizer step (NaN/Inf guard); under fp16 the
+        # ones the loss scale answered by halving are dynamic scaling at work, not bad steps (`LossScaler`)
         finite = [norm for norm in grad_norms if math.isfinite(norm)]
+        overflows = scaler.num_overflows - overflows_before if scaler is not None else 0
         metrics.update(
             {
                 "train/grad_norm": sum(finite) / len(finite) if finite else float("nan"),
                 "train/num_loss_tokens": num_tokens / algorithm.num_epochs,
                 "train/num_sequences": float(len(rollouts)),
                 "train/num_optimizer_steps": float(len(finite)),
-                "train/num_nonfinite_updates": float(len(grad_norms) - len(finite)),
+                "train/num_nonfinite_updates": float(len(grad_norms) - len(finite) - overflows),
                 "train/kl_coef": kl_coef,
             }
         )
         if scaler is not None:
-            metrics |= scaler.step_metrics(
-                overflows_before=overflows_before, num_nonfinite=len(grad_norms) - len(finite)
-            )
+            metrics |= {"train/loss_scale": scaler.scale, "train/num_loss_scale_overflows": float(overflows)}
         if skip_above is not None:
             metrics["train/num_skipped_updates"] = float(sum(norm > skip_above for norm in finite))
             metrics["train/num_optimizer_steps"] -= metrics["train/num_skipped_updates"]
