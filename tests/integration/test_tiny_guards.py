@@ -11,7 +11,11 @@ from test_tiny_loop import run_in_this_process, tiny_config
 
 from sharpen.monitoring import ALARMS_FILE_NAME, RunStopped, read_jsonl
 
-GUARDS = {"monitoring.guards.entropy_floor": "0.3", "monitoring.guards.entropy_drop_factor": "3.0"}
+GUARDS = {
+    "monitoring.guards.entropy_floor": "0.3",
+    "monitoring.guards.entropy_drop_factor": "3.0",
+    "monitoring.guards.entropy_rise_factor": "3.0",
+}
 """docs/algorithms.md's starting thresholds for the entropy; the mismatch ceiling is 1e-3 nats (float32 here)."""
 
 
@@ -23,11 +27,16 @@ def test_guards_stay_silent_on_a_healthy_run_and_stop_on_an_alarm(tiny_model_pat
         name="healthy",
         num_steps=3,
         **GUARDS,
-        **{"monitoring.guards.mismatch_ceiling": "1e-3", "monitoring.guards.patience": "1"},
+        **{
+            "monitoring.guards.mismatch_ceiling": "1e-3",
+            "monitoring.guards.patience": "1",
+            "monitoring.guards.early_steps": "1",  # the drop and the rise are judged at steps 1 and 2
+        },
     )
     run_dir = run_in_this_process(healthy)
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    assert [(row["health/alarm_entropy_collapse"], row["health/alarm_mismatch"]) for row in rows] == [(0.0, 0.0)] * 3
+    alarms = ("health/alarm_entropy_collapse", "health/alarm_entropy_blowup", "health/alarm_mismatch")
+    assert [tuple(row[name] for name in alarms) for row in rows] == [(0.0, 0.0, 0.0)] * 3
     assert not (run_dir / ALARMS_FILE_NAME).exists()
 
     # a floor above the random model's entropy (~log(49152) = 10.8 nats at most): the alarm fires at step 1

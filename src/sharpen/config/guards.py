@@ -30,8 +30,13 @@ class GuardsConfig(Section):
     entropy_drop_factor: float | None = Field(default=None, gt=1.0)
     """Alarm ``entropy_collapse`` also when ``train/entropy`` stays below its early median (the median of its first
     ``early_steps`` steps) divided by this factor (None: off)."""
+    entropy_rise_factor: float | None = Field(default=None, gt=1.0)
+    """Alarm ``entropy_blowup`` when ``train/entropy`` stays above its early median times this (None: off): the
+    policy turning to noise, as a too-large learning rate does (a tiny Llama at learning rate 2e-3 went from 1.0 to
+    10.2 nats, the uniform distribution over its 49k words, in 7 steps)."""
     early_steps: int = Field(default=5, ge=1)
-    """Steps whose entropy make the early median of entropy_drop_factor; the drop is judged from the next step on."""
+    """Steps whose entropy make the early median of entropy_drop_factor and entropy_rise_factor; the drop or rise is
+    judged from the next step on."""
     mismatch_ceiling: float | None = Field(default=None, gt=0.0)
     """Alarm ``mismatch`` when the engine/trainer mismatch stays above this: ``offpolicy/kl_k3`` (every step) or
     the parity probe's ``parity/k3`` (its steps), both the k3 estimate of KL(engine || trainer) in nats per token

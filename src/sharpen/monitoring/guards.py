@@ -1,7 +1,8 @@
 """Stability alarms: the rules of ``monitoring.guards`` over a run's logged signals, fed one step's metrics at a time.
 
-Owns two alarms. ``entropy_collapse``: the policy's mean token entropy (``train/entropy``) below
-``entropy_floor``, or below its early median divided by ``entropy_drop_factor``; ``mismatch``: the engine/trainer
+Owns three alarms. ``entropy_collapse``: the policy's mean token entropy (``train/entropy``) below
+``entropy_floor``, or below its early median divided by ``entropy_drop_factor``; ``entropy_blowup``: the entropy
+above its early median times ``entropy_rise_factor``; ``mismatch``: the engine/trainer
 mismatch (``offpolicy/kl_k3`` every step, the parity probe's ``parity/k3`` on its steps) above ``mismatch_ceiling``.
 Each fires once, at the step where its signal has been out of bounds for ``patience`` consecutive measurements, and
 is armed again when the signal comes back. Pure: it writes and logs nothing (`RunHealth` does, and applies the
@@ -50,7 +51,7 @@ class Rollback:
 class Alarm:
     step: int
     name: str
-    """``entropy_collapse`` or ``mismatch``."""
+    """``entropy_collapse``, ``entropy_blowup`` or ``mismatch``."""
     signal: str
     """The metric that was out of bounds."""
     value: float
@@ -87,8 +88,10 @@ class StabilityAlarms:
 
     config: GuardsConfig
     early_entropy: list[float] = field(default_factory=list[float])
-    """The first ``early_steps`` finite entropies (their median is entropy_drop_factor's reference)."""
+    """The first ``early_steps`` finite entropies (their median is entropy_drop_factor's and entropy_rise_factor's
+    reference)."""
     entropy_streak: _Streak = field(default_factory=_Streak)
+    blowup_streak: _Streak = field(default_factory=_Streak)
     mismatch_streak: _Streak = field(default_factory=_Streak)
 
     @property
@@ -98,6 +101,8 @@ class StabilityAlarms:
         names = []
         if config.entropy_floor is not None or config.entropy_drop_factor is not None:
             names.append("entropy_collapse")
+        if config.entropy_rise_factor is not None:
+            names.append("entropy_blowup")
         if config.mismatch_ceiling is not None:
             names.append("mismatch")
         return names
@@ -105,7 +110,7 @@ class StabilityAlarms:
     def observe(self, step: int, metrics: Mapping[str, float]) -> list[Alarm]:
         """The alarms that fire at ``step``, given its metrics (a signal missing or not finite is not a
         measurement: its streak neither grows nor breaks)."""
-        fired = [self._entropy(step, metrics), self._mismatch(step, metrics)]
+        fired = [*self._entropy(step, metrics), self._mismatch(step, metrics)]
         return [alarm for alarm in fired if alarm is not None]
 
     def entropy_bound(self) -> float | None:
@@ -119,13 +124,28 @@ class StabilityAlarms:
             bounds.append(statistics.median(self.early_entropy) / config.entropy_drop_factor)
         return max(bounds) if bounds else None
 
-    def _entropy(self, step: int, metrics: Mapping[str, float]) -> Alarm | None:
-        entropy = metrics.get(ENTROPY_SIGNAL)
-        if "entropy_collapse" not in self.names or entropy is None or not math.isfinite(entropy):
+    def entropy_ceiling(self) -> float | None:
+        """The entropy above which a step counts as blown up now: the early median times the rise factor (None:
+        off, or fewer than ``early_steps`` entropies seen)."""
+        factor = self.config.entropy_rise_factor
+        if factor is None or len(self.early_entropy) < self.config.early_steps:
             return None
-        bound = self.entropy_bound()
+        return statistics.median(self.early_entropy) * factor
+
+    def _entropy(self, step: int, metrics: Mapping[str, float]) -> tuple[Alarm | None, Alarm | None]:
+        """The entropy alarms that fire at ``step``: collapse, blow-up."""
+        entropy = metrics.get(ENTROPY_SIGNAL)
+        names = self.names
+        if not {"entropy_collapse", "entropy_blowup"} & set(names) or entropy is None or not math.isfinite(entropy):
+            return None, None
+        bound, ceiling = self.entropy_bound(), self.entropy_ceiling()
         if len(self.early_entropy) < self.config.early_steps:
-            self.early_entropy.append(entropy)  # after the bound: a step is never judged against itself
+            self.early_entropy.append(entropy)  # after the bounds: a step is never judged against itself
+        collapse = self._collapse(step, entropy, bound) if "entropy_collapse" in names else None
+        blowup = self._blowup(step, entropy, ceiling) if "entropy_blowup" in names else None
+        return collapse, blowup
+
+    def _collapse(self, step: int, entropy: float, bound: float | None) -> Alarm | None:
         if not self.entropy_streak.observe(bound is not None and entropy < bound, self.config.patience):
             return None
         assert bound is not None
@@ -139,6 +159,23 @@ class StabilityAlarms:
                 f"step {step}: entropy_collapse alarm: {ENTROPY_SIGNAL} = {entropy:.4g} below {bound:.4g} for "
                 f"{self.config.patience} steps (trainer.algorithm.entropy_coef or entropy.target, or a lower "
                 "learning rate)"
+            ),
+        )
+
+    def _blowup(self, step: int, entropy: float, ceiling: float | None) -> Alarm | None:
+        if not self.blowup_streak.observe(ceiling is not None and entropy > ceiling, self.config.patience):
+            return None
+        assert ceiling is not None
+        return Alarm(
+            step=step,
+            name="entropy_blowup",
+            signal=ENTROPY_SIGNAL,
+            value=entropy,
+            threshold=ceiling,
+            message=(
+                f"step {step}: entropy_blowup alarm: {ENTROPY_SIGNAL} = {entropy:.4g} above {ceiling:.4g} for "
+                f"{self.config.patience} steps (the policy is turning to noise: a lower trainer.learning_rate, "
+                'trainer.max_grad_norm, or monitoring.guards.on_alarm = "rollback")'
             ),
         )
 

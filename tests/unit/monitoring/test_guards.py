@@ -46,6 +46,34 @@ def test_early_steps_are_not_judged_against_themselves():
     assert fired_steps(GuardsConfig(entropy_drop_factor=2.0, early_steps=3, patience=1), rows) == []
 
 
+def test_entropy_rising_by_a_factor_from_its_early_median_fires_and_rearms():
+    # train/entropy of benchmarks/turn_credit.py's tiny Llama at learning rate 2e-3 (steps 0 to 9), where the policy
+    # turned to noise (10.2 nats: uniform over its 49k words), then a recovery and a second rise
+    rows = entropy_rows([0.99, 1.0, 1.07, 1.83, 4.08, 5.9, 7.04, 10.22, 10.22, 10.22, 1.2, 3.5, 3.6])
+    # early median of [0.99, 1.0, 1.07] = 1.0, ceiling 1.0 x 3 = 3.0: steps 4, 5 above (fires at 5), on above
+    # without a second alarm; step 10 comes back; 11, 12 above (fires again at 12)
+    config = GuardsConfig(entropy_rise_factor=3.0, early_steps=3, patience=2)
+    assert fired_steps(config, rows) == [
+        (5, "entropy_blowup", "train/entropy"),
+        (12, "entropy_blowup", "train/entropy"),
+    ]
+    alarms = StabilityAlarms(config=config)
+    for step, row in enumerate(rows[:6]):
+        fired = alarms.observe(step, row)
+    assert fired[0].threshold == 3.0 and fired[0].value == 5.9
+    assert fired[0].message.startswith("step 5: entropy_blowup alarm: train/entropy = 5.9 above 3 for 2 steps")
+    # the collapse alarm on the same signal does not fire on a rise, nor the blow-up on a drop
+    both = GuardsConfig(entropy_rise_factor=3.0, entropy_drop_factor=3.0, early_steps=3, patience=2)
+    assert [name for _, name, _ in fired_steps(both, rows)] == ["entropy_blowup", "entropy_blowup"]
+    assert fired_steps(both, entropy_rows([1.0, 1.0, 1.0, 0.2, 0.2])) == [(4, "entropy_collapse", "train/entropy")]
+
+
+def test_early_steps_are_not_judged_against_themselves_for_a_rise():
+    # a blow-up inside the early steps raises the median itself: 10.2 is not 3 x the median of [1, 5, 10.2] = 5
+    rows = entropy_rows([1.0, 5.0, 10.2, 10.2, 10.2])
+    assert fired_steps(GuardsConfig(entropy_rise_factor=3.0, early_steps=3, patience=1), rows) == []
+
+
 def test_mismatch_over_the_ceiling_fires_on_the_offpolicy_or_the_parity_signal():
     rows = [
         {"offpolicy/kl_k3": 0.001},
@@ -63,7 +91,9 @@ def test_a_stable_run_stays_silent():
     rows = [
         {"train/entropy": 1.2 + 0.1 * (-1) ** step, "offpolicy/kl_k3": 2e-4, "parity/k3": 1e-4} for step in range(50)
     ]
-    config = GuardsConfig(entropy_floor=0.3, entropy_drop_factor=3.0, mismatch_ceiling=1e-3, patience=1)
+    config = GuardsConfig(
+        entropy_floor=0.3, entropy_drop_factor=3.0, entropy_rise_factor=3.0, mismatch_ceiling=1e-3, patience=1
+    )
     assert fired_steps(config, rows) == []
 
 
