@@ -26,14 +26,22 @@ ENVIRONMENTS_WITH_TASKS = ("guess_number", "gymnasium", "textarena", "verifiers"
 """The environments that make their own tasks (``data.type = "environment"``)."""
 
 
+PARTIAL_ENVIRONMENTS = ("single_turn", "guess_number")
+"""The environments whose unfinished episodes ``rollout.partial`` may carry across steps (and checkpoints): their
+state is plain data that pickles with the episode."""
+
+
 def check_across_sections(config: SharpenConfig) -> None:
     _check_batches(config)
     _check_environment(config)
     check_scale_out(config)
     _check_advantage(config)
-    if config.rollout.partial.enabled and config.environment.type != "single_turn":
+    if config.rollout.partial.enabled and config.environment.type not in PARTIAL_ENVIRONMENTS:
         raise ValueError(
-            f'rollout.partial carries single-turn episodes only, not environment.type = "{config.environment.type}"'
+            "rollout.partial carries episodes whose environment state is plain data "
+            f"({', '.join(PARTIAL_ENVIRONMENTS)}), "
+            f'not environment.type = "{config.environment.type}": an unfinished episode goes into the checkpoint with '
+            "its environment, which an outside sandbox, browser or service cannot"
         )
     _check_lora(config)
     _check_fp16(config)

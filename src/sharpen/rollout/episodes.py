@@ -384,13 +384,15 @@ class EpisodeRunner:
                 episode.images = prompts.images_of(observation)
         return episodes
 
-    def request_of(self, episode: EpisodeState, sampling: SamplingParams, *, seed: int | str) -> SamplingParams:
-        """The sampling of an opened episode's (single) turn: the turn's token budget and seed, as `run` gives it."""
-        return _request(episode, sampling, limits=self.limits, seed=seed, turn=0)[1]
+    def request_of(
+        self, episode: EpisodeState, sampling: SamplingParams, *, seed: int | str, turn: int = 0
+    ) -> SamplingParams:
+        """The sampling of an opened episode's turn ``turn``: its token budget and seed, as `run` gives them."""
+        return _request(episode, sampling, limits=self.limits, seed=seed, turn=turn)[1]
 
-    async def close_turn(self, episode: EpisodeState, completion: Completion) -> None:
-        """An opened episode's single turn is ``completion`` (per-token versions set): record it and step the
-        environment with it, as `run` does."""
+    async def close_turn(self, episode: EpisodeState, completion: Completion, *, turn: int = 0) -> None:
+        """An opened episode's turn ``turn`` is ``completion`` (per-token versions set): record it, step the
+        environment with it and end the episode or append the observation for the next turn, as `run` does."""
         assert completion.versions is not None
         _append(episode, completion.token_ids, completion.logprobs, versions=completion.versions, is_generated=True)
         episode.add_routes(completion.routes)
@@ -398,10 +400,7 @@ class EpisodeRunner:
         result = await _step(episode, completion.text)
         version = completion.versions[-1] if completion.versions else 0
         renderers = {"tokenizer": self.tokenizer, "vision": self.vision}
-        _advance(episode, completion, result, version=version, limits=self.limits, turn=0, **renderers)
-        if not episode.is_done:  # a single-turn environment ends with its turn
-            name = episode.environment.name
-            raise ConfigError(f"environment {name!r} is not single-turn, which rollout.partial needs")
+        _advance(episode, completion, result, version=version, limits=self.limits, turn=turn, **renderers)
 
     def _new_episode(self, example: Example, example_index: int, sample_index: int) -> EpisodeState:
         environment, limits, sandbox = self.make_environment(), self.limits, self.sandbox

@@ -5,6 +5,7 @@ worked out by hand in each test's comments (4 tokens per round)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,12 @@ from typing import Any
 import pytest
 
 from sharpen.config import ConfigError, load_config
+from sharpen.environments.base import EpisodeContext, EpisodeLimits, StepResult
 from sharpen.monitoring import PhaseTimer
 from sharpen.orchestration.batches import GroupCollector, PartialCollector, load_pending, save_pending
 from sharpen.orchestration.batches.base import ProducedBatch, with_carried
+from sharpen.orchestration.batches.partial import CarriedGroup
+from sharpen.orchestration.batches.weights import PartialCompletion
 from sharpen.rollout.episodes import EpisodeRunner
 from sharpen.testing import ByteChatTokenizer
 from sharpen.types import Completion, Example, Message, RewardResult, RewardStatus, SamplingParams
@@ -107,12 +111,45 @@ def partial_config(*overrides: str) -> Any:
     )
 
 
-def collector(config: Any, *, position: int = 0, pending: list[ProducedBatch] | None = None) -> PartialCollector:
+class TwoTurnsEnvironment:
+    """Two turns an episode: the first answered with "again", the second ends it; the reward (step rewards, so the
+    rubric is not asked) is the number of characters of the two answers. Its state is plain data, as
+    rollout.partial needs: the turns taken and the answers so far."""
+
+    name = "two_turns"
+    version = "1"
+
+    def __init__(self) -> None:
+        self.answers: list[str] = []
+
+    async def reset(self, example: Example, ctx: EpisodeContext) -> list[Message]:
+        self.answers = []
+        return list(example.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        self.answers.append(action)
+        if len(self.answers) == 2:
+            return StepResult(reward=float(sum(map(len, self.answers))), terminated=True)
+        return StepResult(observation=[Message(role="user", content="again")], reward=0.0)
+
+
+TWO_TURNS = EpisodeRunner(
+    tokenizer=TOKENIZER, make_environment=TwoTurnsEnvironment, limits=EpisodeLimits(max_turns=2, max_tokens=256)
+)
+
+
+def collector(
+    config: Any,
+    *,
+    position: int = 0,
+    pending: list[ProducedBatch] | None = None,
+    runner: EpisodeRunner | None = None,
+) -> PartialCollector:
     sampler = InOrderSampler(EXAMPLES)
     sampler.position = position
     inner = GroupCollector(
         config,
-        runner=EpisodeRunner(tokenizer=TOKENIZER),
+        runner=runner or EpisodeRunner(tokenizer=TOKENIZER),
         rubric=score_length,  # pyright: ignore[reportArgumentType]
         sampler=sampler,  # pyright: ignore[reportArgumentType]
     )
@@ -193,13 +230,95 @@ def test_carried_groups_survive_a_checkpoint_and_the_resumed_steps_repeat(tmp_pa
     assert [b.metrics for b in resumed] == [b.metrics for b in full[2:]]
 
 
+def generated_versions(rollout: Any) -> list[int]:
+    return [v for v, trained in zip(rollout.versions, rollout.loss_mask, strict=True) if trained]
+
+
+def test_multi_turn_episodes_are_carried_between_turns_and_within_them() -> None:
+    engine = LengthEngine()
+    maker = collector(partial_config("rollout.partial.max_steps_spanned=3"), runner=TWO_TURNS)
+    first, second = run_steps(maker, engine, range(2))
+    # every turn of example n is n tokens. Step 0: 2, 12, 3, 16 in flight; round 1 ends the first turns of 2 and 3
+    # (their environments step and answer "again"); round 2 ends their second turns: 2 and 3 are complete, and 12
+    # and 16 are carried inside their first turn with 8 tokens of version 0 each
+    assert lengths(first) == [2, 3]
+    assert first.metrics["partial/num_rounds"] == 2
+    assert first.metrics["partial/num_carried_tokens"] == 2 * (8 + 8)
+    rollout = first.groups[0].rollouts[0]
+    again = TOKENIZER.decode(rollout.completion_ids[2:-2])
+    assert "again" in again and rollout.completion_ids[:2] == rollout.completion_ids[-2:] == [FILL] * 2
+    assert rollout.episode is not None and [turn.reward for turn in rollout.episode.turns] == [0.0, 4.0]
+    # step 1 (version 1): 12, 16, 5, 6. Round 1: 12 ends its first turn (12 tokens), 16 at 12, 5 and 6 at 4;
+    # round 2: 12's second turn at 4, 16's first ends, 5's and 6's first end; round 3: 12 at 8, 16 at 4, 5 and 6
+    # end their second turns; round 4: 12 ends: 12, 5, 6 complete; the batch takes 12 (drawn at step 0) and 5
+    assert lengths(second) == [12, 5]
+    assert second.metrics["partial/num_rounds"] == 4
+    resumed = second.groups[0].rollouts[1]
+    # 12's first turn: 8 tokens of version 0 and 4 of version 1; its second turn all version 1
+    assert generated_versions(resumed) == [0] * 8 + [1] * 4 + [1] * 12
+    assert resumed.episode is not None and [turn.action_text for turn in resumed.episode.turns] == ["x" * 12] * 2
+    assert second.groups[0].scores == [24.0, 24.0]
+    assert second.metrics["partial/older_policy_token_share"] == pytest.approx(2 * 8 / (2 * (24 + 10)))
+    # 16 is carried with its first turn done (16 tokens) and 8 of its second (rounds 3 and 4); 6 complete
+    assert second.metrics["partial/num_carried_tokens"] == 2 * (16 + 8) + 2 * 12
+    # every turn's tokens were generated once, carried or not
+    assert engine.generated == {2: 2 * 4, 3: 2 * 6, 12: 2 * 24, 5: 2 * 10, 16: 2 * 24, 6: 2 * 12}
+
+
+def test_carried_multi_turn_episodes_survive_a_checkpoint_with_their_environments(tmp_path: Path) -> None:
+    config = partial_config("rollout.partial.max_steps_spanned=3")
+    full = run_steps(collector(config, runner=TWO_TURNS), LengthEngine(), range(4))
+    first = run_steps(collector(config, runner=TWO_TURNS), LengthEngine(), range(2))[-1]
+    save_pending(tmp_path, with_carried([], first))
+    kept = load_pending(tmp_path)
+    resumed = run_steps(collector(config, position=6, pending=kept, runner=TWO_TURNS), LengthEngine(), range(2, 4))
+
+    def view(batch: ProducedBatch) -> list[Any]:
+        return [
+            (g.scores, [(r.completion_ids, r.versions, r.episode and r.episode.turns) for r in g.rollouts])
+            for g in batch.groups
+        ]
+
+    assert [view(b) for b in resumed] == [view(b) for b in full[2:]]
+    assert [b.metrics for b in resumed] == [b.metrics for b in full[2:]]
+
+
+def test_a_checkpoint_from_before_multi_turn_carrying_goes_on() -> None:
+    """Such a checkpoint's carried groups have no turn numbers, and a group complete beyond the batch had its ended
+    turns left to record with the batch: they are recorded when the collector starts, and the group is taken."""
+    runner = EpisodeRunner(tokenizer=TOKENIZER)
+    example = EXAMPLES[0]  # len=2
+    episodes = asyncio.run(runner.open_episodes(example, 0, 2))
+    old = CarriedGroup(
+        example=example,
+        first_step=0,
+        index=0,
+        seed="0/0",
+        episodes=episodes,
+        params=[runner.request_of(e, SamplingParams(max_new_tokens=16), seed="0/0") for e in episodes],
+        turns=[
+            PartialCompletion(token_ids=[FILL] * 2, logprobs=[-0.5] * 2, versions=[0, 0], texts=["xx"], is_done=True)
+            for _ in episodes
+        ],
+    )
+    del old.turn_numbers  # as pickled before the field existed
+    old.turns[0].finish_reason = old.turns[1].finish_reason = "stop"
+    pending = [ProducedBatch(step=0, groups=[], carried=[old])]
+    maker = collector(partial_config(), position=4, pending=pending)
+    assert all(e.is_done for e in maker.carried[0].episodes) and maker.carried[0].turn_numbers == [0, 0]
+    batch = run_steps(maker, LengthEngine(), range(1, 2))[0]
+    assert batch.groups[0].example.task_key == "t/0"
+    assert [r.completion_ids for r in batch.groups[0].rollouts] == [[FILL] * 2] * 2
+    assert batch.groups[0].scores == [2.0, 2.0]
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
         (['rollout.engine.type="scripted"'], "needs an engine that can resume a request from its tokens"),
         (["rollout.partial.extra_prompts=3"], "extra_prompts = 3 must be at most rollout.prompts_per_step = 2"),
         (['rollout.mode="async"', 'rollout.weight_updates="in_flight"'], 'needs rollout.weight_updates = "between'),
-        (['environment.type="calculator"'], "single-turn episodes only"),
+        (['environment.type="calculator"'], "whose environment state is plain data"),
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(overrides: list[str], message: str) -> None:

@@ -3,17 +3,21 @@
 them are complete; the unfinished groups are carried into the next step.
 
 How, in one paragraph. ``prompts_per_step + extra_prompts`` groups are in flight: the groups carried from earlier
-steps first, then new examples drawn to fill up. Their single turns are generated in rounds of at most
-``chunk_tokens`` tokens per request (`weights.chunk_request`: the prompt and the request's tokens so far, a seed per
-position); after each round the batch closes once ``prompts_per_step`` groups are complete and every group at its
-last allowed step (``max_steps_spanned``) is complete too. The complete groups, oldest first, make the batch; the rest
-(unfinished, or complete beyond the batch) are carried. A carried request goes on from its exact tokens with the
-weights of the next step; each token keeps the version that sampled it (`Rollout.versions`), which the off-policy
-correction reads through the engine's logprobs. Which groups close a batch depends on token counts, not on timing, so
-a run is reproducible on an engine that honours per-request seeds; the carried groups travel with each batch
-(`ProducedBatch.carried`) into the checkpoint, so a resumed run goes on with exactly them.
+steps first, then new examples drawn to fill up. Their episodes' turns are generated in rounds of at most
+``chunk_tokens`` tokens per request (`weights.chunk_request`: the episode so far and the turn's tokens so far, a
+seed per position); a turn that ends steps its environment at once, as `EpisodeRunner.run` does, and the episode's
+next turn goes on in the next round. After each round the batch closes once ``prompts_per_step`` groups are complete
+(every episode ended) and every group at its last allowed step (``max_steps_spanned``) is complete too. The complete
+groups, oldest first, make the batch; the rest (unfinished, or complete beyond the batch) are carried. A carried
+request goes on from its exact tokens with the weights of the next step; each token keeps the version that sampled
+it (`Rollout.versions`), which the off-policy correction reads through the engine's logprobs. Which groups close a
+batch depends on token counts, not on timing, so a run is reproducible on an engine that honours per-request seeds;
+the carried groups, their environments' state with them, travel with each batch (`ProducedBatch.carried`) into the
+checkpoint, so a resumed run goes on with exactly them. That is why only environments whose state is plain data may
+be carried (config/cross_checks.py).
 
-Not here: multi-turn episodes (the config refuses them), dynamic sampling, in-flight weight updates.
+Not here: environments with outside state (sandboxes, browsers, services), agents, dynamic sampling, in-flight weight
+updates.
 """
 
 from __future__ import annotations
@@ -51,11 +55,15 @@ class CarriedGroup:
     """The sampling seed of the step that drew it (each request's own seed derives from it)."""
     episodes: list[EpisodeState]
     params: list[SamplingParams]
+    """Each episode's sampling of its current turn."""
     turns: list[PartialCompletion] = field(default_factory=list[PartialCompletion])
+    """Each episode's current turn so far."""
+    turn_numbers: list[int] = field(default_factory=list[int])
+    """Each episode's current turn's number, from 0."""
 
     @property
     def is_complete(self) -> bool:
-        return all(turn.is_done for turn in self.turns)
+        return all(episode.is_done for episode in self.episodes)
 
     @property
     def order(self) -> tuple[int, int]:
@@ -73,6 +81,7 @@ class PartialCollector:
         kept = [batch for batch in pending if batch.carried is not None]
         last = max(kept, key=lambda batch: batch.step, default=None)
         self.carried: list[CarriedGroup] = [] if last is None else _copy(last.carried or [])
+        asyncio.run(self._close_turns(_from_single_turn_checkpoint(self.carried)))
 
     def collect(self, engine: InferenceEngine, *, step: int, timer: PhaseTimer) -> ProducedBatch:
         config = self.collector.config
@@ -126,6 +135,7 @@ class PartialCollector:
                     episodes=episodes,
                     params=params,
                     turns=turns,
+                    turn_numbers=[0] * len(episodes),
                 )
             )
         return groups
@@ -142,26 +152,40 @@ class PartialCollector:
         """Rounds of ``chunk_tokens`` per unfinished request until the batch closes; returns the number of rounds."""
         num_rounds = 0
         while not self._is_closed(flight, step=step):
-            live = [(g, i) for g in flight for i, turn in enumerate(g.turns) if not turn.is_done]
+            live = [(g, i) for g in flight for i, episode in enumerate(g.episodes) if not episode.is_done]
             requests = [
-                chunk_request(g.episodes[i].prompt_ids, g.params[i], g.turns[i], self.partial.chunk_tokens)
+                chunk_request(
+                    g.episodes[i].prompt_ids + g.episodes[i].completion_ids,
+                    g.params[i],
+                    g.turns[i],
+                    self.partial.chunk_tokens,
+                )
                 for g, i in live
             ]
             outputs = engine.generate([ids for ids, _ in requests], [params for _, params in requests])
             version = engine.policy_version
             for (group, i), output in zip(live, outputs, strict=True):
                 group.turns[i].extend(output, version=version, limit=group.params[i].max_new_tokens)
+            asyncio.run(self._close_turns([(g, i) for g, i in live if g.turns[i].is_done]))
             num_rounds += 1
         return num_rounds
 
+    async def _close_turns(self, ended: list[tuple[CarriedGroup, int]]) -> None:
+        """Each ended turn recorded and its environment stepped, as the runner does; an episode that goes on gets
+        its next turn's sampling and an empty turn."""
+        runner, sampling = self.collector.runner, self.collector.sampling
+        for group, i in ended:
+            episode, number = group.episodes[i], group.turn_numbers[i]
+            await runner.close_turn(episode, group.turns[i].completion(self._decode), turn=number)
+            if not episode.is_done:
+                group.turn_numbers[i] = number + 1
+                group.params[i] = runner.request_of(episode, sampling, seed=group.seed, turn=number + 1)
+                group.turns[i] = PartialCompletion()
+
     async def _close(self, taken: list[CarriedGroup]) -> list[RolloutGroup]:
-        """The groups of the batch: each episode's turn recorded and its environment stepped, as the runner does."""
-        runner = self.collector.runner
+        """The groups of the batch, their episodes ended (every turn recorded, every environment stepped)."""
         groups = []
         for group in taken:
-            for episode, turn in zip(group.episodes, group.turns, strict=True):
-                if not episode.is_done:
-                    await runner.close_turn(episode, turn.completion(self._decode))
             rollouts = [rollout_of(group.example, episode) for episode in group.episodes]
             groups.append(RolloutGroup(example=group.example, rollouts=rollouts))
         return groups
@@ -173,16 +197,37 @@ class PartialCollector:
 def partial_metrics(
     taken: list[CarriedGroup], carried: list[CarriedGroup], *, step: int, version: int
 ) -> dict[str, float]:
-    """What partial rollouts did in a step: groups carried on and resumed, and the share of the batch's generated
-    tokens sampled by a policy older than ``version`` (the one the batch closed with)."""
-    versions = [v for g in taken for turn in g.turns for v in turn.versions]
+    """What partial rollouts did in a step: groups carried on and resumed (with the tokens they generated so far), and
+    the share of the batch's generated tokens sampled by a policy older than ``version`` (the one the batch closed
+    with)."""
+    versions = [v for g in taken for e in g.episodes for v, m in zip(e.versions, e.loss_mask, strict=True) if m]
     return {
         "partial/num_carried_groups": float(len(carried)),
-        "partial/num_carried_tokens": float(sum(len(turn.token_ids) for g in carried for turn in g.turns)),
+        "partial/num_carried_tokens": float(
+            sum(
+                sum(e.loss_mask) + (0 if e.is_done else len(turn.token_ids))
+                for g in carried
+                for e, turn in zip(g.episodes, g.turns, strict=True)
+            )
+        ),
         "partial/num_resumed_groups": float(sum(g.first_step < step for g in taken)),
         "partial/older_policy_token_share": sum(v < version for v in versions) / len(versions) if versions else 0.0,
         "partial/max_steps_spanned": float(max((step - g.first_step + 1 for g in taken), default=0)),
     }
+
+
+def _from_single_turn_checkpoint(groups: list[CarriedGroup]) -> list[tuple[CarriedGroup, int]]:
+    """Carried groups of a checkpoint written before multi-turn episodes could be carried have no turn numbers, and
+    their ended turns were not yet recorded (that waited for the batch): number them, and return the ended turns,
+    which the caller closes."""
+    ended = []
+    for group in groups:
+        if "turn_numbers" not in vars(group):
+            group.turn_numbers = [0] * len(group.episodes)
+            ended += [
+                (group, i) for i, turn in enumerate(group.turns) if turn.is_done and not group.episodes[i].is_done
+            ]
+    return ended
 
 
 def _copy(groups: list[CarriedGroup]) -> list[CarriedGroup]:
