@@ -9,25 +9,29 @@ metrics.jsonl (``reward/mean``: the fraction of games won, one step being prompt
 run, the mean reward of the first and of the last ``--window`` steps, the area under the reward curve (the mean
 reward over all steps: higher is faster learning), the first step whose trailing ``--window``-step mean reaches
 ``--threshold`` and the wall time; then a side-by-side table per seed, and whether "turn-level >= GRPO" holds per seed
-and on average (on the area under the curve, the "learns at least as fast" of issue 34, and on the last steps).
+and on average (on the area under the curve, the "learns at least as fast" of issue 34, and on the last steps);
+then the paired per-step differences against the first estimator (mean, its standard error over the steps, which
+treats the steps as independent and so understates it, and the steps above, level and below). ``--report DIR``
+prints that report again from the finished runs of an earlier ``--out DIR``.
 
-The model (``--model``): ``tiny`` (default) is a warm-started tiny Llama built here first (under two minutes),
-because a step of SmolLM2-135M-Instruct takes minutes on a CPU and SmolLM2 does not answer the game's format
-(docs/algorithms.md): `sharpen.testing.save_tiny_llama` (2 layers, ``--hidden-size``, SmolLM2's tokenizer and chat
-template), then ``--warm-start-steps`` AdamW steps of next-token loss on the guesses of whole games rendered the way
-the episodes render them (`sharpen.data.chat`): every guess a number drawn uniformly from the game's range,
-independently of the secret and of the hints, then the end of the turn. Like the colour models of
-`sharpen.cli.warm_start`, it is meant to teach the FORMAT (one number a turn, at every turn), not the game. The
-default warm start is short (40 steps: each costs seconds on a loaded CPU), so the format is only half learnt: the
-model often writes several digits ("51420") or an empty turn, and starts far below the random guesser's win rate (1
-- (7/8)^4 = 0.41 with 4 guesses of 1 to 8). What RL can add is first the format (one digit from 1 to 8, then the end
-of the turn), then reading the hints. Its runs generate with the ``hf`` engine and train at ``--learning-rate`` (the
-tiny-model recipe test's 1e-3). ``smollm2``: the recipe's own model, engine and learning rate. ``--set`` adds recipe
-overrides to every run.
+The model (``--model``): ``tiny`` (default) is a warm-started tiny Llama built here first (seconds), because a step
+of SmolLM2-135M-Instruct takes minutes on a CPU and SmolLM2 does not answer the game's format (docs/algorithms.md):
+`sharpen.testing.save_tiny_llama` (2 layers, ``--hidden-size``, SmolLM2's tokenizer and chat template), then
+``--warm-start-steps`` AdamW steps (``--warm-start-lr``, 32 games a step) of next-token loss on whole games rendered
+the way the episodes render them (`sharpen.data.chat`). Each guess is, with probability ``--informed-share``
+(default 0), drawn from the numbers the hints so far leave possible, otherwise uniformly from the game's range; the
+first guess is not trained on, only its end of turn (fitting its uniform digit pulls every later guess to the same
+hint-blind prior). With the default share of 0 it teaches the FORMAT (one number a turn, then the end of the turn),
+not the game, and the default warm start is short (40 steps), so the format is only half learnt: the model often
+writes several digits or an empty turn and starts far below the random guesser's win rate (1 - (7/8)^4 = 0.41 with
+4 guesses of 1 to 8). Every 100 warm-start steps it prints the loss on the guesses after the first: ln 8 = 2.08 means
+they ignore the hints, 1.18 is the informed guesser's optimum (a share of 1). Its runs generate with the ``hf``
+engine and train at ``--learning-rate``. ``smollm2``: the recipe's own model, engine and learning rate. ``--set``
+adds recipe overrides to every run; ``--tiny-model`` reuses the tiny model of an earlier run's ``--out``.
 
-    .venv/bin/python benchmarks/turn_credit.py [--steps 15] [--seeds 0,1,2] [--advantages grpo,turn_grpo,gigpo]
-        [--model tiny|smollm2] [--recipe recipes/turn_grpo.toml] [--window 5] [--threshold 0.6]
-        [--out DIR] [--set KEY=VALUE ...]
+    .venv/bin/python benchmarks/turn_credit.py [--steps 70] [--seeds 0,1,2] [--advantages grpo,turn_grpo,gigpo]
+        [--model tiny|smollm2] [--recipe recipes/turn_grpo.toml] [--window 10] [--threshold 0.6]
+        [--out DIR] [--set KEY=VALUE ...] [--report DIR]
 """
 
 from __future__ import annotations
@@ -49,26 +53,49 @@ EPISODE_LEVEL = "grpo"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=70)
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--advantages", default="grpo,turn_grpo,gigpo", help="the first is the baseline")
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--recipe", type=Path, default=Path("recipes/turn_grpo.toml"))
-    parser.add_argument("--hidden-size", type=int, default=64, help="tiny model")
+    parser.add_argument("--hidden-size", type=int, default=128, help="tiny model")
     parser.add_argument("--warm-start-steps", type=int, default=40, help="tiny model")
-    parser.add_argument("--learning-rate", type=float, default=1e-3, help="tiny model's RL learning rate")
-    parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--warm-start-lr", type=float, default=1e-2, help="tiny model")
+    parser.add_argument(
+        "--informed-share",
+        type=float,
+        default=0.0,
+        help="tiny model: share of warm-start guesses that follow the hints",
+    )
+    parser.add_argument(
+        "--tiny-model", type=Path, help="tiny model: the warm-started model of an earlier run's --out (no warm start)"
+    )
+    parser.add_argument("--learning-rate", type=float, default=5e-4, help="tiny model's RL learning rate")
+    parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--threshold", type=float, default=0.6)
     parser.add_argument("--out", type=Path, help="keep the runs here (default: a temporary folder)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override (all)")
+    parser.add_argument("--report", type=Path, metavar="DIR", help="print the report of the finished runs in DIR")
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     advantages = args.advantages.split(",")
+    if args.report is not None:
+        runs = {
+            (seed, name): summarise(
+                read_run(args.report / f"{name}-seed{seed}", wall=float("nan")),
+                window=args.window,
+                threshold=args.threshold,
+            )
+            for seed in seeds
+            for name in advantages
+        }
+        report(runs, seeds, advantages, args)
+        return
     with tempfile.TemporaryDirectory(prefix="sharpen-turn-credit-") as scratch:
         out = args.out or Path(scratch)
         overrides = list(args.set)
         if args.model == "tiny":
-            model = build_tiny_model(out / "tiny-guess-number", args=args)
+            model = args.tiny_model or build_tiny_model(out / "tiny-guess-number", args=args)
             overrides = [
                 f"model.path={json.dumps(str(model))}",
                 'rollout.engine.type="hf"',
@@ -115,40 +142,66 @@ def build_tiny_model(folder: Path, *, args: argparse.Namespace) -> Path:
         observation = [Message(role="user", content=f"No, my number is {hint} than {guess}.")]
         return render_continuation(tokenizer, observation, end_of_turn_id=end)
 
-    def game() -> tuple[list[int], list[int]]:
-        """One game of hint-blind uniform guesses: its ids and its labels (the guesses, -100 elsewhere)."""
+    def game() -> tuple[list[int], list[int], list[bool]]:
+        """One game of warm-start guesses: its ids, its labels (the guesses, -100 elsewhere) and where the labels
+        are a later guess (not the first guess, not an end of turn).
+
+        Each guess is, with probability ``--informed-share``, drawn uniformly from the numbers the hints so far leave
+        possible, and otherwise uniformly from the whole range, blind to the hints.
+        """
         secret = int(rng.integers(low, high + 1))
-        ids, labels = list(prompt), [-100] * len(prompt)
+        possible_low, possible_high = low, high
+        ids, labels, later = list(prompt), [-100] * len(prompt), [False] * len(prompt)
         for turn in range(max_turns):
-            guess = int(rng.integers(low, high + 1))
+            if rng.random() < args.informed_share:
+                guess = int(rng.integers(possible_low, possible_high + 1))
+            else:
+                guess = int(rng.integers(low, high + 1))
+            if guess < secret:
+                possible_low = max(possible_low, guess + 1)
+            elif guess > secret:
+                possible_high = min(possible_high, guess - 1)
             answer = [*tokenizer.encode(str(guess), add_special_tokens=False), end]
             ids += answer
-            labels += answer
+            # the first guess is not trained on (only its end of turn): fitting its uniform digit pulls every guess
+            # to the same hint-blind prior, and the later guesses then never learn to read the hints
+            labels += [*[-100] * (len(answer) - 1), end] if turn == 0 else answer
+            later += [turn > 0] * (len(answer) - 1) + [False]
             if guess == secret or turn == max_turns - 1:
-                return ids, labels
+                return ids, labels, later
             follow = hint_ids("higher" if secret > guess else "lower", guess)
             ids += follow
             labels += [-100] * len(follow)
+            later += [False] * len(follow)
         raise AssertionError("unreachable")
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.warm_start_lr, weight_decay=0.0)
     model.train()
-    for _ in range(args.warm_start_steps):
-        games = [game() for _ in range(16)]
-        width = max(len(ids) for ids, _ in games)
+    later_losses: list[float] = []
+    for step in range(args.warm_start_steps):
+        games = [game() for _ in range(32)]
+        width = max(len(ids) for ids, _, _ in games)
         input_ids = torch.full((len(games), width), end, dtype=torch.long)  # [batch, seq]
         labels = torch.full((len(games), width), -100, dtype=torch.long)  # [batch, seq]
-        for row, (ids, game_labels) in enumerate(games):
+        is_later = torch.zeros((len(games), width), dtype=torch.bool)  # [batch, seq]
+        for row, (ids, game_labels, game_later) in enumerate(games):
             input_ids[row, : len(ids)] = torch.tensor(ids)
             labels[row, : len(ids)] = torch.tensor(game_labels)
+            is_later[row, : len(ids)] = torch.tensor(game_later)
         # logits only where a guess token is predicted: the 49k-word head over every position is most of the cost
         hidden = model.model(input_ids=input_ids).last_hidden_state[:, :-1]  # [batch, seq - 1, hidden]
         targets = labels[:, 1:]  # [batch, seq - 1]
         picked = targets != -100
-        loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[picked]), targets[picked])
+        token_losses = torch.nn.functional.cross_entropy(
+            model.lm_head(hidden[picked]), targets[picked], reduction="none"
+        )  # [picked]
+        loss = token_losses.mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        later_losses.append(token_losses[is_later[:, 1:][picked]].mean().item())
+        if (step + 1) % 100 == 0:
+            print(f"  warm start step {step + 1}: later guesses' loss {statistics.fmean(later_losses[-100:]):.3f}")
     model.save_pretrained(folder)
     print(
         f"tiny model: hidden {args.hidden_size}, {args.warm_start_steps} warm-start steps, last loss "
@@ -186,6 +239,11 @@ def run_sharpen(
     if code != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise SystemExit(f"benchmarks/turn_credit.py: {advantage} seed {seed} exited {code}:\n{tail}")
+    return read_run(folder, wall=wall)
+
+
+def read_run(folder: Path, *, wall: float) -> dict[str, Any]:
+    """A finished run's per-step rewards and turns (its metrics.jsonl)."""
     rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines() if line]
     return {
         "rewards": [row["reward/mean"] for row in rows],
@@ -254,7 +312,29 @@ def report(
             f"({means[name]['auc']:.3f} vs {means[baseline]['auc']:.3f}); "
             f"last {k} steps per seed {last}, on average {means[name]['last'] >= means[baseline]['last']}"
         )
+    print("paired per step (the same seed's runs play the same games: most of a curve's ups and downs are the games'):")
+    for name in advantages[1:]:
+        pooled = []
+        for seed in seeds:
+            differences = [
+                a - b for a, b in zip(runs[seed, name]["rewards"], runs[seed, baseline]["rewards"], strict=True)
+            ]
+            pooled += differences
+            print(f"  seed {seed} {name} - {baseline}: {paired(differences)}")
+        print(f"  all seeds {name} - {baseline}: {paired(pooled)}")
     print(f"total wall time of the runs {sum(run['wall'] for run in runs.values()):.0f} s")
+
+
+def paired(differences: list[float]) -> str:
+    """Mean per-step reward difference with its standard error, and on how many steps it was above, level, below."""
+    mean = statistics.fmean(differences)
+    error = statistics.stdev(differences) / len(differences) ** 0.5 if len(differences) > 1 else float("nan")
+    above = sum(d > 1e-9 for d in differences)
+    below = sum(d < -1e-9 for d in differences)
+    return (
+        f"mean {mean:+.4f} +- {error:.4f} (standard error), steps above / level / below: {above} / "
+        f"{len(differences) - above - below} / {below}"
+    )
 
 
 if __name__ == "__main__":
