@@ -43,6 +43,14 @@ def check_across_sections(config: SharpenConfig) -> None:
             f'not environment.type = "{config.environment.type}": an unfinished episode goes into the checkpoint with '
             "its environment, which an outside sandbox, browser or service cannot"
         )
+    environment = config.environment
+    is_remote = isinstance(environment, EpisodeLimitsSection) and (environment.remote or environment.fleet) is not None
+    if config.rollout.partial.enabled and is_remote:
+        raise ValueError(
+            "rollout.partial carries an unfinished episode with its environment, in this process and into the "
+            "checkpoint; with environment.remote or environment.fleet the environments live on their replicas: "
+            "drop one of the two"
+        )
     _check_lora(config)
     _check_fp16(config)
     if config.monitoring.guards.rolls_back and not config.run.checkpoint_every:

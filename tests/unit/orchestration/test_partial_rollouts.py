@@ -319,6 +319,10 @@ def test_a_checkpoint_from_before_multi_turn_carrying_goes_on() -> None:
         (["rollout.partial.extra_prompts=3"], "extra_prompts = 3 must be at most rollout.prompts_per_step = 2"),
         (['rollout.mode="async"', 'rollout.weight_updates="in_flight"'], 'needs rollout.weight_updates = "between'),
         (['environment.type="calculator"'], "whose environment state is plain data"),
+        (
+            ['environment.type="guess_number"', 'data.type="environment"', 'environment.remote.urls=["http://a:1"]'],
+            "the environments live on their replicas",
+        ),
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(overrides: list[str], message: str) -> None:
