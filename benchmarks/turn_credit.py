@@ -322,7 +322,9 @@ def report(
             pooled += differences
             print(f"  seed {seed} {name} - {baseline}: {paired(differences)}")
         print(f"  all seeds {name} - {baseline}: {paired(pooled)}")
-    print(f"total wall time of the runs {sum(run['wall'] for run in runs.values()):.0f} s")
+    total = sum(run["wall"] for run in runs.values())
+    if total == total:  # not NaN: --report reads finished runs, whose wall times it does not know
+        print(f"total wall time of the runs {total:.0f} s")
 
 
 def paired(differences: list[float]) -> str:
